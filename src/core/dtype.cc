@@ -1,0 +1,225 @@
+#include "core/dtype.h"
+
+#include <array>
+#include <cmath>
+#include <limits>
+
+#include "core/check.h"
+
+namespace moe {
+namespace {
+
+// A small binary float format: sign, `exponent_bits`, `mantissa_bits`, `bias`.
+// has_inf: the top exponent is Inf/NaN (IEEE style); otherwise the top exponent
+// holds normal numbers and `nan_code` (if any) marks NaN.
+struct MiniFloat {
+  int exponent_bits;
+  int mantissa_bits;
+  int bias;
+  bool has_inf;
+  int nan_magnitude;  // code without sign that means NaN, or -1 when none
+  double max_finite;
+};
+
+constexpr MiniFloat kF16Format{5, 10, 15, true, 0x7e00, 65504.0};
+constexpr MiniFloat kE4M3Format{4, 3, 7, false, 0x7f, 448.0};
+constexpr MiniFloat kE5M2Format{5, 2, 15, true, 0x7e, 57344.0};
+constexpr MiniFloat kE2M1Format{2, 1, 1, false, -1, 6.0};
+
+double decode_minifloat(const MiniFloat& fmt, uint32_t code) {
+  const int total_bits = 1 + fmt.exponent_bits + fmt.mantissa_bits;
+  const uint32_t sign = (code >> (total_bits - 1)) & 1u;
+  const uint32_t magnitude = code & ((1u << (total_bits - 1)) - 1u);
+  const uint32_t exponent = magnitude >> fmt.mantissa_bits;
+  const uint32_t mantissa = magnitude & ((1u << fmt.mantissa_bits) - 1u);
+  const uint32_t max_exponent = (1u << fmt.exponent_bits) - 1u;
+  double value;
+  if (fmt.has_inf && exponent == max_exponent) {
+    value = mantissa == 0 ? std::numeric_limits<double>::infinity()
+                          : std::numeric_limits<double>::quiet_NaN();
+  } else if (!fmt.has_inf && fmt.nan_magnitude >= 0 &&
+             magnitude == static_cast<uint32_t>(fmt.nan_magnitude)) {
+    value = std::numeric_limits<double>::quiet_NaN();
+  } else if (exponent == 0) {  // zero and subnormals
+    value = std::ldexp(static_cast<double>(mantissa), 1 - fmt.bias - fmt.mantissa_bits);
+  } else {
+    value = std::ldexp(static_cast<double>(mantissa + (1u << fmt.mantissa_bits)),
+                       static_cast<int>(exponent) - fmt.bias - fmt.mantissa_bits);
+  }
+  return sign ? -value : value;
+}
+
+// Rounds |f| to the format's grid (nearest, ties to even), then packs the bits.
+uint32_t encode_minifloat(const MiniFloat& fmt, float f, Overflow overflow) {
+  const int total_bits = 1 + fmt.exponent_bits + fmt.mantissa_bits;
+  const uint32_t sign_bit = std::signbit(f) ? (1u << (total_bits - 1)) : 0u;
+  const uint32_t max_exponent = (1u << fmt.exponent_bits) - 1u;
+  const uint32_t inf_magnitude = max_exponent << fmt.mantissa_bits;
+  if (std::isnan(f)) {
+    if (fmt.has_inf) return sign_bit | inf_magnitude | (1u << (fmt.mantissa_bits - 1));
+    if (fmt.nan_magnitude >= 0) return sign_bit | static_cast<uint32_t>(fmt.nan_magnitude);
+    f = std::numeric_limits<float>::infinity();  // no NaN: saturate below
+  }
+  const double a = std::fabs(static_cast<double>(f));
+  const int min_normal_exponent = 1 - fmt.bias;
+  int exponent;  // a = m * 2^exponent with m in [0.5, 1)
+  std::frexp(a, &exponent);
+  const int unbiased = std::max(exponent - 1, min_normal_exponent);
+  const double quantum = std::ldexp(1.0, unbiased - fmt.mantissa_bits);
+  double rounded = std::nearbyint(a / quantum) * quantum;  // default mode: ties to even
+  if (std::isinf(a) || rounded > fmt.max_finite) {
+    if (overflow == Overflow::kNonFinite) {
+      if (fmt.has_inf) return sign_bit | inf_magnitude;
+      if (fmt.nan_magnitude >= 0) return sign_bit | static_cast<uint32_t>(fmt.nan_magnitude);
+    }
+    rounded = fmt.max_finite;
+  }
+  if (rounded == 0.0) return sign_bit;
+  int value_exponent;
+  std::frexp(rounded, &value_exponent);
+  const int e = value_exponent - 1;
+  uint32_t magnitude;
+  if (e < min_normal_exponent) {
+    magnitude = static_cast<uint32_t>(std::ldexp(rounded, fmt.bias - 1 + fmt.mantissa_bits));
+  } else {
+    const auto mantissa = static_cast<uint32_t>(std::ldexp(rounded, fmt.mantissa_bits - e)) -
+                          (1u << fmt.mantissa_bits);
+    magnitude = (static_cast<uint32_t>(e + fmt.bias) << fmt.mantissa_bits) | mantissa;
+  }
+  return sign_bit | magnitude;
+}
+
+template <int N>
+std::array<float, N> make_table(const MiniFloat& fmt) {
+  std::array<float, N> table{};
+  for (int code = 0; code < N; ++code) table[code] = static_cast<float>(decode_minifloat(fmt, code));
+  return table;
+}
+
+const std::array<float, 256>& e4m3_table() {
+  static const auto table = make_table<256>(kE4M3Format);
+  return table;
+}
+const std::array<float, 256>& e5m2_table() {
+  static const auto table = make_table<256>(kE5M2Format);
+  return table;
+}
+
+struct DTypeInfo {
+  DType dtype;
+  int bits;
+  std::string_view name;
+  std::string_view safetensors_name;
+  bool is_float;
+};
+
+constexpr DTypeInfo kDTypes[] = {
+    {DType::kF32, 32, "f32", "F32", true},        {DType::kF64, 64, "f64", "F64", true},
+    {DType::kF16, 16, "f16", "F16", true},        {DType::kBF16, 16, "bf16", "BF16", true},
+    {DType::kF8E4M3, 8, "f8e4m3", "F8_E4M3", true}, {DType::kF8E5M2, 8, "f8e5m2", "F8_E5M2", true},
+    {DType::kE8M0, 8, "e8m0", "F8_E8M0", true},   {DType::kF4E2M1, 4, "f4e2m1", "F4", true},
+    {DType::kI8, 8, "i8", "I8", false},           {DType::kU8, 8, "u8", "U8", false},
+    {DType::kI16, 16, "i16", "I16", false},       {DType::kI32, 32, "i32", "I32", false},
+    {DType::kI64, 64, "i64", "I64", false},       {DType::kBool, 8, "bool", "BOOL", false},
+};
+
+const DTypeInfo& info(DType dtype) {
+  for (const auto& entry : kDTypes)
+    if (entry.dtype == dtype) return entry;
+  CHECK(false, "unknown dtype {}", static_cast<int>(dtype));
+  __builtin_unreachable();
+}
+
+}  // namespace
+
+int dtype_bits(DType dtype) { return info(dtype).bits; }
+size_t dtype_bytes(DType dtype, int64_t num_elements) {
+  return (static_cast<size_t>(num_elements) * static_cast<size_t>(dtype_bits(dtype)) + 7) / 8;
+}
+std::string_view dtype_name(DType dtype) { return info(dtype).name; }
+std::string_view safetensors_dtype_name(DType dtype) { return info(dtype).safetensors_name; }
+bool dtype_is_float(DType dtype) { return info(dtype).is_float; }
+
+Expected<DType> dtype_from_name(std::string_view name) {
+  for (const auto& entry : kDTypes)
+    if (entry.name == name) return entry.dtype;
+  return invalid_argument("unknown dtype '{}'", name);
+}
+
+Expected<DType> dtype_from_safetensors_name(std::string_view name) {
+  for (const auto& entry : kDTypes)
+    if (entry.safetensors_name == name) return entry.dtype;
+  if (name == "F8_E4M3FN") return DType::kF8E4M3;
+  if (name == "F4_E2M1") return DType::kF4E2M1;
+  return invalid_argument("unsupported safetensors dtype '{}'", name);
+}
+
+float f16_to_float(uint16_t bits) { return static_cast<float>(decode_minifloat(kF16Format, bits)); }
+uint16_t float_to_f16(float f) {
+  return static_cast<uint16_t>(encode_minifloat(kF16Format, f, Overflow::kNonFinite));
+}
+
+float e4m3_to_float(uint8_t code) { return e4m3_table()[code]; }
+uint8_t float_to_e4m3(float f, Overflow overflow) {
+  return static_cast<uint8_t>(encode_minifloat(kE4M3Format, f, overflow));
+}
+float e5m2_to_float(uint8_t code) { return e5m2_table()[code]; }
+uint8_t float_to_e5m2(float f, Overflow overflow) {
+  return static_cast<uint8_t>(encode_minifloat(kE5M2Format, f, overflow));
+}
+
+float e8m0_to_float(uint8_t code) {
+  if (code == 255) return std::numeric_limits<float>::quiet_NaN();
+  return std::ldexp(1.0f, static_cast<int>(code) - 127);
+}
+
+uint8_t float_to_e8m0_ceil(float f) {
+  if (std::isnan(f)) return 255;
+  if (!(f > 0.0f)) return 0;
+  int exponent;
+  const float mantissa = std::frexp(f, &exponent);  // f = mantissa * 2^exponent, mantissa in [0.5, 1)
+  int e = (mantissa == 0.5f) ? exponent - 1 : exponent;  // ceil(log2 f)
+  if (e < -127) return 0;
+  if (e > 127) return 255;
+  return static_cast<uint8_t>(e + 127);
+}
+
+float e2m1_to_float(uint8_t nibble) {
+  return static_cast<float>(decode_minifloat(kE2M1Format, nibble & 0xfu));
+}
+uint8_t float_to_e2m1(float f) {
+  return static_cast<uint8_t>(encode_minifloat(kE2M1Format, f, Overflow::kSaturate));
+}
+
+float load_as_float(DType dtype, const void* data, int64_t i) {
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  switch (dtype) {
+    case DType::kF32: return static_cast<const float*>(data)[i];
+    case DType::kF64: return static_cast<float>(static_cast<const double*>(data)[i]);
+    case DType::kF16: return f16_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+    case DType::kF8E4M3: return e4m3_to_float(bytes[i]);
+    case DType::kF8E5M2: return e5m2_to_float(bytes[i]);
+    case DType::kE8M0: return e8m0_to_float(bytes[i]);
+    case DType::kF4E2M1: return e2m1_to_float(e2m1_get(bytes, i));
+    default: CHECK(false, "load_as_float on non-float dtype {}", dtype_name(dtype));
+  }
+  __builtin_unreachable();
+}
+
+void store_from_float(DType dtype, void* data, int64_t i, float value) {
+  auto* bytes = static_cast<uint8_t*>(data);
+  switch (dtype) {
+    case DType::kF32: static_cast<float*>(data)[i] = value; return;
+    case DType::kF64: static_cast<double*>(data)[i] = value; return;
+    case DType::kF16: static_cast<uint16_t*>(data)[i] = float_to_f16(value); return;
+    case DType::kBF16: static_cast<uint16_t*>(data)[i] = float_to_bf16(value); return;
+    case DType::kF8E4M3: bytes[i] = float_to_e4m3(value); return;
+    case DType::kF8E5M2: bytes[i] = float_to_e5m2(value); return;
+    case DType::kE8M0: bytes[i] = float_to_e8m0_ceil(value); return;
+    case DType::kF4E2M1: e2m1_set(bytes, i, float_to_e2m1(value)); return;
+    default: CHECK(false, "store_from_float on non-float dtype {}", dtype_name(dtype));
+  }
+}
+
+}  // namespace moe
