@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh Debian 12 machine: installs what is missing,
+# builds (Release, CUDA files compiled when nvcc exists), runs every CPU test,
+# then the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer,
+# then a short libFuzzer run of the safetensors header parser.
+# GPU tests (ctest label "gpu") skip themselves without a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PATH:/usr/local/cuda/bin"
+
+scripts/install_deps.sh --test
+
+echo "=== Release build and tests"
+make all
+(cd build && ctest --output-on-failure -j "$(nproc)")
+
+echo "=== ASan + UBSan build and tests"
+make asan-test
+
+if [[ -f fuzz/CMakeLists.txt ]]; then
+  echo "=== libFuzzer: safetensors header parser (${MOE_FUZZ_SECONDS:-60} s)"
+  make fuzz
+  mkdir -p build-fuzz/corpus
+  build-fuzz/bin/safetensors_fuzz -max_total_time="${MOE_FUZZ_SECONDS:-60}" -print_final_stats=1 \
+    build-fuzz/corpus fuzz/corpus
+fi
+echo "=== all tests passed"
