@@ -58,7 +58,9 @@ uint32_t encode_minifloat(const MiniFloat& fmt, float f, Overflow overflow) {
   if (std::isnan(f)) {
     if (fmt.has_inf) return sign_bit | inf_magnitude | (1u << (fmt.mantissa_bits - 1));
     if (fmt.nan_magnitude >= 0) return sign_bit | static_cast<uint32_t>(fmt.nan_magnitude);
-    f = std::numeric_limits<float>::infinity();  // no NaN: saturate below
+    // No NaN in the format: +max whatever the NaN's sign (dtype.h's contract,
+    // and what CUDA's __nv_cvt_float_to_fp4 does).
+    return encode_minifloat(fmt, std::numeric_limits<float>::infinity(), Overflow::kSaturate);
   }
   const double a = std::fabs(static_cast<double>(f));
   const int min_normal_exponent = 1 - fmt.bias;
@@ -174,13 +176,12 @@ float e8m0_to_float(uint8_t code) {
 }
 
 uint8_t float_to_e8m0_ceil(float f) {
-  if (std::isnan(f)) return 255;
-  if (!(f > 0.0f)) return 0;
+  // +Inf is tested here, not left to frexp, whose exponent for Inf is unspecified.
+  if (std::isnan(f) || f > 0x1p127f) return 255;
+  if (!(f > 0x1p-127f)) return 0;
   int exponent;
   const float mantissa = std::frexp(f, &exponent);  // f = mantissa * 2^exponent, mantissa in [0.5, 1)
-  int e = (mantissa == 0.5f) ? exponent - 1 : exponent;  // ceil(log2 f)
-  if (e < -127) return 0;
-  if (e > 127) return 255;
+  const int e = (mantissa == 0.5f) ? exponent - 1 : exponent;  // ceil(log2 f), in [-126, 127]
   return static_cast<uint8_t>(e + 127);
 }
 

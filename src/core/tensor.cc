@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -75,6 +76,15 @@ HostBuffer allocate_host(size_t num_bytes) {
 
 Tensor::Tensor(DType dtype, Shape shape) : buffer_(allocate_host(dtype_bytes(dtype, shape.num_elements()))) {
   view_ = TensorView(buffer_.get(), dtype, shape);
+}
+
+Tensor::Tensor(Tensor&& other) noexcept
+    : buffer_(std::move(other.buffer_)), view_(std::exchange(other.view_, TensorView())) {}
+
+Tensor& Tensor::operator=(Tensor&& other) noexcept {
+  buffer_ = std::move(other.buffer_);
+  view_ = std::exchange(other.view_, TensorView());
+  return *this;
 }
 
 Tensor Tensor::copy_of(const TensorView& view) {

@@ -97,8 +97,10 @@ class Tensor {
   Tensor() = default;
   // Allocates zeroed host memory.
   Tensor(DType dtype, Shape shape);
-  Tensor(Tensor&&) noexcept = default;
-  Tensor& operator=(Tensor&&) noexcept = default;
+  // A moved-from tensor is empty (a defaulted move would leave its view
+  // pointing at the memory it gave away).
+  Tensor(Tensor&& other) noexcept;
+  Tensor& operator=(Tensor&& other) noexcept;
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
 

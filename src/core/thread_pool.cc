@@ -26,7 +26,8 @@ void ThreadPool::parallel_for(int64_t begin, int64_t end, int64_t grain,
   if (end <= begin) return;
   grain = std::max<int64_t>(grain, 1);
   const int64_t n = end - begin;
-  const int64_t max_chunks = std::min<int64_t>((n + grain - 1) / grain, 4 * num_threads());
+  // At most n / grain chunks, so that every chunk holds at least `grain` items.
+  const int64_t max_chunks = std::min<int64_t>(n / grain, 4 * num_threads());
   if (max_chunks <= 1 || workers_.empty() || in_pool_task) {
     fn(begin, end);
     return;
@@ -36,8 +37,10 @@ void ThreadPool::parallel_for(int64_t begin, int64_t end, int64_t grain,
     fn_ = &fn;
     begin_ = begin;
     end_ = end;
-    chunk_ = (n + max_chunks - 1) / max_chunks;
-    num_chunks_ = (n + chunk_ - 1) / chunk_;
+    // Balanced split: every chunk has n / max_chunks items, and the first
+    // n % max_chunks chunks one more.
+    num_chunks_ = max_chunks;
+    chunk_ = n / max_chunks;
     next_chunk_ = 0;
     chunks_done_ = 0;
     ++generation_;
@@ -57,8 +60,9 @@ void ThreadPool::run_chunks() {
     {
       std::lock_guard lock(mutex_);
       if (fn_ == nullptr || next_chunk_ >= num_chunks_) break;
-      chunk_begin = begin_ + next_chunk_ * chunk_;
-      chunk_end = std::min(end_, chunk_begin + chunk_);
+      const int64_t num_long_chunks = (end_ - begin_) % num_chunks_;
+      chunk_begin = begin_ + next_chunk_ * chunk_ + std::min(next_chunk_, num_long_chunks);
+      chunk_end = chunk_begin + chunk_ + (next_chunk_ < num_long_chunks ? 1 : 0);
       ++next_chunk_;
       fn = fn_;
     }

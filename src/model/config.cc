@@ -249,3 +249,18 @@ Expected<ModelConfig> load_model_config(const std::string& model_dir) {
 }
 
 }  // namespace moe::model
+
+namespace moe::model {
+Expected<std::vector<int>> load_generation_eos_ids(const std::string& model_dir) {
+  const std::string path = model_dir + "/generation_config.json";
+  std::ifstream in(path);
+  if (!in) return std::vector<int>{};
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return invalid_argument("{}: not a JSON object", path);
+  auto ids = int_list(j, "eos_token_id");
+  if (!ids) return invalid_argument("{}: 'eos_token_id' must be an integer or a list of integers", path);
+  return ids;
+}
+}  // namespace moe::model

@@ -62,3 +62,9 @@ Expected<ModelConfig> parse_model_config(const nlohmann::json& json);
 Expected<ModelConfig> load_model_config(const std::string& model_dir);
 
 }  // namespace moe::model
+
+namespace moe::model {
+// eos ids from DIR/generation_config.json ("eos_token_id": int or list); empty
+// when the file is absent.
+Expected<std::vector<int>> load_generation_eos_ids(const std::string& model_dir);
+}  // namespace moe::model

@@ -1,0 +1,188 @@
+#include "apps/moeserve/generate_command.h"
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/logging.h"
+#include "engine/generator.h"
+#include "model/config.h"
+#include "model/qwen3_moe.h"
+#include "model/weights.h"
+
+namespace moe::apps {
+namespace {
+
+struct GenerateArgs {
+  std::string model;
+  std::vector<std::string> prompt_ids;  // each "1,2,3"; repeat the flag for a batch
+  int max_tokens = 16;
+  float temperature = 0.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  int64_t seed = -1;
+  bool ignore_eos = false;
+  std::string output = "text";
+  std::string load_format = "auto";
+  int num_layers = 0;
+  int threads = 0;
+  std::string kv_dtype = "f32";
+  int page_size = 16;
+  int max_tokens_per_step = 0;
+  std::string device = "cpu";
+};
+
+Expected<std::vector<int32_t>> parse_ids(const std::string& text) {
+  std::vector<int32_t> ids;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    size_t used = 0;
+    long long value = 0;
+    try {
+      value = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || value < 0 || value > INT32_MAX)
+      return invalid_argument("--prompt-ids: '{}' is not a token id", item);
+    ids.push_back(static_cast<int32_t>(value));
+  }
+  if (ids.empty()) return invalid_argument("--prompt-ids: no token ids given");
+  return ids;
+}
+
+// --model is a model directory, or (for --load-format dummy) a config.json file.
+Expected<model::ModelConfig> load_config(const GenerateArgs& args) {
+  namespace fs = std::filesystem;
+  if (fs::is_regular_file(args.model)) {
+    std::ifstream in(args.model);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto config = model::parse_model_config(text.str());
+    if (!config) return config.status().with_context(args.model);
+    return config;
+  }
+  return model::load_model_config(args.model);
+}
+
+Status run_generate(const GenerateArgs& args) {
+  if (args.device != "cpu")
+    return unimplemented("--device {}: this build serves on the CPU only (the CUDA backend is not written yet)",
+                         args.device);
+  MOE_ASSIGN_OR_RETURN(model::ModelConfig config, load_config(args));
+  if (args.num_layers > 0) {
+    if (args.num_layers > config.num_layers)
+      return invalid_argument("--num-layers {} exceeds the model's {} layers", args.num_layers, config.num_layers);
+    config.num_layers = args.num_layers;
+  }
+  const bool dummy = args.load_format == "dummy";
+  if (!dummy && args.load_format != "auto" && args.load_format != "safetensors")
+    return invalid_argument("--load-format must be auto, safetensors or dummy, got '{}'", args.load_format);
+  if (!dummy && args.num_layers > 0)
+    return invalid_argument("--num-layers only applies with --load-format dummy");
+  MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
+  if (kv_dtype != DType::kF32 && kv_dtype != DType::kBF16) return invalid_argument("--kv-dtype must be f32 or bf16");
+  if (args.page_size < 1 || args.page_size > 1024) return invalid_argument("--page-size must be in [1, 1024]");
+
+  std::vector<engine::GenerationRequest> requests;
+  for (const auto& text : args.prompt_ids) {
+    engine::GenerationRequest r;
+    MOE_ASSIGN_OR_RETURN(r.prompt, parse_ids(text));
+    r.max_tokens = args.max_tokens;
+    r.sampling.temperature = args.temperature;
+    r.sampling.top_k = args.top_k;
+    r.sampling.top_p = args.top_p;
+    r.sampling.min_p = args.min_p;
+    if (args.seed >= 0) r.sampling.seed = static_cast<uint64_t>(args.seed);
+    r.ignore_eos = args.ignore_eos;
+    requests.push_back(std::move(r));
+  }
+
+  ThreadPool pool(args.threads);
+  const auto load_start = std::chrono::steady_clock::now();
+  std::optional<model::ModelWeights> weights;
+  if (dummy) {
+    weights.emplace(model::ModelWeights::dummy(config, 0, pool));
+  } else {
+    MOE_ASSIGN_OR_RETURN(auto loaded, model::ModelWeights::load(args.model, config, pool));
+    weights.emplace(std::move(loaded));
+  }
+  const double load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
+  log_info("loaded {} ({} layers, {:.1f} MB of weights{}) in {:.2f} s, {} threads", args.model, config.num_layers,
+           static_cast<double>(weights->num_bytes()) / 1e6, dummy ? ", dummy" : "", load_seconds, pool.num_threads());
+
+  engine::GeneratorOptions options;
+  options.page_size = args.page_size;
+  options.kv_dtype = kv_dtype;
+  options.max_tokens_per_step = args.max_tokens_per_step;
+  options.eos_token_ids.assign(config.eos_token_ids.begin(), config.eos_token_ids.end());
+  if (!dummy && std::filesystem::is_directory(args.model)) {
+    MOE_ASSIGN_OR_RETURN(auto eos, model::load_generation_eos_ids(args.model));
+    if (!eos.empty()) options.eos_token_ids.assign(eos.begin(), eos.end());
+  }
+
+  model::Qwen3MoeModel model(*weights);
+  engine::Generator generator(model, pool, options);
+  MOE_ASSIGN_OR_RETURN(auto results, generator.generate(requests));
+  const auto& stats = generator.stats();
+  const double decode_tps = stats.decode_seconds > 0 ? static_cast<double>(stats.num_generated_tokens - static_cast<int64_t>(results.size())) / stats.decode_seconds : 0.0;
+  log_info("{} prompt tokens in {:.3f} s, {} generated tokens, decode {:.1f} tokens/s", stats.num_prompt_tokens,
+           stats.prefill_seconds, stats.num_generated_tokens, decode_tps);
+
+  for (size_t i = 0; i < results.size(); ++i) {
+    if (args.output == "json") {
+      nlohmann::json j;
+      j["token_ids"] = results[i].token_ids;
+      j["finish_reason"] = results[i].finish_reason;
+      j["prompt_tokens"] = requests[i].prompt.size();
+      j["completion_tokens"] = results[i].token_ids.size();
+      std::printf("%s\n", j.dump().c_str());
+    } else {
+      std::printf("%s\n", fmt::format("{}", fmt::join(results[i].token_ids, " ")).c_str());
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+void add_generate_command(CLI::App& app) {
+  auto args = std::make_shared<GenerateArgs>();
+  CLI::App* cmd = app.add_subcommand("generate", "Generate tokens offline from prompt token ids (no server)");
+  cmd->add_option("--model", args->model, "Model directory (or a config.json with --load-format dummy)")->required();
+  cmd->add_option("--prompt-ids", args->prompt_ids, "Comma-separated prompt token ids; repeat for a batch")
+      ->required()
+      ->allow_extra_args(false);
+  cmd->add_option("--max-tokens", args->max_tokens, "Tokens to generate per prompt")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--temperature", args->temperature, "0 = greedy")->check(CLI::Range(0.0f, 100.0f));
+  cmd->add_option("--top-k", args->top_k, "Keep the k most likely tokens (0 = off)");
+  cmd->add_option("--top-p", args->top_p, "Nucleus sampling mass")->check(CLI::Range(0.0f, 1.0f));
+  cmd->add_option("--min-p", args->min_p, "Drop tokens below min_p * the top probability")->check(CLI::Range(0.0f, 1.0f));
+  cmd->add_option("--seed", args->seed, "Sampling seed (reproducible draws)");
+  cmd->add_flag("--ignore-eos", args->ignore_eos, "Keep generating past end-of-sequence tokens");
+  cmd->add_option("--output", args->output, "text or json")->check(CLI::IsMember({"text", "json"}));
+  cmd->add_option("--load-format", args->load_format, "auto, safetensors or dummy (random weights)")
+      ->check(CLI::IsMember({"auto", "safetensors", "dummy"}));
+  cmd->add_option("--num-layers", args->num_layers, "With dummy weights: use only the first N layers");
+  cmd->add_option("--threads", args->threads, "CPU threads (0 = all cores)");
+  cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
+  cmd->add_option("--page-size", args->page_size, "Tokens per KV page");
+  cmd->add_option("--max-tokens-per-step", args->max_tokens_per_step, "Prefill chunk budget per step (0 = unlimited)");
+  cmd->add_option("--device", args->device, "cpu (cuda: not yet)");
+  cmd->callback([args] {
+    Status status = run_generate(*args);
+    if (!status.is_ok()) {
+      log_error("{}", status.to_string());
+      throw CLI::RuntimeError(1);
+    }
+  });
+}
+
+}  // namespace moe::apps

@@ -1,0 +1,20 @@
+// moeserve: the command-line entry point. Each subcommand lives in its own
+// file and registers itself here.
+#include <CLI/CLI.hpp>
+
+#include "apps/moeserve/generate_command.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"moeserve: an inference server for Mixture-of-Experts models (Qwen3-MoE)"};
+  app.require_subcommand(1);
+  moe::apps::add_generate_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::RuntimeError& e) {
+    return e.get_exit_code();  // the command failed and logged why
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);  // prints help or the usage error
+    return code == 0 ? 0 : 2;
+  }
+  return 0;
+}

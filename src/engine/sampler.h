@@ -1,0 +1,43 @@
+// Token sampling from a row of logits.
+//
+// temperature == 0 is greedy: the highest logit, the lowest token id on ties
+// (as torch.argmax). Otherwise, in this order (vLLM's): logits / temperature,
+// keep the top_k highest (top_k <= 0: all), softmax, keep the smallest set of
+// most probable tokens whose mass reaches top_p, drop tokens whose probability
+// is below min_p * the highest probability, renormalise, and draw.
+//
+// Draws are reproducible: the uniform number for step s of a sequence comes
+// from a counter-based generator keyed by (seed, s), so a seeded request gives
+// the same tokens whatever else is in its batch. Pure functions: any thread.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+
+#include "core/status.h"
+
+namespace moe::engine {
+
+struct SamplingParams {
+  float temperature = 1.0f;
+  int top_k = 0;        // <= 0: off
+  float top_p = 1.0f;   // (0, 1]
+  float min_p = 0.0f;   // [0, 1]
+  std::optional<uint64_t> seed;  // unseeded requests get a random seed at admission
+
+  bool is_greedy() const { return temperature == 0.0f; }
+};
+
+// Checks ranges; the message names the parameter (it reaches API users).
+Status validate_sampling(const SamplingParams& params);
+
+// A uniform double in [0, 1) for draw `step` of generator `seed`.
+double uniform_draw(uint64_t seed, uint64_t step);
+
+int32_t argmax(std::span<const float> logits);
+
+// `seed` must be set unless greedy.
+int32_t sample_token(std::span<const float> logits, const SamplingParams& params, uint64_t seed, uint64_t step);
+
+}  // namespace moe::engine

@@ -1,0 +1,130 @@
+// The sampler against exact distributions computed here in double precision
+// from the definition of each filter, with a chi-square goodness-of-fit test.
+#include "engine/sampler.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+
+namespace moe::engine {
+namespace {
+
+// The distribution sample_token should draw from, written independently:
+// filter by rank (top-k), by cumulative mass (top-p), by ratio (min-p).
+std::vector<double> expected_distribution(const std::vector<float>& logits, const SamplingParams& p) {
+  const size_t n = logits.size();
+  std::vector<size_t> rank(n);
+  std::iota(rank.begin(), rank.end(), 0);
+  std::stable_sort(rank.begin(), rank.end(), [&](size_t a, size_t b) { return logits[a] > logits[b]; });
+  size_t keep = (p.top_k > 0) ? std::min<size_t>(p.top_k, n) : n;
+  std::vector<double> w(n, 0.0);
+  double z = 0;
+  for (size_t i = 0; i < keep; ++i) z += w[rank[i]] = std::exp((logits[rank[i]] - logits[rank[0]]) / p.temperature);
+  double mass = 0;
+  size_t nucleus = 0;
+  while (nucleus < keep && mass < p.top_p) mass += w[rank[nucleus++]] / z;
+  keep = std::max<size_t>(nucleus, 1);
+  const double top = w[rank[0]] / z;
+  size_t above = 1;
+  while (above < keep && w[rank[above]] / z >= p.min_p * top) ++above;
+  keep = above;
+  std::vector<double> probs(n, 0.0);
+  double kept = 0;
+  for (size_t i = 0; i < keep; ++i) kept += w[rank[i]];
+  for (size_t i = 0; i < keep; ++i) probs[rank[i]] = w[rank[i]] / kept;
+  return probs;
+}
+
+// Pearson chi-square statistic of `counts` against `probs` over the support.
+double chi_square(const std::vector<int>& counts, const std::vector<double>& probs, int draws, int* dof) {
+  double stat = 0;
+  *dof = -1;
+  for (size_t i = 0; i < probs.size(); ++i) {
+    if (probs[i] == 0) {
+      EXPECT_EQ(counts[i], 0) << "token " << i << " is outside the filtered support";
+      continue;
+    }
+    const double expected = probs[i] * draws;
+    stat += (counts[i] - expected) * (counts[i] - expected) / expected;
+    ++*dof;
+  }
+  return stat;
+}
+
+TEST(Sampler, GreedyIsArgmaxWithLowestIdOnTies) {
+  std::vector<float> logits = {0.5f, 2.0f, -1.0f, 2.0f};
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  EXPECT_EQ(sample_token(logits, greedy, 0, 0), 1);
+}
+
+TEST(Sampler, MatchesTheFilteredDistribution) {
+  const std::vector<float> logits = {1.0f, 2.5f, 0.3f, 2.4f, -1.0f, 1.9f, 0.0f, 3.0f};
+  std::vector<SamplingParams> cases(5);
+  cases[0].temperature = 1.0f;
+  cases[1].temperature = 0.7f, cases[1].top_k = 3;
+  cases[2].temperature = 1.3f, cases[2].top_p = 0.8f;
+  cases[3].temperature = 1.0f, cases[3].min_p = 0.3f;
+  cases[4].temperature = 0.9f, cases[4].top_k = 6, cases[4].top_p = 0.9f, cases[4].min_p = 0.1f;
+  constexpr int kDraws = 40000;
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const auto probs = expected_distribution(logits, cases[c]);
+    std::vector<int> counts(logits.size());
+    for (int i = 0; i < kDraws; ++i) ++counts[sample_token(logits, cases[c], 1234 + c, i)];
+    int dof = 0;
+    const double stat = chi_square(counts, probs, kDraws, &dof);
+    // 99.9th percentile of chi-square with <= 7 degrees of freedom is 24.3;
+    // the seeds are fixed, so this is deterministic, not flaky.
+    EXPECT_LT(stat, 24.3) << "case " << c << " dof " << dof;
+  }
+}
+
+TEST(Sampler, SeededDrawsAreReproducible) {
+  std::vector<float> logits(1000);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(static_cast<float>(i) * 0.37f) * 3;
+  SamplingParams p;
+  p.temperature = 1.0f;
+  std::vector<int32_t> a, b, c;
+  for (int step = 0; step < 50; ++step) {
+    a.push_back(sample_token(logits, p, 42, step));
+    b.push_back(sample_token(logits, p, 42, step));
+    c.push_back(sample_token(logits, p, 43, step));
+  }
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+}
+
+TEST(Sampler, UniformDrawsAreUniform) {
+  std::vector<int> buckets(10);
+  for (int i = 0; i < 100000; ++i) {
+    const double u = uniform_draw(9, i);
+    ASSERT_GE(u, 0.0);
+    ASSERT_LT(u, 1.0);
+    ++buckets[static_cast<int>(u * 10)];
+  }
+  int dof = 0;
+  const double stat = chi_square(buckets, std::vector<double>(10, 0.1), 100000, &dof);
+  EXPECT_LT(stat, 27.9);  // 99.9th percentile, 9 dof
+}
+
+TEST(Sampler, ValidationNamesTheParameter) {
+  SamplingParams p;
+  p.temperature = -1;
+  EXPECT_NE(validate_sampling(p).message().find("temperature"), std::string::npos);
+  p = {};
+  p.top_p = 0;
+  EXPECT_NE(validate_sampling(p).message().find("top_p"), std::string::npos);
+  p = {};
+  p.min_p = 1.5f;
+  EXPECT_NE(validate_sampling(p).message().find("min_p"), std::string::npos);
+  p = {};
+  p.top_k = -5;
+  EXPECT_NE(validate_sampling(p).message().find("top_k"), std::string::npos);
+  EXPECT_TRUE(validate_sampling(SamplingParams{}).is_ok());
+}
+
+}  // namespace
+}  // namespace moe::engine
