@@ -1,0 +1,84 @@
+// The moeserve binary as a user runs it: outputs, exit codes, messages.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+
+namespace {
+
+struct CliRun {
+  int exit_code;
+  std::string output;  // stdout and stderr together
+  std::string stdout_only;
+};
+
+CliRun run(const std::string& args) {
+  const std::string out_file = testing::TempDir() + "/cli_stdout.txt";
+  const std::string command = std::string(MOESERVE_BIN) + " " + args + " 2>&1 >" + out_file;
+  FILE* pipe = popen(command.c_str(), "r");
+  EXPECT_NE(pipe, nullptr);
+  std::string err;
+  std::array<char, 4096> buffer{};
+  size_t n;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) err.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  std::ifstream in(out_file);
+  std::string out((std::istreambuf_iterator<char>(in)), {});
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, err + out, out};
+}
+
+const std::string kGolden = std::string(MOE_SOURCE_DIR) + "/tests/data/golden/moe_basic";
+
+TEST(Cli, GenerateJsonMatchesTheGoldenGreedyTokens) {
+  std::ifstream in(kGolden + "/golden.json");
+  auto golden = nlohmann::json::parse(in);
+  const auto& prompt = golden["prompts"][2];
+  std::string ids;
+  for (const auto& id : prompt["ids"]) ids += (ids.empty() ? "" : ",") + std::to_string(id.get<int>());
+  CliRun r = run("generate --model " + kGolden + " --prompt-ids " + ids + " --max-tokens 24 --ignore-eos --output json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto result = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(result["token_ids"], prompt["greedy"]);
+  EXPECT_EQ(result["finish_reason"], "length");
+}
+
+TEST(Cli, BadArgumentsGiveAUsageErrorAndNonZeroExit) {
+  CliRun missing_model = run("generate --prompt-ids 1,2");
+  EXPECT_EQ(missing_model.exit_code, 2);
+  EXPECT_NE(missing_model.output.find("--model is required"), std::string::npos) << missing_model.output;
+
+  CliRun unknown_flag = run("generate --model " + kGolden + " --prompt-ids 1 --bogus");
+  EXPECT_EQ(unknown_flag.exit_code, 2);
+  EXPECT_NE(unknown_flag.output.find("--bogus"), std::string::npos) << unknown_flag.output;
+
+  CliRun no_command = run("");
+  EXPECT_EQ(no_command.exit_code, 2);
+
+  CliRun bad_ids = run("generate --model " + kGolden + " --prompt-ids 1,two,3");
+  EXPECT_EQ(bad_ids.exit_code, 1);
+  EXPECT_NE(bad_ids.output.find("'two' is not a token id"), std::string::npos) << bad_ids.output;
+
+  CliRun out_of_vocab = run("generate --model " + kGolden + " --prompt-ids 1,512");
+  EXPECT_EQ(out_of_vocab.exit_code, 1);
+  EXPECT_NE(out_of_vocab.output.find("outside the vocabulary"), std::string::npos) << out_of_vocab.output;
+
+  CliRun no_model = run("generate --model /nonexistent/dir --prompt-ids 1");
+  EXPECT_EQ(no_model.exit_code, 1);
+  EXPECT_NE(no_model.output.find("/nonexistent/dir/config.json"), std::string::npos) << no_model.output;
+
+  CliRun bad_range = run("generate --model " + kGolden + " --prompt-ids 1 --top-p 1.5");
+  EXPECT_EQ(bad_range.exit_code, 2);
+}
+
+TEST(Cli, SeededSamplingIsReproducible) {
+  const std::string args = "generate --model " + kGolden + " --prompt-ids 3,4,5 --max-tokens 12 --temperature 1 " +
+                           "--top-k 50 --top-p 0.9 --seed 11 --ignore-eos --output json";
+  CliRun a = run(args), b = run(args);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_EQ(a.stdout_only, b.stdout_only);
+}
+
+}  // namespace
