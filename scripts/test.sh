@@ -2,7 +2,8 @@
 # The whole test suite on a fresh Debian 12 machine: installs what is missing,
 # builds (Release, CUDA files compiled when nvcc exists), runs every CPU test,
 # then the CPU tests again under AddressSanitizer + UndefinedBehaviorSanitizer,
-# then a short libFuzzer run of the safetensors header parser.
+# then short libFuzzer runs of the safetensors header parser, the tokenizer and the
+# chat-template engine.
 # GPU tests (ctest label "gpu") skip themselves without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,5 +24,11 @@ if [[ -f fuzz/CMakeLists.txt ]]; then
   mkdir -p build-fuzz/corpus
   build-fuzz/bin/safetensors_fuzz -max_total_time="${MOE_FUZZ_SECONDS:-60}" -print_final_stats=1 \
     build-fuzz/corpus fuzz/corpus
+  for target in tokenizer_fuzz chat_template_fuzz; do
+    echo "=== libFuzzer: ${target} (${MOE_TOKENIZER_FUZZ_SECONDS:-30} s)"
+    mkdir -p "build-fuzz/corpus_${target}"
+    "build-fuzz/bin/${target}" -max_total_time="${MOE_TOKENIZER_FUZZ_SECONDS:-30}" -print_final_stats=1 \
+      -max_len=4096 "build-fuzz/corpus_${target}"
+  done
 fi
 echo "=== all tests passed"

@@ -3,11 +3,13 @@
 #include <CLI/CLI.hpp>
 
 #include "apps/moeserve/generate_command.h"
+#include "apps/moeserve/tokenize_command.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"moeserve: an inference server for Mixture-of-Experts models (Qwen3-MoE)"};
   app.require_subcommand(1);
   moe::apps::add_generate_command(app);
+  moe::apps::add_tokenize_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {

@@ -1,0 +1,252 @@
+#include "model/cuda/cuda_model.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/cuda/device_buffer.h"
+#include "core/logging.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/kernels.h"
+
+namespace moe::model {
+namespace {
+
+namespace k = moe::ops::cuda;
+using bf16 = __nv_bfloat16;
+
+// Host tensors of any float dtype, converted to bf16 and concatenated along dim 0.
+Expected<DeviceTensor> upload_bf16(std::initializer_list<TensorView> parts) {
+  int64_t rows = 0;
+  Shape first = parts.begin()->shape();
+  for (const auto& p : parts) rows += p.rank() == 0 ? 1 : p.dim(0);
+  std::vector<int64_t> dims(first.dims().begin(), first.dims().end());
+  if (!dims.empty()) dims[0] = rows;
+  Tensor host(DType::kBF16, Shape(std::span<const int64_t>(dims)));
+  int64_t offset = 0;
+  for (const auto& p : parts) {
+    auto* dst = host.data_as<uint16_t>() + offset;
+    if (p.dtype() == DType::kBF16) {
+      std::memcpy(dst, p.data(), p.num_bytes());
+    } else {
+      for (int64_t i = 0; i < p.num_elements(); ++i) dst[i] = float_to_bf16(load_as_float(p.dtype(), p.data(), i));
+    }
+    offset += p.num_elements();
+  }
+  return DeviceTensor::upload(host);
+}
+
+struct LayerBuffers {
+  DeviceTensor input_norm, post_attention_norm, qkv_proj, o_proj, q_norm, k_norm, router, w13, w2;
+  DeviceTensor k_pages, v_pages;
+  bool is_moe = false;
+};
+
+}  // namespace
+
+struct CudaQwen3MoeModel::State {
+  const ModelWeights* weights = nullptr;
+  CudaModelOptions options;
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<k::Gemm> gemm;
+  DeviceTensor embed, final_norm, lm_head, inv_freq;
+  float attention_factor = 1.0f;
+  std::vector<LayerBuffers> layers;
+  // Activations, sized for options.max_num_tokens.
+  DeviceTensor residual, normed, qkv, q, attended, delta, router_logits, expert_ids, expert_weights;
+  DeviceTensor expert_offsets, tile_offsets, sorted_token, row_of, act, expert_rows, gate_up, logit_rows, logits, greedy;
+  // Step metadata.
+  DeviceTensor token_ids, positions, token_seq, page_table, logits_rows;
+  size_t bytes = 0;
+
+  ~State() {
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+};
+
+CudaQwen3MoeModel::CudaQwen3MoeModel(std::unique_ptr<State> state) : state_(std::move(state)) {}
+CudaQwen3MoeModel::~CudaQwen3MoeModel() = default;
+const ModelConfig& CudaQwen3MoeModel::config() const { return state_->weights->config(); }
+size_t CudaQwen3MoeModel::device_bytes() const { return state_->bytes; }
+
+Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create(const ModelWeights& weights,
+                                                                       const CudaModelOptions& options) {
+  MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  auto s = std::make_unique<State>();
+  s->weights = &weights;
+  s->options = options;
+  const ModelConfig& c = weights.config();
+  if (c.head_dim > 128 || c.num_q_heads / c.num_kv_heads > 16 || c.num_experts > 256)
+    return unimplemented("the CUDA backend supports head_dim <= 128, <= 16 q heads per kv head, <= 256 experts");
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
+  MOE_ASSIGN_OR_RETURN(auto gemm, k::Gemm::create());
+  s->gemm = std::make_unique<k::Gemm>(std::move(gemm));
+  auto track = [&](DeviceTensor& t, Expected<DeviceTensor> made) -> Status {
+    if (!made) return made.status();
+    t = std::move(made).value();
+    s->bytes += t.num_bytes();
+    return Status::ok();
+  };
+  MOE_RETURN_IF_ERROR(track(s->embed, upload_bf16({weights.embed_tokens()})));
+  MOE_RETURN_IF_ERROR(track(s->final_norm, upload_bf16({weights.final_norm()})));
+  MOE_RETURN_IF_ERROR(track(s->lm_head, upload_bf16({weights.lm_head()})));
+  const ops::RopeTable rope = ops::make_rope_table(c.rope);
+  s->attention_factor = rope.attention_factor;
+  MOE_RETURN_IF_ERROR(track(s->inv_freq, DeviceTensor::upload(TensorView(const_cast<float*>(rope.inv_freq.data()),
+                                                                         DType::kF32, {c.head_dim / 2}))));
+  const Shape kv_shape{options.num_pages, c.num_kv_heads, options.page_size, c.head_dim};
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& w = weights.layer(l);
+    LayerBuffers b;
+    b.is_moe = w.is_moe;
+    MOE_RETURN_IF_ERROR(track(b.input_norm, upload_bf16({w.input_norm})));
+    MOE_RETURN_IF_ERROR(track(b.post_attention_norm, upload_bf16({w.post_attention_norm})));
+    MOE_RETURN_IF_ERROR(track(b.qkv_proj, upload_bf16({w.q_proj, w.k_proj, w.v_proj})));
+    MOE_RETURN_IF_ERROR(track(b.o_proj, upload_bf16({w.o_proj})));
+    MOE_RETURN_IF_ERROR(track(b.q_norm, upload_bf16({w.q_norm})));
+    MOE_RETURN_IF_ERROR(track(b.k_norm, upload_bf16({w.k_norm})));
+    if (w.is_moe) MOE_RETURN_IF_ERROR(track(b.router, upload_bf16({w.router})));
+    MOE_RETURN_IF_ERROR(track(b.w13, upload_bf16({w.w13})));
+    MOE_RETURN_IF_ERROR(track(b.w2, upload_bf16({w.w2})));
+    MOE_RETURN_IF_ERROR(track(b.k_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
+    MOE_RETURN_IF_ERROR(track(b.v_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
+    s->layers.push_back(std::move(b));
+  }
+  const int64_t T = options.max_num_tokens, H = c.hidden_size, kk = std::max(1, c.num_experts_per_tok);
+  const int64_t moe_inter = std::max<int64_t>(c.moe_intermediate_size, 1), inter = std::max<int64_t>(c.intermediate_size, 1);
+  const int64_t qkv_width = c.q_size() + 2 * c.kv_size(), E = std::max(1, c.num_experts);
+  struct Alloc { DeviceTensor* t; DType dtype; Shape shape; };
+  const Alloc allocs[] = {
+      {&s->residual, DType::kF32, {T, H}},           {&s->normed, DType::kBF16, {T, H}},
+      {&s->qkv, DType::kBF16, {T, qkv_width}},        {&s->q, DType::kBF16, {T, c.q_size()}},
+      {&s->attended, DType::kBF16, {T, c.q_size()}},  {&s->delta, DType::kF32, {T, H}},
+      {&s->router_logits, DType::kF32, {T, E}},       {&s->expert_ids, DType::kI32, {T, kk}},
+      {&s->expert_weights, DType::kF32, {T, kk}},     {&s->expert_offsets, DType::kI32, {E + 1}},
+      {&s->tile_offsets, DType::kI32, {E + 1}},       {&s->sorted_token, DType::kI32, {T * kk}},
+      {&s->row_of, DType::kI32, {T * kk}},            {&s->act, DType::kBF16, {T * kk, std::max(moe_inter, inter)}},
+      {&s->expert_rows, DType::kF32, {T * kk, H}},    {&s->gate_up, DType::kBF16, {T, 2 * inter}},
+      {&s->logit_rows, DType::kBF16, {T, H}},         {&s->logits, DType::kF32, {T, c.vocab_size}},
+      {&s->greedy, DType::kI32, {T}},                 {&s->token_ids, DType::kI32, {T}},
+      {&s->positions, DType::kI32, {T}},              {&s->token_seq, DType::kI32, {T}},
+      {&s->logits_rows, DType::kI32, {T}},
+  };
+  for (const auto& a : allocs) MOE_RETURN_IF_ERROR(track(*a.t, DeviceTensor::allocate(a.dtype, a.shape)));
+  log_info("CUDA model on device {}: {:.1f} MB of weights, KV and activations", options.device,
+           static_cast<double>(s->bytes) / 1e6);
+  return std::unique_ptr<CudaQwen3MoeModel>(new CudaQwen3MoeModel(std::move(s)));
+}
+
+Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const int T = batch.num_tokens(), H = static_cast<int>(c.hidden_size);
+  const int num_seqs = static_cast<int>(batch.query_start.size()) - 1;
+  if (T > s.options.max_num_tokens)
+    return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
+  if (static_cast<int>(batch.logits_rows.size()) > T) return invalid_argument("more logits rows than tokens");
+  // Step metadata to the device.
+  std::vector<int32_t> token_seq(static_cast<size_t>(T));
+  for (int seq = 0; seq < num_seqs; ++seq)
+    for (int t = batch.query_start[seq]; t < batch.query_start[seq + 1]; ++t) token_seq[t] = seq;
+  if (s.page_table.data() == nullptr || s.page_table.num_bytes() < batch.page_table.size() * sizeof(int32_t)) {
+    MOE_ASSIGN_OR_RETURN(s.page_table, DeviceTensor::allocate(DType::kI32, {static_cast<int64_t>(batch.page_table.size())}));
+  }
+  auto copy_in = [&](const DeviceTensor& dst, const std::vector<int32_t>& src) {
+    return cuda_status(cudaMemcpyAsync(dst.data(), src.data(), src.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                       s.stream), "metadata upload");
+  };
+  MOE_RETURN_IF_ERROR(copy_in(s.token_ids, batch.token_ids));
+  MOE_RETURN_IF_ERROR(copy_in(s.positions, batch.positions));
+  MOE_RETURN_IF_ERROR(copy_in(s.token_seq, token_seq));
+  MOE_RETURN_IF_ERROR(copy_in(s.page_table, batch.page_table));
+  MOE_RETURN_IF_ERROR(copy_in(s.logits_rows, batch.logits_rows));
+
+#define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
+  MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
+                           static_cast<int>(c.vocab_size)}, s.stream));
+  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.layers[0].input_norm.data_as<bf16>(),
+                              s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  const int qkv_width = c.q_size() + 2 * c.kv_size();
+  for (int l = 0; l < c.num_layers; ++l) {
+    LayerBuffers& b = s.layers[l];
+    // Attention.
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.qkv_proj.data_as<bf16>(), s.qkv.data(), DType::kBF16,
+                                       T, qkv_width, H, s.stream));
+    MOE_LAUNCH(k::qk_norm_rope_kv({s.qkv.data_as<bf16>(), b.q_norm.data_as<bf16>(), b.k_norm.data_as<bf16>(),
+                                   s.inv_freq.data_as<float>(), s.attention_factor, s.positions.data_as<int32_t>(),
+                                   s.token_seq.data_as<int32_t>(), s.page_table.data_as<int32_t>(), s.q.data_as<bf16>(),
+                                   b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(), T, c.num_q_heads,
+                                   c.num_kv_heads, c.head_dim, s.options.page_size, batch.max_pages_per_seq,
+                                   c.rms_norm_eps}, s.stream));
+    MOE_LAUNCH(k::paged_attention({s.q.data_as<bf16>(), b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(),
+                                   s.positions.data_as<int32_t>(), s.token_seq.data_as<int32_t>(),
+                                   s.page_table.data_as<int32_t>(), s.attended.data_as<bf16>(), T, c.num_q_heads,
+                                   c.num_kv_heads, c.head_dim, s.options.page_size, batch.max_pages_per_seq,
+                                   1.0f / std::sqrt(static_cast<float>(c.head_dim))}, s.stream));
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(), DType::kF32,
+                                       T, H, c.q_size(), s.stream));
+    MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(),
+                                b.post_attention_norm.data_as<bf16>(), s.normed.data_as<bf16>(), T, H, c.rms_norm_eps},
+                               s.stream));
+    // MLP.
+    if (b.is_moe) {
+      const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
+      MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.router.data_as<bf16>(), s.router_logits.data(),
+                                         DType::kF32, T, E, H, s.stream));
+      MOE_LAUNCH(k::route_topk({s.router_logits.data_as<float>(), s.expert_ids.data_as<int32_t>(),
+                                s.expert_weights.data_as<float>(), T, E, topk, c.norm_topk_prob}, s.stream));
+      MOE_LAUNCH(k::moe_permute({s.expert_ids.data_as<int32_t>(), s.expert_offsets.data_as<int32_t>(),
+                                 s.tile_offsets.data_as<int32_t>(), s.sorted_token.data_as<int32_t>(),
+                                 s.row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, s.stream));
+      const int max_tiles = (T * topk + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
+      MOE_LAUNCH(k::grouped_gemm({s.normed.data_as<bf16>(), s.sorted_token.data_as<int32_t>(), b.w13.data_as<bf16>(),
+                                  s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), s.act.data(),
+                                  inter, H, E, max_tiles, true}, s.stream));
+      MOE_LAUNCH(k::grouped_gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(), s.expert_offsets.data_as<int32_t>(),
+                                  s.tile_offsets.data_as<int32_t>(), s.expert_rows.data(), H, inter, E, max_tiles, false},
+                                 s.stream));
+      MOE_LAUNCH(k::moe_unpermute({s.expert_rows.data_as<float>(), s.row_of.data_as<int32_t>(),
+                                   s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H}, s.stream));
+    } else {
+      const int inter = static_cast<int>(c.intermediate_size);
+      MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.w13.data_as<bf16>(), s.gate_up.data(), DType::kBF16,
+                                         T, 2 * inter, H, s.stream));
+      MOE_LAUNCH(k::silu_mul({s.gate_up.data_as<bf16>(), s.act.data_as<bf16>(), T, inter}, s.stream));
+      MOE_RETURN_IF_ERROR(s.gemm->matmul(s.act.data_as<bf16>(), b.w2.data_as<bf16>(), s.delta.data(), DType::kF32, T, H,
+                                         inter, s.stream));
+    }
+    const bf16* next_norm = l + 1 < c.num_layers ? s.layers[l + 1].input_norm.data_as<bf16>() : s.final_norm.data_as<bf16>();
+    MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(), next_norm,
+                                s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  }
+  const int rows = static_cast<int>(batch.logits_rows.size());
+  MOE_LAUNCH(k::gather_rows({s.normed.data_as<bf16>(), s.logits_rows.data_as<int32_t>(), s.logit_rows.data_as<bf16>(),
+                             rows, H}, s.stream));
+  MOE_RETURN_IF_ERROR(s.gemm->matmul(s.logit_rows.data_as<bf16>(), s.lm_head.data_as<bf16>(), s.logits.data(),
+                                     DType::kF32, rows, static_cast<int>(c.vocab_size), H, s.stream));
+#undef MOE_LAUNCH
+  return Status::ok();
+}
+
+Expected<Tensor> CudaQwen3MoeModel::forward(const ForwardBatch& batch) {
+  MOE_RETURN_IF_ERROR(run(batch));
+  const auto rows = static_cast<int64_t>(batch.logits_rows.size());
+  Tensor logits(DType::kF32, {rows, config().vocab_size});
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data(), state_->logits.data(), logits.num_bytes(),
+                                           cudaMemcpyDeviceToHost, state_->stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(state_->stream));
+  return logits;
+}
+
+Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy(const ForwardBatch& batch) {
+  MOE_RETURN_IF_ERROR(run(batch));
+  const int rows = static_cast<int>(batch.logits_rows.size());
+  MOE_CUDA_RETURN_IF_ERROR(ops::cuda::argmax({state_->logits.data_as<float>(), state_->greedy.data_as<int32_t>(), rows,
+                                              static_cast<int>(config().vocab_size)}, state_->stream));
+  std::vector<int32_t> ids(static_cast<size_t>(rows));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids.data(), state_->greedy.data(), ids.size() * sizeof(int32_t),
+                                           cudaMemcpyDeviceToHost, state_->stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(state_->stream));
+  return ids;
+}
+
+}  // namespace moe::model

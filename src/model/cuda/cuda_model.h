@@ -1,0 +1,54 @@
+// Qwen3-MoE on one GPU: the same forward pass as model/qwen3_moe.h, with
+// weights, KV pages and activations in device memory and every op a CUDA
+// kernel (ops/cuda) or a cuBLASLt GEMM.
+//
+// Per layer: fused qkv GEMM -> q/k norm + RoPE + KV store -> paged attention
+// -> o_proj GEMM (f32 out) -> residual add + RMSNorm -> router GEMM -> top-k
+// -> permute -> grouped gate/up GEMM with SiLU-multiply -> grouped down GEMM
+// -> weighted un-permute (or the dense MLP) -> residual add + RMSNorm.
+// The residual stream is f32; GEMM inputs are bf16.
+//
+// Not thread-safe: one thread drives a model (it owns a stream and buffers).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "core/status.h"
+#include "core/tensor.h"
+#include "model/qwen3_moe.h"
+#include "model/weights.h"
+
+namespace moe::model {
+
+struct CudaModelOptions {
+  int device = 0;
+  int page_size = 16;
+  int32_t num_pages = 0;       // KV pages per layer
+  int max_num_tokens = 256;    // tokens per forward (activation buffers)
+  int max_num_seqs = 64;
+};
+
+class CudaQwen3MoeModel {
+ public:
+  static Expected<std::unique_ptr<CudaQwen3MoeModel>> create(const ModelWeights& weights,
+                                                             const CudaModelOptions& options);
+  ~CudaQwen3MoeModel();
+
+  const ModelConfig& config() const;
+  // Runs the batch (its KV written into this model's pages) and returns the
+  // logits of batch.logits_rows [rows, vocab] f32 on the host.
+  Expected<Tensor> forward(const ForwardBatch& batch);
+  // The same forward, with the greedy token of each logits row chosen on the GPU.
+  Expected<std::vector<int32_t>> forward_greedy(const ForwardBatch& batch);
+  // Bytes of device memory held (weights, KV, activations).
+  size_t device_bytes() const;
+
+ private:
+  struct State;
+  explicit CudaQwen3MoeModel(std::unique_ptr<State> state);
+  Status run(const ForwardBatch& batch);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace moe::model

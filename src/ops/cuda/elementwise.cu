@@ -1,0 +1,147 @@
+// Row-wise kernels: embedding, residual add + RMSNorm, q/k norm + RoPE + KV
+// store, SiLU-multiply, argmax, row gather. All are memory-bound and read each
+// input once; one block per row (or per head of a token).
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/kernels.h"
+
+namespace moe::ops::cuda {
+namespace {
+
+__global__ void embedding_kernel(EmbeddingParams p) {
+  const int t = blockIdx.x;
+  const int id = p.ids[t];
+  if (id < 0 || id >= p.vocab) return;  // ids are validated on the host
+  const bf16* row = p.table + static_cast<int64_t>(id) * p.hidden;
+  float* out = p.out + static_cast<int64_t>(t) * p.hidden;
+  for (int i = threadIdx.x; i < p.hidden; i += blockDim.x) out[i] = __bfloat162float(row[i]);
+}
+
+__global__ void add_rms_norm_kernel(AddRmsNormParams p) {
+  __shared__ float scratch[32];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * p.hidden;
+  float* residual = p.residual + base;
+  float sum_squares = 0.0f;
+  for (int i = threadIdx.x; i < p.hidden; i += blockDim.x) {
+    float v = residual[i];
+    if (p.delta != nullptr) residual[i] = v = v + p.delta[base + i];
+    sum_squares += v * v;
+  }
+  const float inv_rms = rsqrtf(block_sum(sum_squares, scratch) / static_cast<float>(p.hidden) + p.eps);
+  for (int i = threadIdx.x; i < p.hidden; i += blockDim.x)
+    p.out[base + i] = __float2bfloat16(__bfloat162float(p.weight[i]) * (residual[i] * inv_rms));
+}
+
+// Block (token, head): head < num_q_heads is a q head, then the k heads, then
+// the v heads. blockDim.x == head_dim.
+__global__ void qk_norm_rope_kv_kernel(QkNormRopeKvParams p) {
+  extern __shared__ float normed[];  // [head_dim]
+  __shared__ float scratch[32];
+  const int t = blockIdx.x, head = blockIdx.y, d = threadIdx.x, D = p.head_dim, half = D / 2;
+  const int qkv_width = (p.num_q_heads + 2 * p.num_kv_heads) * D;
+  const float x = __bfloat162float(p.qkv[static_cast<int64_t>(t) * qkv_width + head * D + d]);
+  const int pos = p.positions[t];
+  const int seq = p.token_seq[t];
+  const int page = p.page_table[seq * p.max_pages_per_seq + pos / p.page_size];
+  const int slot = pos % p.page_size;
+  const bool is_q = head < p.num_q_heads, is_k = !is_q && head < p.num_q_heads + p.num_kv_heads;
+  if (!is_q && !is_k) {  // v: stored as is
+    const int kv_head = head - p.num_q_heads - p.num_kv_heads;
+    p.v_pages[((static_cast<int64_t>(page) * p.num_kv_heads + kv_head) * p.page_size + slot) * D + d] =
+        __float2bfloat16(x);
+    return;
+  }
+  const float inv_rms = rsqrtf(block_sum(x * x, scratch) / static_cast<float>(D) + p.eps);
+  normed[d] = __bfloat162float((is_q ? p.q_norm : p.k_norm)[d]) * (x * inv_rms);
+  __syncthreads();
+  const int i = d < half ? d : d - half;
+  const float angle = static_cast<float>(pos) * p.inv_freq[i];
+  const float c = cosf(angle) * p.attention_factor, s = sinf(angle) * p.attention_factor;
+  const float rotated = d < half ? normed[d] * c - normed[d + half] * s : normed[d] * c + normed[d - half] * s;
+  if (is_q) {
+    p.q_out[(static_cast<int64_t>(t) * p.num_q_heads + head) * D + d] = __float2bfloat16(rotated);
+  } else {
+    const int kv_head = head - p.num_q_heads;
+    p.k_pages[((static_cast<int64_t>(page) * p.num_kv_heads + kv_head) * p.page_size + slot) * D + d] =
+        __float2bfloat16(rotated);
+  }
+}
+
+__global__ void silu_mul_kernel(SiluMulParams p) {
+  const int t = blockIdx.x;
+  const bf16* gu = p.gate_up + static_cast<int64_t>(t) * 2 * p.inter;
+  for (int i = threadIdx.x; i < p.inter; i += blockDim.x) {
+    const float g = __bfloat162float(gu[i]), u = __bfloat162float(gu[p.inter + i]);
+    p.act[static_cast<int64_t>(t) * p.inter + i] = __float2bfloat16(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+__global__ void argmax_kernel(ArgmaxParams p) {
+  __shared__ float best_value[32];
+  __shared__ int best_index[32];
+  const float* row = p.logits + static_cast<int64_t>(blockIdx.x) * p.vocab;
+  float value = -INFINITY;
+  int index = 0x7fffffff;
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x)
+    if (row[i] > value) value = row[i], index = i;  // strided: the first hit per thread is its lowest
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float v = __shfl_xor_sync(0xffffffffu, value, offset);
+    const int j = __shfl_xor_sync(0xffffffffu, index, offset);
+    if (v > value || (v == value && j < index)) value = v, index = j;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) best_value[warp] = value, best_index[warp] = index;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w)
+      if (best_value[w] > value || (best_value[w] == value && best_index[w] < index)) value = best_value[w], index = best_index[w];
+    p.ids[blockIdx.x] = index;
+  }
+}
+
+__global__ void gather_rows_kernel(GatherRowsParams p) {
+  const bf16* in = p.in + static_cast<int64_t>(p.rows[blockIdx.x]) * p.width;
+  bf16* out = p.out + static_cast<int64_t>(blockIdx.x) * p.width;
+  for (int i = threadIdx.x; i < p.width; i += blockDim.x) out[i] = in[i];
+}
+
+}  // namespace
+
+cudaError_t embedding(const EmbeddingParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  embedding_kernel<<<p.num_tokens, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  add_rms_norm_kernel<<<p.num_tokens, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t qk_norm_rope_kv(const QkNormRopeKvParams& p, cudaStream_t stream) {
+  if (p.head_dim % 2 != 0 || p.head_dim > 1024 || p.head_dim < 2) return cudaErrorInvalidValue;
+  if (p.num_tokens == 0) return cudaSuccess;
+  const dim3 grid(p.num_tokens, p.num_q_heads + 2 * p.num_kv_heads);
+  qk_norm_rope_kv_kernel<<<grid, p.head_dim, p.head_dim * sizeof(float), stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t silu_mul(const SiluMulParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  silu_mul_kernel<<<p.num_tokens, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t argmax(const ArgmaxParams& p, cudaStream_t stream) {
+  if (p.num_rows == 0) return cudaSuccess;
+  argmax_kernel<<<p.num_rows, 1024, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t gather_rows(const GatherRowsParams& p, cudaStream_t stream) {
+  if (p.num_out == 0) return cudaSuccess;
+  gather_rows_kernel<<<p.num_out, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace moe::ops::cuda

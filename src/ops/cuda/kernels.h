@@ -1,0 +1,152 @@
+// CUDA kernels of the Qwen3-MoE forward pass. Launchers take raw device
+// pointers, a params struct (the layout as shape comments) and a stream, and
+// return cudaError_t (the launch's error; kernels never synchronise).
+//
+// Dtypes on the GPU: bf16 weights and GEMM inputs, f32 residual stream and
+// GEMM outputs that feed it, fp32 accumulation everywhere. Each kernel has the
+// CPU op of the same name in src/ops/*.h as its reference.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+namespace moe::ops::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// out[t, :] = float(table[ids[t], :]).
+struct EmbeddingParams {
+  const bf16* table;   // [vocab, hidden]
+  const int32_t* ids;  // [num_tokens]
+  float* out;          // [num_tokens, hidden]
+  int num_tokens, hidden, vocab;
+};
+cudaError_t embedding(const EmbeddingParams& p, cudaStream_t stream);
+
+// residual += delta (when delta is set); out = bf16(rms_norm(residual) * weight).
+struct AddRmsNormParams {
+  float* residual;     // [num_tokens, hidden]
+  const float* delta;  // [num_tokens, hidden] or nullptr
+  const bf16* weight;  // [hidden]
+  bf16* out;           // [num_tokens, hidden]
+  int num_tokens, hidden;
+  float eps;
+};
+cudaError_t add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream);
+
+// Per head of the fused qkv projection: q and k RMS-normed (q_norm, k_norm)
+// and rotated (RoPE, rotate-half), q written to q_out, k and v stored in the
+// sequence's KV page at the token's position.
+struct QkNormRopeKvParams {
+  const bf16* qkv;           // [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim]
+  const bf16* q_norm;        // [head_dim]
+  const bf16* k_norm;        // [head_dim]
+  const float* inv_freq;     // [head_dim / 2]
+  float attention_factor;    // multiplies cos and sin (YaRN), else 1
+  const int32_t* positions;  // [num_tokens]
+  const int32_t* token_seq;  // [num_tokens] sequence index of each token
+  const int32_t* page_table; // [num_seqs, max_pages_per_seq]
+  bf16* q_out;               // [num_tokens, num_q_heads, head_dim]
+  bf16* k_pages;             // [num_pages, num_kv_heads, page_size, head_dim]
+  bf16* v_pages;             // same
+  int num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, max_pages_per_seq;
+  float eps;
+};
+cudaError_t qk_norm_rope_kv(const QkNormRopeKvParams& p, cudaStream_t stream);
+
+// Causal GQA attention of each new token over its sequence's positions 0..p
+// in the paged cache (prefill, chunked prefill and decode alike).
+struct PagedAttentionParams {
+  const bf16* q;              // [num_tokens, num_q_heads, head_dim]
+  const bf16* k_pages;        // [num_pages, num_kv_heads, page_size, head_dim]
+  const bf16* v_pages;        // same
+  const int32_t* positions;   // [num_tokens]
+  const int32_t* token_seq;   // [num_tokens]
+  const int32_t* page_table;  // [num_seqs, max_pages_per_seq]
+  bf16* out;                  // [num_tokens, num_q_heads * head_dim]
+  int num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, max_pages_per_seq;
+  float scale;
+};
+// head_dim <= 128 and num_q_heads / num_kv_heads <= 16.
+cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
+
+// Router: softmax over experts, top-k (ties: lower expert first), optional renormalisation.
+struct RouteTopkParams {
+  const float* logits;  // [num_tokens, num_experts]
+  int32_t* expert_ids;  // [num_tokens, k]
+  float* weights;       // [num_tokens, k]
+  int num_tokens, num_experts, k;
+  bool renormalize;
+};
+// num_experts <= 256, k <= num_experts.
+cudaError_t route_topk(const RouteTopkParams& p, cudaStream_t stream);
+
+// Groups the (token, slot) pairs by expert without any host synchronisation:
+// expert e owns rows [expert_offsets[e], expert_offsets[e+1]) of the permuted
+// order, sorted_token[row] is the token of a row, row_of[t * k + j] the row of
+// pair (t, j), and tile_offsets[e] counts the grouped GEMM's row tiles before e.
+struct MoePermuteParams {
+  const int32_t* expert_ids;  // [num_tokens, k]
+  int32_t* expert_offsets;    // [num_experts + 1]
+  int32_t* tile_offsets;      // [num_experts + 1]
+  int32_t* sorted_token;      // [num_tokens * k]
+  int32_t* row_of;            // [num_tokens * k]
+  int num_tokens, k, num_experts, tile_rows;
+};
+cudaError_t moe_permute(const MoePermuteParams& p, cudaStream_t stream);
+
+// Grouped GEMM over experts. For permuted row r of expert e:
+//   gate_up: act[r, n] = bf16(silu(x[tok] . w[e, n]) * (x[tok] . w[e, inter + n])),
+//            tok = sorted_token[r], w = w13 [num_experts, 2 * inter, hidden]
+//   down:    out[r, n] = a[r] . w[e, n], w = w2 [num_experts, hidden, inter], out f32
+struct GroupedGemmParams {
+  const bf16* a;               // gate_up: x [num_tokens, K]; down: act [num_rows, K]
+  const int32_t* sorted_token; // gate_up only: row -> token of x
+  const bf16* w;               // [num_experts, N_total, K]
+  const int32_t* expert_offsets;
+  const int32_t* tile_offsets;
+  void* out;                   // gate_up: bf16 [num_rows, N]; down: f32 [num_rows, N]
+  int N, K, num_experts, max_tiles;
+  bool gate_up;
+};
+inline constexpr int kGroupedGemmTileRows = 64;
+// K must be a multiple of 8.
+cudaError_t grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream);
+
+// out[t] = sum_j weights[t, j] * rows[row_of[t * k + j]] (f32).
+struct MoeUnpermuteParams {
+  const float* rows;     // [num_tokens * k, hidden]
+  const int32_t* row_of; // [num_tokens * k]
+  const float* weights;  // [num_tokens, k]
+  float* out;            // [num_tokens, hidden]
+  int num_tokens, k, hidden;
+};
+cudaError_t moe_unpermute(const MoeUnpermuteParams& p, cudaStream_t stream);
+
+// act[t, i] = bf16(silu(gate_up[t, i]) * gate_up[t, inter + i]).
+struct SiluMulParams {
+  const bf16* gate_up;  // [num_tokens, 2 * inter]
+  bf16* act;            // [num_tokens, inter]
+  int num_tokens, inter;
+};
+cudaError_t silu_mul(const SiluMulParams& p, cudaStream_t stream);
+
+// ids[r] = argmax of logits[r, :] (lowest index on ties).
+struct ArgmaxParams {
+  const float* logits;  // [num_rows, vocab]
+  int32_t* ids;         // [num_rows]
+  int num_rows, vocab;
+};
+cudaError_t argmax(const ArgmaxParams& p, cudaStream_t stream);
+
+// out[r, :] = in[rows[r], :] for bf16 rows (selecting the rows that need logits).
+struct GatherRowsParams {
+  const bf16* in;        // [num_in, width]
+  const int32_t* rows;   // [num_out]
+  bf16* out;             // [num_out, width]
+  int num_out, width;
+};
+cudaError_t gather_rows(const GatherRowsParams& p, cudaStream_t stream);
+
+}  // namespace moe::ops::cuda

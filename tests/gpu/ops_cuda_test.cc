@@ -1,0 +1,258 @@
+// Each CUDA op against the CPU reference op on fresh random inputs, at small
+// shapes and at Qwen3-235B's. Outputs are allocated with guard elements after
+// them, filled with a sentinel that must survive, and checked for NaN.
+// Tolerances: inputs are rounded to bf16 on both sides, so differences come
+// from f32 summation order (1e-5) and from the bf16 rounding of outputs
+// (2^-8 relative, ~4e-3); where the GPU rounds an intermediate to bf16 that
+// the CPU keeps in f32 (MoE activations), 2e-2.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "core/cuda/device_buffer.h"
+#include "ops/attention.h"
+#include "ops/cuda/kernels.h"
+#include "ops/moe.h"
+#include "ops/norm.h"
+#include "ops/rope.h"
+
+namespace moe::ops {
+namespace {
+
+namespace k = moe::ops::cuda;
+using bf16 = __nv_bfloat16;
+constexpr int kGuard = 64;
+constexpr uint8_t kSentinel = 0xA5;
+
+bool have_gpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+// Random values already on the bf16 grid, in f32 and bf16 copies.
+struct Host {
+  Tensor f32, bf16;
+};
+Host random_bf16(Shape shape, std::mt19937& rng, float scale = 1.0f) {
+  Host h{Tensor(DType::kF32, shape), Tensor(DType::kBF16, shape)};
+  std::uniform_real_distribution<float> u(-scale, scale);
+  for (int64_t i = 0; i < h.f32.num_elements(); ++i) {
+    const uint16_t b = float_to_bf16(u(rng));
+    h.bf16.data_as<uint16_t>()[i] = b;
+    h.f32.data_as<float>()[i] = bf16_to_float(b);
+  }
+  return h;
+}
+
+// A device output with guard bytes after it.
+struct Output {
+  DeviceBuffer buffer;
+  size_t bytes = 0;
+  static Output make(size_t bytes) {
+    Output o;
+    o.bytes = bytes;
+    o.buffer = std::move(DeviceBuffer::allocate(bytes + kGuard).value());
+    cudaMemset(o.buffer.data(), kSentinel, bytes + kGuard);
+    return o;
+  }
+  template <typename T>
+  T* get() const {
+    return buffer.data_as<T>();
+  }
+  std::vector<uint8_t> download() const {
+    std::vector<uint8_t> host(bytes + kGuard);
+    EXPECT_EQ(cudaMemcpy(host.data(), buffer.data(), host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int i = 0; i < kGuard; ++i) EXPECT_EQ(host[bytes + i], kSentinel) << "guard byte " << i << " overwritten";
+    host.resize(bytes);
+    return host;
+  }
+};
+
+DeviceTensor upload(const Tensor& t) { return std::move(DeviceTensor::upload(t.view()).value()); }
+template <typename T>
+DeviceTensor upload_vector(const std::vector<T>& v, DType dtype) {
+  return upload(Tensor::copy_of(TensorView(const_cast<T*>(v.data()), dtype, {static_cast<int64_t>(v.size())})));
+}
+
+// max |a - b| / max |b| over all elements; NaN fails.
+double scaled_error(const std::vector<float>& got, const float* ref, size_t n) {
+  double max_diff = 0, max_ref = 1e-30;
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_FALSE(std::isnan(got[i])) << "NaN at " << i;
+    max_diff = std::max(max_diff, std::fabs(double(got[i]) - ref[i]));
+    max_ref = std::max(max_ref, std::fabs(double(ref[i])));
+  }
+  return max_diff / max_ref;
+}
+
+std::vector<float> as_floats(const std::vector<uint8_t>& bytes, DType dtype) {
+  const size_t n = bytes.size() / (dtype == DType::kBF16 ? 2 : 4);
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = load_as_float(dtype, bytes.data(), static_cast<int64_t>(i));
+  return out;
+}
+
+class CudaOps : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  }
+  std::mt19937 rng_{2026};
+  ThreadPool pool_;
+};
+
+TEST_F(CudaOps, AddRmsNorm) {
+  for (auto [tokens, hidden] : {std::pair{3, 64}, std::pair{37, 4096}}) {
+    Host residual = random_bf16({tokens, hidden}, rng_, 2.0f), delta = random_bf16({tokens, hidden}, rng_);
+    Host weight = random_bf16({hidden}, rng_);
+    DeviceTensor d_residual = upload(residual.f32), d_delta = upload(delta.f32), d_weight = upload(weight.bf16);
+    Output out = Output::make(tokens * hidden * sizeof(bf16));
+    ASSERT_EQ(k::add_rms_norm({d_residual.data_as<float>(), d_delta.data_as<float>(), d_weight.data_as<bf16>(),
+                               out.get<bf16>(), tokens, hidden, 1e-6f}, nullptr), cudaSuccess);
+    Tensor ref(DType::kF32, {tokens, hidden});
+    cpu::add_rms_norm(pool_, residual.f32, delta.f32, weight.bf16, 1e-6f, ref);
+    EXPECT_LT(scaled_error(as_floats(out.download(), DType::kBF16), ref.data_as<float>(), ref.num_elements()), 8e-3);
+    Tensor new_residual = download(d_residual.view()).value();
+    EXPECT_LT(scaled_error(std::vector<float>(new_residual.data_as<float>(), new_residual.data_as<float>() + ref.num_elements()),
+                           residual.f32.data_as<float>(), ref.num_elements()), 1e-6);
+  }
+}
+
+TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
+  struct Case { int q_heads, kv_heads, dim, page_size, prefix, new_tokens; };
+  for (const Case& c : {Case{4, 2, 32, 4, 5, 7}, Case{64, 4, 128, 16, 1000, 1}, Case{64, 4, 128, 16, 40, 33},
+                        Case{4, 1, 16, 1, 0, 9}}) {
+    const int seq_len = c.prefix + c.new_tokens, pages = (seq_len + c.page_size - 1) / c.page_size;
+    const int qkv_width = (c.q_heads + 2 * c.kv_heads) * c.dim;
+    // The prefix K/V go straight into the pages; the new tokens come through qkv.
+    Host k_pages = random_bf16({pages, c.kv_heads, c.page_size, c.dim}, rng_);
+    Host v_pages = random_bf16({pages, c.kv_heads, c.page_size, c.dim}, rng_);
+    Host qkv = random_bf16({c.new_tokens, qkv_width}, rng_, 2.0f);
+    Host q_norm = random_bf16({c.dim}, rng_), k_norm = random_bf16({c.dim}, rng_);
+    std::vector<int32_t> positions, token_seq(c.new_tokens, 0), page_table(pages);
+    for (int i = 0; i < c.new_tokens; ++i) positions.push_back(c.prefix + i);
+    for (int p = 0; p < pages; ++p) page_table[p] = pages - 1 - p;
+    RopeSpec spec;
+    spec.head_dim = c.dim;
+    spec.theta = 1e6;
+    const RopeTable rope = make_rope_table(spec);
+
+    DeviceTensor d_k = upload(k_pages.bf16), d_v = upload(v_pages.bf16), d_qkv = upload(qkv.bf16);
+    DeviceTensor d_qn = upload(q_norm.bf16), d_kn = upload(k_norm.bf16), d_freq = upload_vector(rope.inv_freq, DType::kF32);
+    DeviceTensor d_pos = upload_vector(positions, DType::kI32), d_seq = upload_vector(token_seq, DType::kI32);
+    DeviceTensor d_pages = upload_vector(page_table, DType::kI32);
+    Output q_out = Output::make(static_cast<size_t>(c.new_tokens) * c.q_heads * c.dim * sizeof(bf16));
+    ASSERT_EQ(k::qk_norm_rope_kv({d_qkv.data_as<bf16>(), d_qn.data_as<bf16>(), d_kn.data_as<bf16>(), d_freq.data_as<float>(),
+                                  1.0f, d_pos.data_as<int32_t>(), d_seq.data_as<int32_t>(), d_pages.data_as<int32_t>(),
+                                  q_out.get<bf16>(), d_k.data_as<bf16>(), d_v.data_as<bf16>(), c.new_tokens, c.q_heads,
+                                  c.kv_heads, c.dim, c.page_size, pages, 1e-6f}, nullptr), cudaSuccess);
+    Output attn = Output::make(static_cast<size_t>(c.new_tokens) * c.q_heads * c.dim * sizeof(bf16));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.dim));
+    ASSERT_EQ(k::paged_attention({q_out.get<bf16>(), d_k.data_as<bf16>(), d_v.data_as<bf16>(), d_pos.data_as<int32_t>(),
+                                  d_seq.data_as<int32_t>(), d_pages.data_as<int32_t>(), attn.get<bf16>(), c.new_tokens,
+                                  c.q_heads, c.kv_heads, c.dim, c.page_size, pages, scale}, nullptr), cudaSuccess);
+
+    // CPU: split qkv, norm, rope, write kv (bf16 pages), attention.
+    Tensor q(DType::kF32, {c.new_tokens, c.q_heads, c.dim}), kk(DType::kF32, {c.new_tokens, c.kv_heads, c.dim}),
+        vv(DType::kF32, {c.new_tokens, c.kv_heads, c.dim});
+    for (int t = 0; t < c.new_tokens; ++t) {
+      const float* row = qkv.f32.data_as<float>() + t * qkv_width;
+      std::memcpy(q.data_as<float>() + t * c.q_heads * c.dim, row, c.q_heads * c.dim * 4);
+      std::memcpy(kk.data_as<float>() + t * c.kv_heads * c.dim, row + c.q_heads * c.dim, c.kv_heads * c.dim * 4);
+      std::memcpy(vv.data_as<float>() + t * c.kv_heads * c.dim, row + (c.q_heads + c.kv_heads) * c.dim, c.kv_heads * c.dim * 4);
+    }
+    auto heads = [&](Tensor& t) { return t.view().reshaped({t.num_elements() / c.dim, c.dim}); };
+    cpu::rms_norm(pool_, heads(q), q_norm.bf16, 1e-6f, heads(q));
+    cpu::rms_norm(pool_, heads(kk), k_norm.bf16, 1e-6f, heads(kk));
+    cpu::apply_rope(pool_, q, positions, rope);
+    cpu::apply_rope(pool_, kk, positions, rope);
+    const std::vector<int32_t> query_start = {0, c.new_tokens};
+    AttentionBatch batch{query_start, positions, page_table, pages};
+    PagedKv kv{k_pages.bf16, v_pages.bf16};
+    cpu::write_kv(pool_, kk, vv, batch, kv);
+    EXPECT_LT(scaled_error(as_floats(q_out.download(), DType::kBF16), q.data_as<float>(), q.num_elements()), 8e-3)
+        << "q of case " << c.q_heads << "/" << c.dim;
+    Tensor k_after = download(d_k.view()).value();
+    EXPECT_LT(scaled_error(as_floats(std::vector<uint8_t>(static_cast<uint8_t*>(k_after.data()),
+                                                          static_cast<uint8_t*>(k_after.data()) + k_after.num_bytes()), DType::kBF16),
+                           std::vector<float>(as_floats(std::vector<uint8_t>(static_cast<uint8_t*>(k_pages.bf16.data()),
+                                                                              static_cast<uint8_t*>(k_pages.bf16.data()) + k_pages.bf16.num_bytes()), DType::kBF16)).data(),
+                           k_after.num_elements()), 8e-3);
+    // Attention from the GPU's own q (bf16), so only attention is compared.
+    std::vector<float> q_gpu = as_floats(q_out.download(), DType::kBF16);
+    Tensor out(DType::kF32, {c.new_tokens, c.q_heads * c.dim});
+    cpu::paged_attention(pool_, TensorView(q_gpu.data(), DType::kF32, {c.new_tokens, c.q_heads, c.dim}), batch, kv, scale, out);
+    EXPECT_LT(scaled_error(as_floats(attn.download(), DType::kBF16), out.data_as<float>(), out.num_elements()), 1e-2)
+        << "attention, case " << c.q_heads << " heads, dim " << c.dim << ", prefix " << c.prefix;
+  }
+}
+
+TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
+  struct Case { int tokens, hidden, inter, experts, topk; bool renormalize; };
+  for (const Case& c : {Case{13, 64, 32, 8, 2, true}, Case{5, 64, 48, 6, 3, false}, Case{16, 4096, 1536, 128, 8, true},
+                        Case{300, 256, 64, 16, 4, true}}) {
+    Host x = random_bf16({c.tokens, c.hidden}, rng_);
+    Host logits = random_bf16({c.tokens, c.experts}, rng_, 3.0f);
+    const float w_scale = 1.0f / std::sqrt(static_cast<float>(c.hidden));
+    Host w13 = random_bf16({c.experts, 2 * c.inter, c.hidden}, rng_, w_scale);
+    Host w2 = random_bf16({c.experts, c.hidden, c.inter}, rng_, 1.0f / std::sqrt(static_cast<float>(c.inter)));
+    // CPU reference.
+    Tensor ids(DType::kI32, {c.tokens, c.topk}), weights(DType::kF32, {c.tokens, c.topk}), ref(DType::kF32, {c.tokens, c.hidden});
+    cpu::route_topk(pool_, logits.f32, c.topk, c.renormalize, ids, weights);
+    cpu::moe_experts(pool_, x.f32, ids, weights, w13.bf16, w2.bf16, ref);
+    // GPU.
+    DeviceTensor d_x = upload(x.bf16), d_logits = upload(logits.f32), d_w13 = upload(w13.bf16), d_w2 = upload(w2.bf16);
+    const int pairs = c.tokens * c.topk;
+    Output d_ids = Output::make(pairs * 4), d_weights = Output::make(pairs * 4);
+    ASSERT_EQ(k::route_topk({d_logits.data_as<float>(), d_ids.get<int32_t>(), d_weights.get<float>(), c.tokens, c.experts,
+                             c.topk, c.renormalize}, nullptr), cudaSuccess);
+    std::vector<uint8_t> got_ids = d_ids.download();
+    EXPECT_EQ(std::memcmp(got_ids.data(), ids.data(), pairs * 4), 0) << "expert ids, " << c.experts << " experts";
+    EXPECT_LT(scaled_error(as_floats(d_weights.download(), DType::kF32), weights.data_as<float>(), pairs), 1e-5);
+    Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
+    Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
+    ASSERT_EQ(k::moe_permute({d_ids.get<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), sorted.get<int32_t>(),
+                              row_of.get<int32_t>(), c.tokens, c.topk, c.experts, k::kGroupedGemmTileRows}, nullptr),
+              cudaSuccess);
+    const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + c.experts;
+    Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
+    Output rows = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(float));
+    Output out = Output::make(static_cast<size_t>(c.tokens) * c.hidden * sizeof(float));
+    ASSERT_EQ(k::grouped_gemm({d_x.data_as<bf16>(), sorted.get<int32_t>(), d_w13.data_as<bf16>(), offsets.get<int32_t>(),
+                               tiles.get<int32_t>(), act.get<void>(), c.inter, c.hidden, c.experts, max_tiles, true}, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(k::grouped_gemm({act.get<bf16>(), nullptr, d_w2.data_as<bf16>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
+                               rows.get<void>(), c.hidden, c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess);
+    ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.get<float>(), out.get<float>(), c.tokens,
+                                c.topk, c.hidden}, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    act.download();
+    rows.download();
+    EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 2e-2)
+        << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden;
+  }
+}
+
+TEST_F(CudaOps, ArgmaxTakesTheLowestIndexOnTies) {
+  const int rows = 3, vocab = 151936;
+  std::vector<float> logits(static_cast<size_t>(rows) * vocab);
+  std::uniform_real_distribution<float> u(-5, 5);
+  for (auto& v : logits) v = u(rng_);
+  logits[0 * vocab + 77] = 9, logits[0 * vocab + 150000] = 9;
+  logits[1 * vocab + 151935] = 10;
+  logits[2 * vocab + 0] = 11;
+  DeviceTensor d = upload_vector(logits, DType::kF32);
+  Output ids = Output::make(rows * 4);
+  ASSERT_EQ(k::argmax({d.data_as<float>(), ids.get<int32_t>(), rows, vocab}, nullptr), cudaSuccess);
+  auto got = ids.download();
+  const int32_t* g = reinterpret_cast<const int32_t*>(got.data());
+  EXPECT_EQ(g[0], 77);
+  EXPECT_EQ(g[1], 151935);
+  EXPECT_EQ(g[2], 0);
+}
+
+}  // namespace
+}  // namespace moe::ops

@@ -1,0 +1,63 @@
+// Chat-template behaviour that needs no oracle: errors name the line and column,
+// hostile templates and contexts end in an error (never a crash or a hang), and
+// Python's strip(chars) semantics in the default dialect.
+#include <gtest/gtest.h>
+
+#include "tokenizer/chat_template.h"
+
+namespace moe::tokenizer {
+namespace {
+
+std::string render(const std::string& source, const nlohmann::ordered_json& context = nlohmann::ordered_json::object()) {
+  auto t = ChatTemplate::create(source);
+  if (!t) return "ERROR " + t.status().message();
+  auto out = t->render(context);
+  return out ? *out : "ERROR " + out.status().message();
+}
+
+TEST(ChatTemplate, SyntaxErrorsNameLineAndColumn) {
+  EXPECT_EQ(render("line one\n{% if x %}\n  {{ x + }}\n{% endif %}"),
+            "ERROR chat template line 3 column 10: unexpected '}}' in expression");
+  EXPECT_EQ(render("{% for x in y %}"), "ERROR chat template line 1 column 17: unexpected end of template: missing '{% else %}'");
+  EXPECT_EQ(render("{{ 'abc }}"), "ERROR chat template line 1 column 11: unterminated string literal");
+  EXPECT_EQ(render("ok\n {% frobnicate %}"), "ERROR chat template line 2 column 5: unknown statement 'frobnicate'");
+}
+
+TEST(ChatTemplate, RuntimeErrorsNameLineAndColumn) {
+  EXPECT_EQ(render("\n{{ raise_exception('bad role') }}"), "ERROR chat template line 2 column 19: raise_exception: bad role");
+  EXPECT_EQ(render("{{ 1 + none }}"), "ERROR chat template line 1 column 6: cannot apply '+' to none");
+  EXPECT_EQ(render("{{ x.startswith('a') }}"), "ERROR chat template line 1 column 6: undefined has no method 'startswith'");
+}
+
+TEST(ChatTemplate, HostileInputsAreBounded) {
+  EXPECT_TRUE(render("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}").starts_with("ERROR"));
+  EXPECT_TRUE(render("{% for i in range(100000000) %}{% endfor %}").starts_with("ERROR"));
+  EXPECT_TRUE(render("{% for i in range(5000) %}{% for j in range(5000) %}{% endfor %}{% endfor %}").starts_with("ERROR"));
+  EXPECT_TRUE(render("{% set ns = namespace(a=1) %}{% set ns.b = ns %}{{ ns | tojson }}").find("null") != std::string::npos);
+  EXPECT_TRUE(render("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}").starts_with("ERROR"));
+  EXPECT_TRUE(render("{{ 'x' * 1000000000000 }}").starts_with("ERROR"));
+  nlohmann::ordered_json deep = "leaf";
+  for (int i = 0; i < 1000; ++i) deep = nlohmann::ordered_json::array({deep});
+  EXPECT_TRUE(render("{{ x }}", {{"x", deep}}).starts_with("ERROR"));
+}
+
+TEST(ChatTemplate, PythonStripHonoursItsArgument) {
+  EXPECT_EQ(render("[{{ '\\n  a \\n'.lstrip('\\n') }}][{{ 'xxhixx'.strip('x') }}][{{ '  b  '.strip() }}]"),
+            "[  a \n][hi][b]");
+  ChatTemplateLimits js;
+  js.js_strip_dialect = true;
+  auto t = ChatTemplate::create("[{{ '\\n  a \\n'.lstrip('\\n') }}]", js);
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(*t->render(nlohmann::ordered_json::object()), "[a \n]");
+}
+
+TEST(ChatTemplate, ContextHelperSetsTransformersVariables) {
+  const auto context = make_chat_context(nlohmann::ordered_json::array({{{"role", "user"}, {"content", "hi"}}}),
+                                         nullptr, true, "", "<|im_end|>", {{"enable_thinking", false}});
+  EXPECT_EQ(render("{{ messages[0].content }}|{{ add_generation_prompt }}|{{ tools is defined }}|{{ enable_thinking }}",
+                   context),
+            "hi|true|false|false");
+}
+
+}  // namespace
+}  // namespace moe::tokenizer
