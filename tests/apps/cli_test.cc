@@ -37,7 +37,10 @@ TEST(Cli, GenerateJsonMatchesTheGoldenGreedyTokens) {
   auto golden = nlohmann::json::parse(in);
   const auto& prompt = golden["prompts"][2];
   std::string ids;
-  for (const auto& id : prompt["ids"]) ids += (ids.empty() ? "" : ",") + std::to_string(id.get<int>());
+  for (const auto& id : prompt["ids"]) {
+    if (!ids.empty()) ids += ',';
+    ids += std::to_string(id.get<int>());
+  }
   CliRun r = run("generate --model " + kGolden + " --prompt-ids " + ids + " --max-tokens 24 --ignore-eos --output json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto result = nlohmann::json::parse(r.stdout_only);

@@ -124,7 +124,7 @@ TEST_F(CudaOps, AddRmsNorm) {
 TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
   struct Case { int q_heads, kv_heads, dim, page_size, prefix, new_tokens; };
   for (const Case& c : {Case{4, 2, 32, 4, 5, 7}, Case{64, 4, 128, 16, 1000, 1}, Case{64, 4, 128, 16, 40, 33},
-                        Case{4, 1, 16, 1, 0, 9}}) {
+                        Case{4, 1, 16, 1, 0, 9}, Case{32, 4, 128, 4, 3000, 3}, Case{8, 2, 128, 16, 7, 1}}) {
     const int seq_len = c.prefix + c.new_tokens, pages = (seq_len + c.page_size - 1) / c.page_size;
     const int qkv_width = (c.q_heads + 2 * c.kv_heads) * c.dim;
     // The prefix K/V go straight into the pages; the new tokens come through qkv.
@@ -187,6 +187,25 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
     cpu::paged_attention(pool_, TensorView(q_gpu.data(), DType::kF32, {c.new_tokens, c.q_heads, c.dim}), batch, kv, scale, out);
     EXPECT_LT(scaled_error(as_floats(attn.download(), DType::kBF16), out.data_as<float>(), out.num_elements()), 1e-2)
         << "attention, case " << c.q_heads << " heads, dim " << c.dim << ", prefix " << c.prefix;
+    // The tensor-core kernel, with and without split-KV workspace.
+    const k::PagedAttentionParams params{q_out.get<bf16>(), d_k.data_as<bf16>(), d_v.data_as<bf16>(), d_pos.data_as<int32_t>(),
+                                         d_seq.data_as<int32_t>(), d_pages.data_as<int32_t>(), attn.get<bf16>(), c.new_tokens,
+                                         c.q_heads, c.kv_heads, c.dim, c.page_size, pages, scale};
+    if (k::mma_attention_supported(params)) {
+      const int max_position = c.prefix + c.new_tokens - 1;
+      const size_t bytes = k::mma_attention_workspace_bytes(c.new_tokens, c.q_heads, max_position);
+      auto workspace = DeviceBuffer::allocate(bytes);
+      ASSERT_TRUE(workspace.has_value());
+      for (bool split : {false, true}) {
+        Output mma_out = Output::make(static_cast<size_t>(c.new_tokens) * c.q_heads * c.dim * sizeof(bf16));
+        k::PagedAttentionParams pm = params;
+        pm.out = mma_out.get<bf16>();
+        ASSERT_EQ(k::mma_paged_attention(pm, max_position, split ? workspace->data_as<float>() : nullptr, split ? bytes : 0,
+                                         nullptr), cudaSuccess);
+        EXPECT_LT(scaled_error(as_floats(mma_out.download(), DType::kBF16), out.data_as<float>(), out.num_elements()), 2e-2)
+            << "tensor-core attention (split " << split << "), " << c.q_heads << " heads, prefix " << c.prefix;
+      }
+    }
   }
 }
 

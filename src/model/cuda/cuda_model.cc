@@ -1,5 +1,6 @@
 #include "model/cuda/cuda_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -44,7 +45,7 @@ struct LayerBuffers {
 }  // namespace
 
 struct CudaQwen3MoeModel::State {
-  const ModelWeights* weights = nullptr;
+  ModelConfig config;
   CudaModelOptions options;
   cudaStream_t stream = nullptr;
   std::unique_ptr<k::Gemm> gemm;
@@ -56,6 +57,7 @@ struct CudaQwen3MoeModel::State {
   DeviceTensor expert_offsets, tile_offsets, sorted_token, row_of, act, expert_rows, gate_up, logit_rows, logits, greedy;
   // Step metadata.
   DeviceTensor token_ids, positions, token_seq, page_table, logits_rows;
+  DeviceTensor attention_workspace;  // split-KV partials of the tensor-core attention
   size_t bytes = 0;
 
   ~State() {
@@ -65,16 +67,26 @@ struct CudaQwen3MoeModel::State {
 
 CudaQwen3MoeModel::CudaQwen3MoeModel(std::unique_ptr<State> state) : state_(std::move(state)) {}
 CudaQwen3MoeModel::~CudaQwen3MoeModel() = default;
-const ModelConfig& CudaQwen3MoeModel::config() const { return state_->weights->config(); }
+const ModelConfig& CudaQwen3MoeModel::config() const { return state_->config; }
 size_t CudaQwen3MoeModel::device_bytes() const { return state_->bytes; }
 
 Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create(const ModelWeights& weights,
                                                                        const CudaModelOptions& options) {
+  return create_impl(weights.config(), &weights, 0, options);
+}
+
+Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_dummy(const ModelConfig& config, uint64_t seed,
+                                                                             const CudaModelOptions& options) {
+  return create_impl(config, nullptr, seed, options);
+}
+
+Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(const ModelConfig& c,
+                                                                            const ModelWeights* weights, uint64_t seed,
+                                                                            const CudaModelOptions& options) {
   MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
   auto s = std::make_unique<State>();
-  s->weights = &weights;
+  s->config = c;
   s->options = options;
-  const ModelConfig& c = weights.config();
   if (c.head_dim > 128 || c.num_q_heads / c.num_kv_heads > 16 || c.num_experts > 256)
     return unimplemented("the CUDA backend supports head_dim <= 128, <= 16 q heads per kv head, <= 256 experts");
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
@@ -86,27 +98,52 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create(const Mod
     s->bytes += t.num_bytes();
     return Status::ok();
   };
-  MOE_RETURN_IF_ERROR(track(s->embed, upload_bf16({weights.embed_tokens()})));
-  MOE_RETURN_IF_ERROR(track(s->final_norm, upload_bf16({weights.final_norm()})));
-  MOE_RETURN_IF_ERROR(track(s->lm_head, upload_bf16({weights.lm_head()})));
+  // A weight from the checkpoint (`parts` concatenated along dim 0), or random
+  // values of `shape` in [center - scale, center + scale] for dummy runs.
+  uint64_t stream_id = 0;
+  auto weight = [&](DeviceTensor& t, std::initializer_list<TensorView> parts, Shape shape, float center,
+                    float scale) -> Status {
+    if (weights != nullptr) return track(t, upload_bf16(parts));
+    MOE_RETURN_IF_ERROR(track(t, DeviceTensor::allocate(DType::kBF16, shape)));
+    return cuda_status(k::fill_random({t.data_as<bf16>(), shape.num_elements(), seed * 1000003 + ++stream_id, center,
+                                       scale}, s->stream), "fill_random");
+  };
+  const int64_t hidden = c.hidden_size, vocab = c.vocab_size;
+  const float hidden_scale = 1.0f / std::sqrt(static_cast<float>(hidden));
+  const ModelWeights* w0 = weights;
+  MOE_RETURN_IF_ERROR(weight(s->embed, {w0 ? w0->embed_tokens() : TensorView()}, {vocab, hidden}, 0.0f, 1.0f));
+  MOE_RETURN_IF_ERROR(weight(s->final_norm, {w0 ? w0->final_norm() : TensorView()}, {hidden}, 1.0f, 0.1f));
+  MOE_RETURN_IF_ERROR(weight(s->lm_head, {w0 ? w0->lm_head() : TensorView()}, {vocab, hidden}, 0.0f, hidden_scale));
   const ops::RopeTable rope = ops::make_rope_table(c.rope);
   s->attention_factor = rope.attention_factor;
   MOE_RETURN_IF_ERROR(track(s->inv_freq, DeviceTensor::upload(TensorView(const_cast<float*>(rope.inv_freq.data()),
                                                                          DType::kF32, {c.head_dim / 2}))));
   const Shape kv_shape{options.num_pages, c.num_kv_heads, options.page_size, c.head_dim};
+  const int64_t qkv_rows = c.q_size() + 2 * c.kv_size();
   for (int l = 0; l < c.num_layers; ++l) {
-    const LayerWeights& w = weights.layer(l);
+    const LayerWeights* w = weights ? &weights->layer(l) : nullptr;
+    auto part = [&](TensorView LayerWeights::*member) { return w ? w->*member : TensorView(); };
     LayerBuffers b;
-    b.is_moe = w.is_moe;
-    MOE_RETURN_IF_ERROR(track(b.input_norm, upload_bf16({w.input_norm})));
-    MOE_RETURN_IF_ERROR(track(b.post_attention_norm, upload_bf16({w.post_attention_norm})));
-    MOE_RETURN_IF_ERROR(track(b.qkv_proj, upload_bf16({w.q_proj, w.k_proj, w.v_proj})));
-    MOE_RETURN_IF_ERROR(track(b.o_proj, upload_bf16({w.o_proj})));
-    MOE_RETURN_IF_ERROR(track(b.q_norm, upload_bf16({w.q_norm})));
-    MOE_RETURN_IF_ERROR(track(b.k_norm, upload_bf16({w.k_norm})));
-    if (w.is_moe) MOE_RETURN_IF_ERROR(track(b.router, upload_bf16({w.router})));
-    MOE_RETURN_IF_ERROR(track(b.w13, upload_bf16({w.w13})));
-    MOE_RETURN_IF_ERROR(track(b.w2, upload_bf16({w.w2})));
+    b.is_moe = c.layer_is_moe(l);
+    MOE_RETURN_IF_ERROR(weight(b.input_norm, {part(&LayerWeights::input_norm)}, {hidden}, 1.0f, 0.1f));
+    MOE_RETURN_IF_ERROR(weight(b.post_attention_norm, {part(&LayerWeights::post_attention_norm)}, {hidden}, 1.0f, 0.1f));
+    MOE_RETURN_IF_ERROR(weight(b.qkv_proj, {part(&LayerWeights::q_proj), part(&LayerWeights::k_proj),
+                                            part(&LayerWeights::v_proj)}, {qkv_rows, hidden}, 0.0f, hidden_scale));
+    MOE_RETURN_IF_ERROR(weight(b.o_proj, {part(&LayerWeights::o_proj)}, {hidden, c.q_size()}, 0.0f,
+                               1.0f / std::sqrt(static_cast<float>(c.q_size()))));
+    MOE_RETURN_IF_ERROR(weight(b.q_norm, {part(&LayerWeights::q_norm)}, {c.head_dim}, 1.0f, 0.1f));
+    MOE_RETURN_IF_ERROR(weight(b.k_norm, {part(&LayerWeights::k_norm)}, {c.head_dim}, 1.0f, 0.1f));
+    const int64_t inter = b.is_moe ? c.moe_intermediate_size : c.intermediate_size;
+    const float down_scale = 1.0f / std::sqrt(static_cast<float>(inter));
+    if (b.is_moe) {
+      const int64_t experts = c.num_experts;
+      MOE_RETURN_IF_ERROR(weight(b.router, {part(&LayerWeights::router)}, {experts, hidden}, 0.0f, hidden_scale));
+      MOE_RETURN_IF_ERROR(weight(b.w13, {part(&LayerWeights::w13)}, {experts, 2 * inter, hidden}, 0.0f, hidden_scale));
+      MOE_RETURN_IF_ERROR(weight(b.w2, {part(&LayerWeights::w2)}, {experts, hidden, inter}, 0.0f, down_scale));
+    } else {
+      MOE_RETURN_IF_ERROR(weight(b.w13, {part(&LayerWeights::w13)}, {2 * inter, hidden}, 0.0f, hidden_scale));
+      MOE_RETURN_IF_ERROR(weight(b.w2, {part(&LayerWeights::w2)}, {hidden, inter}, 0.0f, down_scale));
+    }
     MOE_RETURN_IF_ERROR(track(b.k_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
     MOE_RETURN_IF_ERROR(track(b.v_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
     s->layers.push_back(std::move(b));
@@ -127,9 +164,10 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create(const Mod
       {&s->logit_rows, DType::kBF16, {T, H}},         {&s->logits, DType::kF32, {T, c.vocab_size}},
       {&s->greedy, DType::kI32, {T}},                 {&s->token_ids, DType::kI32, {T}},
       {&s->positions, DType::kI32, {T}},              {&s->token_seq, DType::kI32, {T}},
-      {&s->logits_rows, DType::kI32, {T}},
+      {&s->logits_rows, DType::kI32, {T}},           {&s->attention_workspace, DType::kF32, {4 << 20}},
   };
   for (const auto& a : allocs) MOE_RETURN_IF_ERROR(track(*a.t, DeviceTensor::allocate(a.dtype, a.shape)));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s->stream));
   log_info("CUDA model on device {}: {:.1f} MB of weights, KV and activations", options.device,
            static_cast<double>(s->bytes) / 1e6);
   return std::unique_ptr<CudaQwen3MoeModel>(new CudaQwen3MoeModel(std::move(s)));
@@ -143,6 +181,7 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
   if (T > s.options.max_num_tokens)
     return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
   if (static_cast<int>(batch.logits_rows.size()) > T) return invalid_argument("more logits rows than tokens");
+  const int max_position = batch.positions.empty() ? 0 : *std::max_element(batch.positions.begin(), batch.positions.end());
   // Step metadata to the device.
   std::vector<int32_t> token_seq(static_cast<size_t>(T));
   for (int seq = 0; seq < num_seqs; ++seq)
@@ -177,11 +216,17 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
                                    b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(), T, c.num_q_heads,
                                    c.num_kv_heads, c.head_dim, s.options.page_size, batch.max_pages_per_seq,
                                    c.rms_norm_eps}, s.stream));
-    MOE_LAUNCH(k::paged_attention({s.q.data_as<bf16>(), b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(),
-                                   s.positions.data_as<int32_t>(), s.token_seq.data_as<int32_t>(),
-                                   s.page_table.data_as<int32_t>(), s.attended.data_as<bf16>(), T, c.num_q_heads,
-                                   c.num_kv_heads, c.head_dim, s.options.page_size, batch.max_pages_per_seq,
-                                   1.0f / std::sqrt(static_cast<float>(c.head_dim))}, s.stream));
+    const k::PagedAttentionParams attention{s.q.data_as<bf16>(), b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(),
+                                            s.positions.data_as<int32_t>(), s.token_seq.data_as<int32_t>(),
+                                            s.page_table.data_as<int32_t>(), s.attended.data_as<bf16>(), T, c.num_q_heads,
+                                            c.num_kv_heads, c.head_dim, s.options.page_size, batch.max_pages_per_seq,
+                                            1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+    if (k::mma_attention_supported(attention)) {
+      MOE_LAUNCH(k::mma_paged_attention(attention, max_position, s.attention_workspace.data_as<float>(),
+                                        s.attention_workspace.num_bytes(), s.stream));
+    } else {
+      MOE_LAUNCH(k::paged_attention(attention, s.stream));
+    }
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(), DType::kF32,
                                        T, H, c.q_size(), s.stream));
     MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(),
@@ -225,6 +270,15 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
                                      DType::kF32, rows, static_cast<int>(c.vocab_size), H, s.stream));
 #undef MOE_LAUNCH
   return Status::ok();
+}
+
+Status CudaQwen3MoeModel::fill_kv_random(uint64_t seed) {
+  uint64_t id = 0;
+  for (auto& layer : state_->layers)
+    for (DeviceTensor* t : {&layer.k_pages, &layer.v_pages})
+      MOE_RETURN_IF_ERROR(cuda_status(k::fill_random({t->data_as<bf16>(), t->shape().num_elements(), seed + ++id, 0.0f,
+                                                      1.0f}, state_->stream), "fill_random"));
+  return cuda_status(cudaStreamSynchronize(state_->stream), "fill_kv_random");
 }
 
 Expected<Tensor> CudaQwen3MoeModel::forward(const ForwardBatch& batch) {

@@ -33,6 +33,10 @@ class CudaQwen3MoeModel {
  public:
   static Expected<std::unique_ptr<CudaQwen3MoeModel>> create(const ModelWeights& weights,
                                                              const CudaModelOptions& options);
+  // Random weights generated on the GPU (--load-format dummy), so full-size
+  // shapes never pass through host memory.
+  static Expected<std::unique_ptr<CudaQwen3MoeModel>> create_dummy(const ModelConfig& config, uint64_t seed,
+                                                                   const CudaModelOptions& options);
   ~CudaQwen3MoeModel();
 
   const ModelConfig& config() const;
@@ -41,12 +45,17 @@ class CudaQwen3MoeModel {
   Expected<Tensor> forward(const ForwardBatch& batch);
   // The same forward, with the greedy token of each logits row chosen on the GPU.
   Expected<std::vector<int32_t>> forward_greedy(const ForwardBatch& batch);
+  // Random KV contents, for benchmarks that time decode at a long context
+  // without running the prefill first.
+  Status fill_kv_random(uint64_t seed);
   // Bytes of device memory held (weights, KV, activations).
   size_t device_bytes() const;
 
  private:
   struct State;
   explicit CudaQwen3MoeModel(std::unique_ptr<State> state);
+  static Expected<std::unique_ptr<CudaQwen3MoeModel>> create_impl(const ModelConfig& config, const ModelWeights* weights,
+                                                                  uint64_t seed, const CudaModelOptions& options);
   Status run(const ForwardBatch& batch);
   std::unique_ptr<State> state_;
 };

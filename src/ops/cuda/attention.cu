@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kWarps * 32) paged_attention_kernel(PagedAtten
     }
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) {
-      if (g >= group) break;
+      if (g >= group) continue;  // not break: the loop must stay unrolled (registers, not local memory)
       float partial = 0.0f;
 #pragma unroll
       for (int i = 0; i < kMaxPerLane; ++i) partial += q[g][i] * k[i];
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kWarps * 32) paged_attention_kernel(PagedAtten
   __shared__ float s_acc[kWarps][kMaxGroup][kMaxPerLane * 32];
 #pragma unroll
   for (int g = 0; g < kMaxGroup; ++g) {
-    if (g >= group) break;
+    if (g >= group) continue;
     if (lane == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) s_acc[warp][g][lane + 32 * i] = acc[g][i];

@@ -104,7 +104,25 @@ __global__ void gather_rows_kernel(GatherRowsParams p) {
   for (int i = threadIdx.x; i < p.width; i += blockDim.x) out[i] = in[i];
 }
 
+__global__ void fill_random_kernel(FillRandomParams p) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < p.n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint64_t z = p.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    const float u = static_cast<float>(z >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f;
+    p.out[i] = __float2bfloat16(p.center + p.scale * u);
+  }
+}
+
 }  // namespace
+
+cudaError_t fill_random(const FillRandomParams& p, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  fill_random_kernel<<<1024, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t embedding(const EmbeddingParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;

@@ -71,6 +71,16 @@ struct PagedAttentionParams {
 // head_dim <= 128 and num_q_heads / num_kv_heads <= 16.
 cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
 
+// The tensor-core version of paged_attention for head_dim 128 and up to 16 q
+// heads per kv head (attention_mma.cu), splitting long contexts over blocks.
+// max_position: the largest position in the batch (sizes the split grid);
+// workspace: f32 scratch of mma_attention_workspace_bytes(...) (may be null:
+// then no splitting).
+bool mma_attention_supported(const PagedAttentionParams& p);
+size_t mma_attention_workspace_bytes(int num_tokens, int num_q_heads, int max_position);
+cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position, float* workspace,
+                                size_t workspace_bytes, cudaStream_t stream);
+
 // Router: softmax over experts, top-k (ties: lower expert first), optional renormalisation.
 struct RouteTopkParams {
   const float* logits;  // [num_tokens, num_experts]
@@ -148,5 +158,15 @@ struct GatherRowsParams {
   int num_out, width;
 };
 cudaError_t gather_rows(const GatherRowsParams& p, cudaStream_t stream);
+
+// Dummy weights: out[i] = bf16(center + scale * u), u uniform in [-1, 1) from
+// a counter-based hash of (seed, i), so a run is reproducible.
+struct FillRandomParams {
+  bf16* out;
+  int64_t n;
+  uint64_t seed;
+  float center, scale;
+};
+cudaError_t fill_random(const FillRandomParams& p, cudaStream_t stream);
 
 }  // namespace moe::ops::cuda

@@ -102,24 +102,30 @@ __global__ void moe_permute_kernel(MoePermuteParams p) {
   }
 }
 
-constexpr int kTileM = kGroupedGemmTileRows, kTileN = 64, kTileK = 32, kPad = 8;
+constexpr int kTileM = kGroupedGemmTileRows, kTileN = 64, kTileK = 32, kPad = 8, kStages = 4;
+constexpr int kLd = kTileK + kPad;  // shared-memory row of a tile, in bf16 (80 bytes: conflict-free ldmatrix)
+constexpr int kATileBytes = kTileM * kLd * 2, kBTileBytes = kTileN * kLd * 2;
+constexpr int kStageBytes = kATileBytes + 2 * kBTileBytes;
+constexpr int kEpilogueLd = kTileN + 4;
+constexpr int kSmemBytes = kStages * kStageBytes > kTileM * kEpilogueLd * 4 ? kStages * kStageBytes : kTileM * kEpilogueLd * 4;
+constexpr int kThreads = 128;
 
-// Loads rows [0, kTileM or kTileN) x [k0, k0 + kTileK) of a bf16 matrix into
-// shared memory, zero-filling rows past `num_rows`. row_index maps a tile row
-// to a source row. 16-byte loads (K is a multiple of 8).
-template <int kRows, typename RowIndex>
-__device__ void load_tile(bf16 (*tile)[kTileK + kPad], const bf16* src, int K, int k0, int num_rows, RowIndex row_index) {
-  constexpr int kChunks = kRows * kTileK / 8;
-  for (int c = threadIdx.x; c < kChunks; c += blockDim.x) {
-    const int r = c / (kTileK / 8), col = (c % (kTileK / 8)) * 8;
-    uint4 value = make_uint4(0, 0, 0, 0);
-    if (r < num_rows && k0 + col < K)
-      value = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(row_index(r)) * K + k0 + col);
-    *reinterpret_cast<uint4*>(&tile[r][col]) = value;
-  }
+// 16-byte asynchronous copy global -> shared; zero-fills when !valid.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
-__global__ void __launch_bounds__(128) grouped_gemm_kernel(GroupedGemmParams p) {
+// Pipeline: kStages shared-memory stages of (A tile, gate B tile, up B tile),
+// filled by cp.async kStages - 1 K-steps ahead of the tensor cores, so each
+// CTA keeps ~45 KB of loads in flight (the decode case streams weights).
+template <bool kGateUp>
+__global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(GroupedGemmParams p) {
   using namespace nvcuda;
   const int tile = blockIdx.y;
   const int total_tiles = p.tile_offsets[p.num_experts];
@@ -134,70 +140,111 @@ __global__ void __launch_bounds__(128) grouped_gemm_kernel(GroupedGemmParams p) 
   const int row0 = p.expert_offsets[e] + (tile - p.tile_offsets[e]) * kTileM;
   const int rows = min(kTileM, p.expert_offsets[e + 1] - row0);
   const int n0 = blockIdx.x * kTileN;
-  const int n_total = p.gate_up ? 2 * p.N : p.N;
-  const bf16* w = p.w + static_cast<int64_t>(e) * n_total * p.K;
+  const int n_rows = min(kTileN, p.N - n0);
+  constexpr int num_b = kGateUp ? 2 : 1;
+  const bf16* w = p.w + static_cast<int64_t>(e) * (kGateUp ? 2 * p.N : p.N) * p.K;
 
-  __shared__ __align__(16) bf16 a_tile[kTileM][kTileK + kPad];
-  __shared__ __align__(16) bf16 b_tile[2][kTileN][kTileK + kPad];
-  const int warp = threadIdx.x >> 5, warp_m = warp / 2, warp_n = warp % 2;  // 2x2 warps of 32x32
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2][2];
+  extern __shared__ __align__(128) unsigned char smem[];
+  auto a_stage = [&](int s) { return reinterpret_cast<bf16*>(smem + s * kStageBytes); };
+  auto b_stage = [&](int s, int h) { return reinterpret_cast<bf16*>(smem + s * kStageBytes + kATileBytes + h * kBTileBytes); };
+
+  // Each thread copies the same 2 chunks of 8 elements of each tile every K-step.
+  constexpr int kChunksPerRow = kTileK / 8, kPerThread = kTileM * kChunksPerRow / kThreads;
+  const bf16* a_src[kPerThread];
+  const bf16* b_src[2][kPerThread];
+  int chunk_row[kPerThread], chunk_col[kPerThread];
 #pragma unroll
-  for (int h = 0; h < 2; ++h)
+  for (int i = 0; i < kPerThread; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    chunk_row[i] = c / kChunksPerRow;
+    chunk_col[i] = (c % kChunksPerRow) * 8;
+    const int r = chunk_row[i];
+    const int a_row = r < rows ? (kGateUp ? p.sorted_token[row0 + r] : row0 + r) : -1;
+    a_src[i] = a_row >= 0 ? p.a + static_cast<int64_t>(a_row) * p.K : nullptr;
+#pragma unroll
+    for (int h = 0; h < num_b; ++h) b_src[h][i] = r < n_rows ? w + static_cast<int64_t>(h * p.N + n0 + r) * p.K : nullptr;
+  }
+  auto load_stage = [&](int stage, int k_tile) {
+    const int k0 = k_tile * kTileK;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int col = k0 + chunk_col[i];
+      const bool in_k = col < p.K;
+      cp_async16(a_stage(stage) + chunk_row[i] * kLd + chunk_col[i], a_src[i] && in_k ? a_src[i] + col : p.w,
+                 a_src[i] && in_k);
+#pragma unroll
+      for (int h = 0; h < num_b; ++h)
+        cp_async16(b_stage(stage, h) + chunk_row[i] * kLd + chunk_col[i], b_src[h][i] && in_k ? b_src[h][i] + col : p.w,
+                   b_src[h][i] && in_k);
+    }
+  };
+
+  const int warp = threadIdx.x >> 5, warp_m = warp / 2, warp_n = warp % 2;  // 2x2 warps of 32x32
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[num_b][2][2];
+#pragma unroll
+  for (int h = 0; h < num_b; ++h)
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[h][i][j], 0.0f);
-  const int num_b = p.gate_up ? 2 : 1;
-  const int n_rows = min(kTileN, p.N - n0);
-  for (int k0 = 0; k0 < p.K; k0 += kTileK) {
-    if (p.gate_up) {
-      load_tile<kTileM>(a_tile, p.a, p.K, k0, rows, [&](int r) { return p.sorted_token[row0 + r]; });
-    } else {
-      load_tile<kTileM>(a_tile, p.a, p.K, k0, rows, [&](int r) { return row0 + r; });
-    }
-    for (int h = 0; h < num_b; ++h)
-      load_tile<kTileN>(b_tile[h], w, p.K, k0, n_rows, [&](int r) { return h * p.N + n0 + r; });
-    __syncthreads();
+
+  const int num_k_tiles = (p.K + kTileK - 1) / kTileK;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_k_tiles) load_stage(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < num_k_tiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage kt is in; every warp is done with the stage refilled next
+    if (kt + kStages - 1 < num_k_tiles) load_stage((kt + kStages - 1) % kStages, kt + kStages - 1);
+    cp_async_commit();
+    const int stage = kt % kStages;
 #pragma unroll
     for (int kk = 0; kk < kTileK; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a_frag[2];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) wmma::load_matrix_sync(a_frag[i], &a_tile[warp_m * 32 + i * 16][kk], kTileK + kPad);
+      for (int i = 0; i < 2; ++i)
+        wmma::load_matrix_sync(a_frag[i], a_stage(stage) + (warp_m * 32 + i * 16) * kLd + kk, kLd);
+#pragma unroll
       for (int h = 0; h < num_b; ++h) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b_frag;
-          wmma::load_matrix_sync(b_frag, &b_tile[h][warp_n * 32 + j * 16][kk], kTileK + kPad);
+          wmma::load_matrix_sync(b_frag, b_stage(stage, h) + (warp_n * 32 + j * 16) * kLd + kk, kLd);
 #pragma unroll
           for (int i = 0; i < 2; ++i) wmma::mma_sync(acc[h][i][j], a_frag[i], b_frag, acc[h][i][j]);
         }
       }
     }
-    __syncthreads();
   }
-  // Epilogue through shared memory, one accumulator set at a time (the gate
-  // values wait in registers while the up tile is staged).
-  __shared__ float c_tile[kTileM][kTileN + 4];
-  constexpr int kPerThread = kTileM * kTileN / 128;
-  float gate[kPerThread];
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Epilogue through shared memory (reusing the pipeline's), one accumulator
+  // set at a time: the gate values wait in registers while up is staged.
+  float (*c_tile)[kEpilogueLd] = reinterpret_cast<float (*)[kEpilogueLd]>(smem);
+  constexpr int kOutPerThread = kTileM * kTileN / kThreads;
+  float gate[kOutPerThread];
+#pragma unroll
   for (int h = 0; h < num_b; ++h) {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int j = 0; j < 2; ++j)
-        wmma::store_matrix_sync(&c_tile[warp_m * 32 + i * 16][warp_n * 32 + j * 16], acc[h][i][j], kTileN + 4,
+        wmma::store_matrix_sync(&c_tile[warp_m * 32 + i * 16][warp_n * 32 + j * 16], acc[h][i][j], kEpilogueLd,
                                 wmma::mem_row_major);
     __syncthreads();
 #pragma unroll
-    for (int v = 0; v < kPerThread; ++v) {
-      const int idx = threadIdx.x + v * 128, r = idx / kTileN, c = idx % kTileN;
-      if (h == 0 && p.gate_up) {
+    for (int v = 0; v < kOutPerThread; ++v) {
+      const int idx = threadIdx.x + v * kThreads, r = idx / kTileN, c = idx % kTileN;
+      if (h == 0 && kGateUp) {
         gate[v] = c_tile[r][c];
         continue;
       }
       if (r >= rows || c >= n_rows) continue;
       const int64_t out_index = static_cast<int64_t>(row0 + r) * p.N + n0 + c;
-      if (p.gate_up) {
+      if (kGateUp) {
         const float g = gate[v], u = c_tile[r][c];
         static_cast<bf16*>(p.out)[out_index] = __float2bfloat16(g / (1.0f + expf(-g)) * u);
       } else {
@@ -236,7 +283,12 @@ cudaError_t moe_permute(const MoePermuteParams& p, cudaStream_t stream) {
 cudaError_t grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   if (p.K % 8 != 0) return cudaErrorInvalidValue;
   if (p.max_tiles == 0) return cudaSuccess;
-  grouped_gemm_kernel<<<dim3((p.N + kTileN - 1) / kTileN, p.max_tiles), 128, 0, stream>>>(p);
+  const dim3 grid((p.N + kTileN - 1) / kTileN, p.max_tiles);
+  auto kernel = p.gate_up ? grouped_gemm_kernel<true> : grouped_gemm_kernel<false>;
+  // More than 48 KB of dynamic shared memory needs an opt-in (idempotent).
+  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (error != cudaSuccess) return error;
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 

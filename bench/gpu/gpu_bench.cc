@@ -1,0 +1,264 @@
+// GPU benchmarks at Qwen3-235B-A22B shapes: each kernel is validated by its
+// GPU test (tests/gpu) and timed here with CUDA events (warm-up, median of
+// repeats), next to its floor: bytes / the copy bandwidth measured in the same
+// run, or FLOPs / the bf16 tensor-core rate. Prints a table; writes JSON
+// lines to --json. Peers (PyTorch) run from peer_bench.py in the same call.
+//
+// Inputs are random (never zeros); weights and KV are far larger than the
+// 60 MB L2, so no rotation is needed for them.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/cuda/device_buffer.h"
+#include "model/config.h"
+#include "model/cuda/cuda_model.h"
+#include "ops/cuda/kernels.h"
+
+namespace moe {
+namespace {
+
+namespace k = ops::cuda;
+using bf16 = __nv_bfloat16;
+
+std::FILE* json_out = nullptr;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+void check(const Status& s) {
+  if (!s.is_ok()) {
+    std::fprintf(stderr, "%s\n", s.to_string().c_str());
+    std::exit(1);
+  }
+}
+
+// Median milliseconds of `repeats` timed runs after `warmup` runs.
+double time_ms(const std::function<void()>& body, int warmup = 3, int repeats = 20) {
+  for (int i = 0; i < warmup; ++i) body();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<float> ms;
+  for (int i = 0; i < repeats; ++i) {
+    cudaEventRecord(start);
+    body();
+    cudaEventRecord(stop);
+    check(cudaEventSynchronize(stop), "timing");
+    float t = 0;
+    cudaEventElapsedTime(&t, start, stop);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+DeviceTensor random_bf16(Shape shape, uint64_t seed, float scale = 1.0f) {
+  auto t = DeviceTensor::allocate(DType::kBF16, shape);
+  check(t.status());
+  check(k::fill_random({t->data_as<bf16>(), shape.num_elements(), seed, 0.0f, scale}, nullptr), "fill");
+  return std::move(t).value();
+}
+
+DeviceTensor device_ints(const std::vector<int32_t>& v) {
+  auto t = DeviceTensor::upload(TensorView(const_cast<int32_t*>(v.data()), DType::kI32, {static_cast<int64_t>(v.size())}));
+  check(t.status());
+  return std::move(t).value();
+}
+
+void report(const char* bench, const std::string& shape, double ms, double floor_ms, const std::string& extra) {
+  std::printf("%-22s %-34s %10.3f ms  floor %8.3f ms  %5.1f%% of floor  %s\n", bench, shape.c_str(), ms, floor_ms,
+              100.0 * floor_ms / ms, extra.c_str());
+  if (json_out)
+    std::fprintf(json_out, "{\"bench\":\"%s\",\"shape\":\"%s\",\"ms\":%.6f,\"floor_ms\":%.6f,\"extra\":\"%s\"}\n", bench,
+                 shape.c_str(), ms, floor_ms, extra.c_str());
+}
+
+double copy_bandwidth_gbs() {
+  const size_t bytes = size_t{4} << 30;
+  auto a = DeviceBuffer::allocate(bytes), b = DeviceBuffer::allocate(bytes);
+  check(a.status());
+  check(b.status());
+  check(cudaMemset(a->data(), 1, bytes), "memset");
+  const double ms = time_ms([&] { cudaMemcpyAsync(b->data(), a->data(), bytes, cudaMemcpyDeviceToDevice); }, 2, 10);
+  const double gbs = 2.0 * bytes / (ms * 1e6);
+  std::printf("copy bandwidth (read + write): %.0f GB/s\n", gbs);
+  if (json_out) std::fprintf(json_out, "{\"bench\":\"copy\",\"gbs\":%.1f}\n", gbs);
+  return gbs;
+}
+
+// MoE experts of one layer at decode sizes: permute, gate/up grouped GEMM with
+// SiLU-multiply, down grouped GEMM, weighted un-permute. Floor: every expert's
+// weights read once.
+void bench_grouped_gemm(double copy_gbs) {
+  const int E = 128, H = 4096, I = 1536, topk = 8;
+  DeviceTensor w13 = random_bf16({E, 2 * I, H}, 11, 0.02f), w2 = random_bf16({E, H, I}, 12, 0.02f);
+  const double weight_bytes = 2.0 * E * 3.0 * H * I;
+  for (int per_expert : {1, 2, 4, 8, 16, 32, 64}) {
+    const int T = per_expert * E / topk;
+    std::vector<int32_t> ids(static_cast<size_t>(T) * topk);
+    for (int i = 0; i < T * topk; ++i) ids[i] = i % E;  // every expert gets per_expert tokens
+    DeviceTensor d_ids = device_ints(ids), x = random_bf16({T, H}, 13);
+    auto alloc = [&](DType dt, Shape s) { auto t = DeviceTensor::allocate(dt, s); check(t.status()); return std::move(t).value(); };
+    DeviceTensor weights = alloc(DType::kF32, {T, topk}), offsets = alloc(DType::kI32, {E + 1}), tiles = alloc(DType::kI32, {E + 1});
+    DeviceTensor sorted = alloc(DType::kI32, {T * topk}), row_of = alloc(DType::kI32, {T * topk});
+    DeviceTensor act = alloc(DType::kBF16, {T * topk, I}), rows = alloc(DType::kF32, {T * topk, H}), out = alloc(DType::kF32, {T, H});
+    check(cudaMemset(weights.data(), 0, weights.num_bytes()), "memset");
+    const int max_tiles = (T * topk + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
+    const double ms = time_ms([&] {
+      k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), sorted.data_as<int32_t>(),
+                      row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, nullptr);
+      k::grouped_gemm({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
+                       tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, nullptr);
+      k::grouped_gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                       rows.data(), H, I, E, max_tiles, false}, nullptr);
+      k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(), out.data_as<float>(), T,
+                        topk, H}, nullptr);
+    });
+    check(cudaGetLastError(), "grouped gemm");
+    const double floor_ms = weight_bytes / (copy_gbs * 1e6);
+    char shape[96], extra[96];
+    std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
+    std::snprintf(extra, sizeof extra, "%.0f GB/s of weights", weight_bytes / (ms * 1e6));
+    report("moe_experts_decode", shape, ms, floor_ms, extra);
+  }
+}
+
+// Decode attention: one new token per sequence over `context` cached tokens.
+void bench_decode_attention(double copy_gbs) {
+  const int Hq = 64, Hkv = 4, D = 128, page = 16;
+  for (auto [batch, context] : {std::pair{64, 1024}, std::pair{64, 8192}, std::pair{256, 2048}, std::pair{256, 8192},
+                                std::pair{64, 32768}}) {
+    const int pages_per_seq = context / page, num_pages = batch * pages_per_seq;
+    DeviceTensor kp = random_bf16({num_pages, Hkv, page, D}, 21), vp = random_bf16({num_pages, Hkv, page, D}, 22);
+    DeviceTensor q = random_bf16({batch, Hq, D}, 23);
+    std::vector<int32_t> positions(batch, context - 1), seq(batch), table(static_cast<size_t>(num_pages));
+    for (int b = 0; b < batch; ++b) seq[b] = b;
+    for (int i = 0; i < num_pages; ++i) table[i] = (i * 7919) % num_pages;  // scattered pages
+    DeviceTensor d_pos = device_ints(positions), d_seq = device_ints(seq), d_table = device_ints(table);
+    auto out = DeviceTensor::allocate(DType::kBF16, {batch, Hq * D});
+    check(out.status());
+    const k::PagedAttentionParams params{q.data_as<bf16>(), kp.data_as<bf16>(), vp.data_as<bf16>(), d_pos.data_as<int32_t>(),
+                                         d_seq.data_as<int32_t>(), d_table.data_as<int32_t>(), out->data_as<bf16>(), batch,
+                                         Hq, Hkv, D, page, pages_per_seq, 1.0f / std::sqrt(float(D))};
+    const size_t ws_bytes = k::mma_attention_workspace_bytes(batch, Hq, context - 1);
+    auto ws = DeviceBuffer::allocate(ws_bytes);
+    check(ws.status());
+    const double ms = time_ms([&] { k::mma_paged_attention(params, context - 1, ws->data_as<float>(), ws_bytes, nullptr); });
+    const double simple_ms = time_ms([&] { k::paged_attention(params, nullptr); }, 1, 3);
+    check(cudaGetLastError(), "decode attention");
+    const double kv_bytes = 2.0 * batch * context * Hkv * D * 2;
+    char shape[96], extra[96];
+    std::snprintf(shape, sizeof shape, "batch %d, context %d", batch, context);
+    std::snprintf(extra, sizeof extra, "%.0f GB/s of KV (CUDA-core kernel: %.3f ms)", kv_bytes / (ms * 1e6), simple_ms);
+    report("decode_attention", shape, ms, kv_bytes / (copy_gbs * 1e6), extra);
+  }
+}
+
+// Causal prefill attention of one 6k-token prompt. Floor: FLOPs at 780 TFLOP/s (bf16 dense, measured on H200 here).
+void bench_prefill_attention() {
+  const int Hq = 64, Hkv = 4, D = 128, page = 16, T = 6144, pages = T / page;
+  DeviceTensor kp = random_bf16({pages, Hkv, page, D}, 31), vp = random_bf16({pages, Hkv, page, D}, 32);
+  DeviceTensor q = random_bf16({T, Hq, D}, 33);
+  std::vector<int32_t> positions(T), seq(T, 0), table(pages);
+  for (int i = 0; i < T; ++i) positions[i] = i;
+  for (int i = 0; i < pages; ++i) table[i] = i;
+  DeviceTensor d_pos = device_ints(positions), d_seq = device_ints(seq), d_table = device_ints(table);
+  auto out = DeviceTensor::allocate(DType::kBF16, {T, Hq * D});
+  check(out.status());
+  const k::PagedAttentionParams params{q.data_as<bf16>(), kp.data_as<bf16>(), vp.data_as<bf16>(), d_pos.data_as<int32_t>(),
+                                       d_seq.data_as<int32_t>(), d_table.data_as<int32_t>(), out->data_as<bf16>(), T, Hq, Hkv,
+                                       D, page, pages, 1.0f / std::sqrt(float(D))};
+  const double ms = time_ms([&] { k::mma_paged_attention(params, T - 1, nullptr, 0, nullptr); }, 1, 3);
+  check(cudaGetLastError(), "prefill attention");
+  const double flops = 4.0 * Hq * D * (double(T) * (T + 1) / 2);
+  char extra[96];
+  std::snprintf(extra, sizeof extra, "%.1f TFLOP/s", flops / (ms * 1e9));
+  report("prefill_attention", "6144 tokens, 64/4 heads, d128", ms, flops / 780e9, extra);
+}
+
+// Whole decoder layers of dummy Qwen3-235B at decode batch sizes, context 2048.
+void bench_model(const std::string& config_path, int num_layers, double copy_gbs) {
+  std::ifstream in(config_path);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  auto config = model::parse_model_config(text);
+  check(config.status());
+  config->num_layers = num_layers;
+  const int context = 2048, page = 16;
+  for (int batch : {64, 128, 256}) {
+    model::CudaModelOptions options;
+    options.page_size = page;
+    options.num_pages = batch * (context / page + 1);
+    options.max_num_tokens = batch;
+    options.max_num_seqs = batch;
+    auto m = model::CudaQwen3MoeModel::create_dummy(*config, 1, options);
+    check(m.status());
+    check((*m)->fill_kv_random(5));
+    model::ForwardBatch step;
+    step.max_pages_per_seq = context / page + 1;
+    step.query_start.push_back(0);
+    for (int b = 0; b < batch; ++b) {
+      step.token_ids.push_back(1000 + b);
+      step.positions.push_back(context - 1);
+      step.query_start.push_back(b + 1);
+      step.logits_rows.push_back(b);
+      for (int p = 0; p < step.max_pages_per_seq; ++p) step.page_table.push_back(b * step.max_pages_per_seq + p);
+    }
+    std::vector<double> ms;
+    for (int i = 0; i < 8; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      check((*m)->forward_greedy(step).status());
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::sort(ms.begin() + 2, ms.end());
+    const double step_ms = ms[2 + (ms.size() - 2) / 2];
+    const model::ModelConfig& c = *config;
+    const double layer_weights = 2.0 * (double(c.q_size() + 2 * c.kv_size()) * c.hidden_size + double(c.hidden_size) * c.q_size() +
+                                        double(c.num_experts) * 3 * c.hidden_size * c.moe_intermediate_size);
+    const double kv = 2.0 * batch * context * c.num_kv_heads * c.head_dim * 2;
+    const double head_bytes = 2.0 * 2 * c.vocab_size * c.hidden_size;
+    const double floor_ms = (num_layers * (layer_weights + kv) + head_bytes) / (copy_gbs * 1e6);
+    char shape[96], extra[160];
+    std::snprintf(shape, sizeof shape, "%d layers, batch %d, ctx %d", num_layers, batch, context);
+    const double per_layer = (step_ms - head_bytes / (copy_gbs * 1e6)) / num_layers;
+    std::snprintf(extra, sizeof extra, "~%.2f ms/layer; x94 layers ~ %.0f ms/step = %.0f tok/s (extrapolated)", per_layer,
+                  per_layer * 94, batch * 1000.0 / (per_layer * 94));
+    report("decode_step", shape, step_ms, floor_ms, extra);
+  }
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  std::string json_path, config_path = "tests/data/configs/qwen3-235b-a22b.config.json";
+  int layers = 4;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--json" && i + 1 < argc) json_path = argv[++i];
+    else if (a == "--config" && i + 1 < argc) config_path = argv[++i];
+    else if (a == "--layers" && i + 1 < argc) layers = std::atoi(argv[++i]);
+  }
+  if (!json_path.empty()) moe::json_out = std::fopen(json_path.c_str(), "w");
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  const double copy_gbs = moe::copy_bandwidth_gbs();
+  moe::bench_grouped_gemm(copy_gbs);
+  moe::bench_decode_attention(copy_gbs);
+  moe::bench_prefill_attention();
+  moe::bench_model(config_path, layers, copy_gbs);
+  if (moe::json_out) std::fclose(moe::json_out);
+  return 0;
+}

@@ -1,0 +1,73 @@
+"""Peers for gpu_bench, run in the same device call: PyTorch on the same shapes.
+
+torch._grouped_mm for the MoE expert GEMMs at decode sizes (gate/up then down,
+bf16), scaled_dot_product_attention (flash) for the 6k causal prefill, and SDPA
+over contiguous KV for decode attention (a bandwidth peer; it has no paging).
+Prints one line per result and writes JSON lines to the path in argv[1].
+"""
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def median_ms(fn, warmup=3, repeats=20):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main():
+    out = open(sys.argv[1], "w") if len(sys.argv) > 1 else None
+    dev = "cuda"
+    results = []
+    E, H, I = 128, 4096, 1536
+    w13 = torch.randn(E, H, 2 * I, device=dev, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16) * 0.02
+    for per_expert in [1, 2, 4, 8, 16, 32, 64]:
+        m = per_expert * E
+        x = torch.randn(m, H, device=dev, dtype=torch.bfloat16)
+        offs = torch.arange(per_expert, m + 1, per_expert, device=dev, dtype=torch.int32)
+        def run():
+            h = torch._grouped_mm(x, w13, offs=offs)
+            a = F.silu(h[:, :I]) * h[:, I:]
+            return torch._grouped_mm(a, w2, offs=offs)
+        try:
+            ms = median_ms(run)
+            results.append({"bench": "torch_grouped_mm", "shape": f"{per_expert} tok/expert", "ms": ms})
+        except Exception as e:  # noqa: BLE001 - report and continue
+            results.append({"bench": "torch_grouped_mm", "shape": f"{per_expert} tok/expert", "error": str(e)[:200]})
+    T, Hq, Hkv, D = 6144, 64, 4, 128
+    q = torch.randn(1, Hq, T, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, Hkv, T, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(1, Hkv, T, D, device=dev, dtype=torch.bfloat16)
+    ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    flops = 4.0 * Hq * D * (T * (T + 1) / 2)
+    results.append({"bench": "torch_sdpa_prefill", "shape": "6144 tokens", "ms": ms, "tflops": flops / (ms * 1e9)})
+    for batch, context in [(64, 1024), (64, 8192), (256, 2048), (256, 8192), (64, 32768)]:
+        q = torch.randn(batch, Hq, 1, D, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(batch, Hkv, context, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(batch, Hkv, context, D, device=dev, dtype=torch.bfloat16)
+        ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        kv_bytes = 2.0 * batch * context * Hkv * D * 2
+        results.append({"bench": "torch_sdpa_decode", "shape": f"batch {batch}, context {context}", "ms": ms,
+                        "gbs": kv_bytes / (ms * 1e6)})
+        del k, v
+    for r in results:
+        print(json.dumps(r))
+        if out:
+            out.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

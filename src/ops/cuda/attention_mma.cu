@@ -1,0 +1,309 @@
+// Paged attention on the tensor cores, for head_dim 128 and up to 16 q heads
+// per kv head (every Qwen3 MoE model): the decode kernel of the CUDA backend.
+//
+// Algorithm (flash-decoding): block = (token, kv head, split of the visible
+// positions); its 4 warps take 16-position chunks in turn. For a chunk a warp
+// copies the K and V rows (one page when page_size is 16) into shared memory
+// with cp.async, double-buffered, then on the tensor cores (mma.m16n8k16,
+// bf16 in, f32 accumulate) computes S = Q K^T for the 16 rows of q heads,
+// keeps an online softmax per row in registers, and accumulates O += P V with
+// P reused straight from the S accumulators as the A operand. Warps and
+// splits merge their (max, sum, O) at the end; splits through a small f32
+// workspace and a combine kernel.
+//
+// Floor: decode reads every K/V byte of the visible positions once per kv
+// head (bytes / HBM bandwidth); the 2 MMAs per position are far below the
+// tensor-core rate, so the kernel is memory-bound by design.
+#include <cfloat>
+#include <algorithm>
+#include <cstdint>
+
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/kernels.h"
+
+namespace moe::ops::cuda {
+namespace {
+
+constexpr int kD = 128, kRows = 16, kChunk = 16, kWarps = 4;
+constexpr int kRowBytes = kD * 2 + 16;  // padded shared-memory row: conflict-free ldmatrix
+constexpr int kChunkBytes = kChunk * kRowBytes;
+constexpr int kWarpSmem = 2 /*stages*/ * 2 /*K, V*/ * kChunkBytes;
+constexpr int kSplitPositions = 512;
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t address, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t address, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                                  uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(address));
+}
+
+// D = A (16x16 bf16, row) * B (16x8 bf16, col) + D (16x8 f32).
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+struct MmaAttentionParams {
+  PagedAttentionParams p;
+  int num_splits;
+  int split_len;      // positions per split, a multiple of kChunk
+  float* partial_o;   // [num_tokens, num_q_heads, num_splits, kD]
+  float* partial_ml;  // [num_tokens, num_q_heads, num_splits, 2]
+};
+
+__global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttentionParams args) {
+  const PagedAttentionParams& p = args.p;
+  const int t = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int pos = p.positions[t];
+  const int begin = split * args.split_len;
+  if (begin > pos) return;
+  const int end = min(pos + 1, begin + args.split_len);
+  const int32_t* pages = p.page_table + static_cast<int64_t>(p.token_seq[t]) * p.max_pages_per_seq;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* warp_smem = smem + warp * kWarpSmem;
+
+  // Q fragments (rows = q heads of the group, zero past `group`), pre-scaled by scale * log2(e).
+  const float q_scale = p.scale * 1.4426950408889634f;
+  uint32_t qa[kD / 16][4];
+  {
+    const bf16* q0 = p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD;
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = g + (r & 1) * 8, col = ks * 16 + tq * 2 + (r >> 1) * 8;
+        float lo = 0.0f, hi = 0.0f;
+        if (row < group) {
+          lo = __bfloat162float(q0[row * kD + col]) * q_scale;
+          hi = __bfloat162float(q0[row * kD + col + 1]) * q_scale;
+        }
+        qa[ks][r] = pack_bf16(lo, hi);
+      }
+    }
+  }
+  float o[kD / 8][4];
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m[2] = {-FLT_MAX, -FLT_MAX}, l[2] = {0.0f, 0.0f};  // rows g and g + 8 (l: this thread's part)
+
+  // Chunks of this warp: c = first + warp + kWarps * i.
+  const int first_chunk = begin / kChunk, last_chunk = (end - 1) / kChunk;
+  auto issue = [&](int chunk, int stage) {
+    // 16 rows x 256 bytes for K and for V: 16 x 16 chunks of 16 bytes each, 8 per lane per tensor.
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int idx = lane + 32 * i, row = idx >> 4, part = idx & 15;
+      const int position = chunk * kChunk + row;
+      const bool valid = position < end;
+      const int64_t offset = valid ? ((static_cast<int64_t>(pages[position / p.page_size]) * p.num_kv_heads + kv_head) *
+                                          p.page_size + position % p.page_size) * kD + part * 8
+                                   : 0;
+      const uint32_t dst = smem_address(warp_smem + (stage * 2) * kChunkBytes + row * kRowBytes + part * 16);
+      cp_async16(dst, p.k_pages + offset, valid);
+      cp_async16(dst + kChunkBytes, p.v_pages + offset, valid);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  int chunk = first_chunk + warp, stage = 0;
+  if (chunk <= last_chunk) issue(chunk, 0);
+  for (; chunk <= last_chunk; chunk += kWarps, stage ^= 1) {
+    const int next = chunk + kWarps;
+    if (next <= last_chunk) {
+      issue(next, stage ^ 1);
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+    __syncwarp();
+    const unsigned char* k_tile = warp_smem + (stage * 2) * kChunkBytes;
+    const unsigned char* v_tile = k_tile + kChunkBytes;
+    // S = Q K^T: two n-tiles of 8 positions.
+    float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      // x4: matrices (positions 0-7, dims ks*16+0..7), (0-7, +8..15), (8-15, +0..7), (8-15, +8..15).
+      const int mat = lane >> 3, row = (lane & 7) + (mat >> 1) * 8, col = ks * 16 + (mat & 1) * 8;
+      uint32_t b0, b1, b2, b3;
+      ldmatrix_x4(smem_address(k_tile + row * kRowBytes + col * 2), b0, b1, b2, b3);
+      mma_16816(s[0], qa[ks], b0, b1);
+      mma_16816(s[1], qa[ks], b2, b3);
+    }
+    // Mask positions past the visible range.
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int position = chunk * kChunk + nt * 8 + tq * 2 + (r & 1);
+        if (position < begin || position >= end) s[nt][r] = -FLT_MAX;
+      }
+    // Online softmax for rows g (r = 0, 1) and g + 8 (r = 2, 3), in base 2.
+    float corr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float row_max = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+      row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+      row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+      const float new_max = fmaxf(m[h], row_max);
+      corr[h] = exp2f(m[h] - new_max);
+      m[h] = new_max;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float& v = s[nt][2 * h + c];
+          v = v == -FLT_MAX ? 0.0f : exp2f(v - new_max);
+          sum += v;
+        }
+      l[h] = l[h] * corr[h] + sum;
+    }
+    // O = O * corr + P V; P's A fragment comes straight from the S accumulators.
+    const uint32_t pa[4] = {pack_bf16(s[0][0], s[0][1]), pack_bf16(s[0][2], s[0][3]), pack_bf16(s[1][0], s[1][1]),
+                            pack_bf16(s[1][2], s[1][3])};
+#pragma unroll
+    for (int dt = 0; dt < kD / 16; ++dt) {
+      // x4.trans: (positions 0-7, dims dt*16+0..7), (8-15, +0..7), (0-7, +8..15), (8-15, +8..15).
+      const int mat = lane >> 3, row = (lane & 7) + (mat & 1) * 8, col = dt * 16 + (mat >> 1) * 8;
+      uint32_t b0, b1, b2, b3;
+      ldmatrix_x4_trans(smem_address(v_tile + row * kRowBytes + col * 2), b0, b1, b2, b3);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float (&acc)[4] = o[dt * 2 + half];
+        acc[0] *= corr[0], acc[1] *= corr[0], acc[2] *= corr[1], acc[3] *= corr[1];
+        mma_16816(acc, pa, half == 0 ? b0 : b2, half == 0 ? b1 : b3);
+      }
+    }
+    __syncwarp();
+  }
+
+  // Merge the 4 warps: row sums across the quad, then through shared memory.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  __syncthreads();
+  float* merge_o = reinterpret_cast<float*>(smem);            // [kWarps][kRows][kD]
+  float* merge_ml = merge_o + kWarps * kRows * kD;            // [kWarps][kRows][2]
+#pragma unroll
+  for (int dt = 0; dt < kD / 8; ++dt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = g + (r >> 1) * 8, col = dt * 8 + tq * 2 + (r & 1);
+      merge_o[(warp * kRows + row) * kD + col] = o[dt][r];
+    }
+  if (tq == 0) {
+    merge_ml[(warp * kRows + g) * 2] = m[0], merge_ml[(warp * kRows + g) * 2 + 1] = l[0];
+    merge_ml[(warp * kRows + g + 8) * 2] = m[1], merge_ml[(warp * kRows + g + 8) * 2 + 1] = l[1];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < group * kD; idx += blockDim.x) {
+    const int row = idx / kD, col = idx % kD;
+    float max_all = -FLT_MAX;
+    for (int w = 0; w < kWarps; ++w) max_all = fmaxf(max_all, merge_ml[(w * kRows + row) * 2]);
+    float numerator = 0.0f, denominator = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float lw = merge_ml[(w * kRows + row) * 2 + 1];
+      const float c = lw > 0.0f ? exp2f(merge_ml[(w * kRows + row) * 2] - max_all) : 0.0f;
+      numerator += merge_o[(w * kRows + row) * kD + col] * c;
+      denominator += lw * c;
+    }
+    const int head = kv_head * group + row;
+    if (args.num_splits == 1) {
+      p.out[(static_cast<int64_t>(t) * p.num_q_heads + head) * kD + col] = __float2bfloat16(numerator / denominator);
+    } else {
+      const int64_t slot = (static_cast<int64_t>(t) * p.num_q_heads + head) * args.num_splits + split;
+      args.partial_o[slot * kD + col] = numerator / denominator;
+      if (col == 0) args.partial_ml[slot * 2] = max_all, args.partial_ml[slot * 2 + 1] = denominator;
+    }
+  }
+}
+
+// One block per (token, q head): merges the splits that saw any position.
+__global__ void combine_splits_kernel(MmaAttentionParams args) {
+  const PagedAttentionParams& p = args.p;
+  const int t = blockIdx.x, head = blockIdx.y;
+  const int num_valid = p.positions[t] / args.split_len + 1;
+  const int64_t base = (static_cast<int64_t>(t) * p.num_q_heads + head) * args.num_splits;
+  float max_all = -FLT_MAX;
+  for (int s = 0; s < num_valid; ++s) max_all = fmaxf(max_all, args.partial_ml[(base + s) * 2]);
+  for (int col = threadIdx.x; col < kD; col += blockDim.x) {
+    float numerator = 0.0f, denominator = 0.0f;
+    for (int s = 0; s < num_valid; ++s) {
+      const float w = args.partial_ml[(base + s) * 2 + 1] * exp2f(args.partial_ml[(base + s) * 2] - max_all);
+      numerator += args.partial_o[(base + s) * kD + col] * w;
+      denominator += w;
+    }
+    p.out[(static_cast<int64_t>(t) * p.num_q_heads + head) * kD + col] = __float2bfloat16(numerator / denominator);
+  }
+}
+
+}  // namespace
+
+bool mma_attention_supported(const PagedAttentionParams& p) {
+  return p.head_dim == kD && p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0 &&
+         p.num_q_heads / p.num_kv_heads <= kRows;
+}
+
+size_t mma_attention_workspace_bytes(int num_tokens, int num_q_heads, int max_position) {
+  const int splits = max_position / kSplitPositions + 1;
+  return static_cast<size_t>(num_tokens) * num_q_heads * splits * (kD + 2) * sizeof(float);
+}
+
+cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position, float* workspace,
+                                size_t workspace_bytes, cudaStream_t stream) {
+  if (!mma_attention_supported(p)) return cudaErrorInvalidValue;
+  if (p.num_tokens == 0) return cudaSuccess;
+  // Split long contexts only while the grid is too small to fill the GPU.
+  const int max_splits = max_position / kSplitPositions + 1;
+  const int blocks = p.num_tokens * p.num_kv_heads;
+  int splits = 1;
+  while (splits < max_splits && blocks * splits < 2 * 132) splits *= 2;  // ~2 blocks per SM of an H200
+  splits = std::min(splits, max_splits);
+  const int split_len = ((max_position + 1 + splits - 1) / splits + kChunk - 1) / kChunk * kChunk;
+  MmaAttentionParams args{p, splits, split_len, nullptr, nullptr};
+  if (splits > 1) {
+    const size_t entries = static_cast<size_t>(p.num_tokens) * p.num_q_heads * splits;
+    if (workspace == nullptr || workspace_bytes < entries * (kD + 2) * sizeof(float)) {
+      args.num_splits = 1;  // not enough workspace: one split per block, still correct
+      args.split_len = ((max_position + 1) + kChunk - 1) / kChunk * kChunk;
+    } else {
+      args.partial_o = workspace;
+      args.partial_ml = workspace + entries * kD;
+    }
+  }
+  constexpr int kMergeBytes = kWarps * kRows * (kD + 2) * sizeof(float);
+  constexpr int kSmem = kWarps * kWarpSmem > kMergeBytes ? kWarps * kWarpSmem : kMergeBytes;
+  cudaError_t error = cudaFuncSetAttribute(mma_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (error != cudaSuccess) return error;
+  mma_attention_kernel<<<dim3(p.num_tokens, p.num_kv_heads, args.num_splits), kWarps * 32, kSmem, stream>>>(args);
+  if (args.num_splits > 1) combine_splits_kernel<<<dim3(p.num_tokens, p.num_q_heads), kD, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace moe::ops::cuda
