@@ -182,3 +182,58 @@ TEST(CudaModel, BatchedMatchesOneByOne) {
 
 }  // namespace
 }  // namespace moe::model
+
+namespace moe::model {
+namespace {
+
+// A dummy model with head_dim 128 and 16 q heads per kv head, so the
+// tensor-core attention kernels (prefill and decode) run inside the model:
+// GPU logits against the CPU reference on the same weights, for a prefill
+// and for decode steps through the KV cache.
+TEST(CudaModel, TensorCoreAttentionPathMatchesCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto config = parse_model_config(std::string(R"({
+    "model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 16, "num_key_value_heads": 1, "head_dim": 128, "num_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": true, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "max_position_embeddings": 4096})"));
+  ASSERT_TRUE(config.has_value()) << config.status().to_string();
+  ThreadPool pool;
+  ModelWeights weights = ModelWeights::dummy(*config, 3, pool);
+  Qwen3MoeModel cpu(weights);
+  CudaModelOptions options;
+  options.page_size = 16;
+  options.num_pages = 64;
+  options.max_num_tokens = 512;
+  auto gpu = CudaQwen3MoeModel::create(weights, options);
+  ASSERT_TRUE(gpu.has_value()) << gpu.status().to_string();
+  kv::KvCache cache({config->num_layers, 1, 128, 16, 64, DType::kF32});
+  std::vector<ops::PagedKv> layers;
+  for (int l = 0; l < config->num_layers; ++l) layers.push_back(cache.layer(l));
+
+  ForwardBatch batch;
+  for (int i = 0; i < 300; ++i) batch.token_ids.push_back((i * 37) % 1000), batch.positions.push_back(i);
+  batch.query_start = {0, 300};
+  for (int p = 0; p < 20; ++p) batch.page_table.push_back(p);
+  batch.max_pages_per_seq = 20;
+  batch.logits_rows = {0, 150, 299};
+  for (int step = 0; step < 4; ++step) {
+    Tensor cpu_logits = cpu.forward(pool, batch, layers);
+    auto gpu_logits = (*gpu)->forward(batch);
+    ASSERT_TRUE(gpu_logits.has_value()) << gpu_logits.status().to_string();
+    for (size_t r = 0; r < batch.logits_rows.size(); ++r) {
+      std::vector<float> ref(cpu_logits.data_as<float>() + r * 1000, cpu_logits.data_as<float>() + (r + 1) * 1000);
+      EXPECT_LT(relative_error(gpu_logits->data_as<float>() + r * 1000, ref), kLogitTolerance)
+          << "step " << step << " row " << r;
+    }
+    // Next: one decode token at the end of the sequence.
+    const int32_t pos = batch.positions.back() + 1;
+    batch.token_ids = {static_cast<int32_t>(pos % 1000)};
+    batch.positions = {pos};
+    batch.query_start = {0, 1};
+    batch.logits_rows = {0};
+  }
+}
+
+}  // namespace
+}  // namespace moe::model

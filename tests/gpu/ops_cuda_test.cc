@@ -205,6 +205,17 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
         EXPECT_LT(scaled_error(as_floats(mma_out.download(), DType::kBF16), out.data_as<float>(), out.num_elements()), 2e-2)
             << "tensor-core attention (split " << split << "), " << c.q_heads << " heads, prefix " << c.prefix;
       }
+      // The prefill kernel (token groups sharing K/V chunks).
+      const std::vector<int32_t> groups = k::prefill_token_groups(query_start);
+      DeviceTensor d_groups = upload_vector(groups, DType::kI32);
+      Output prefill_out = Output::make(static_cast<size_t>(c.new_tokens) * c.q_heads * c.dim * sizeof(bf16));
+      k::PagedAttentionParams pp = params;
+      pp.out = prefill_out.get<bf16>();
+      ASSERT_EQ(k::mma_prefill_attention(pp, d_groups.data_as<int32_t>(), static_cast<int>(groups.size()) - 1, nullptr),
+                cudaSuccess);
+      EXPECT_LT(scaled_error(as_floats(prefill_out.download(), DType::kBF16), out.data_as<float>(), out.num_elements()), 2e-2)
+          << "tensor-core prefill attention, " << c.q_heads << " heads, prefix " << c.prefix << ", " << c.new_tokens
+          << " new tokens";
     }
   }
 }

@@ -58,6 +58,7 @@ struct CudaQwen3MoeModel::State {
   // Step metadata.
   DeviceTensor token_ids, positions, token_seq, page_table, logits_rows;
   DeviceTensor attention_workspace;  // split-KV partials of the tensor-core attention
+  DeviceTensor attention_groups;     // prefill token groups
   size_t bytes = 0;
 
   ~State() {
@@ -69,6 +70,8 @@ CudaQwen3MoeModel::CudaQwen3MoeModel(std::unique_ptr<State> state) : state_(std:
 CudaQwen3MoeModel::~CudaQwen3MoeModel() = default;
 const ModelConfig& CudaQwen3MoeModel::config() const { return state_->config; }
 size_t CudaQwen3MoeModel::device_bytes() const { return state_->bytes; }
+int32_t CudaQwen3MoeModel::num_pages() const { return state_->options.num_pages; }
+int CudaQwen3MoeModel::page_size() const { return state_->options.page_size; }
 
 Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create(const ModelWeights& weights,
                                                                        const CudaModelOptions& options) {
@@ -118,7 +121,6 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   s->attention_factor = rope.attention_factor;
   MOE_RETURN_IF_ERROR(track(s->inv_freq, DeviceTensor::upload(TensorView(const_cast<float*>(rope.inv_freq.data()),
                                                                          DType::kF32, {c.head_dim / 2}))));
-  const Shape kv_shape{options.num_pages, c.num_kv_heads, options.page_size, c.head_dim};
   const int64_t qkv_rows = c.q_size() + 2 * c.kv_size();
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights* w = weights ? &weights->layer(l) : nullptr;
@@ -144,8 +146,6 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
       MOE_RETURN_IF_ERROR(weight(b.w13, {part(&LayerWeights::w13)}, {2 * inter, hidden}, 0.0f, hidden_scale));
       MOE_RETURN_IF_ERROR(weight(b.w2, {part(&LayerWeights::w2)}, {hidden, inter}, 0.0f, down_scale));
     }
-    MOE_RETURN_IF_ERROR(track(b.k_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
-    MOE_RETURN_IF_ERROR(track(b.v_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
     s->layers.push_back(std::move(b));
   }
   const int64_t T = options.max_num_tokens, H = c.hidden_size, kk = std::max(1, c.num_experts_per_tok);
@@ -165,11 +165,34 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
       {&s->greedy, DType::kI32, {T}},                 {&s->token_ids, DType::kI32, {T}},
       {&s->positions, DType::kI32, {T}},              {&s->token_seq, DType::kI32, {T}},
       {&s->logits_rows, DType::kI32, {T}},           {&s->attention_workspace, DType::kF32, {4 << 20}},
+      {&s->attention_groups, DType::kI32, {T + 1}},
   };
   for (const auto& a : allocs) MOE_RETURN_IF_ERROR(track(*a.t, DeviceTensor::allocate(a.dtype, a.shape)));
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s->stream));
-  log_info("CUDA model on device {}: {:.1f} MB of weights, KV and activations", options.device,
-           static_cast<double>(s->bytes) / 1e6);
+  const size_t weights_and_activations = s->bytes;
+  // The KV pool: as many pages as options ask, or what the memory budget leaves.
+  const size_t page_bytes = static_cast<size_t>(c.num_layers) * 2 * c.num_kv_heads * options.page_size * c.head_dim * 2;
+  if (s->options.num_pages == 0) {
+    size_t free_bytes = 0, total_bytes = 0;
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    const double budget = options.gpu_memory_utilization * static_cast<double>(total_bytes) -
+                          static_cast<double>(total_bytes - free_bytes);
+    s->options.num_pages = budget > 0 ? static_cast<int32_t>(std::min<double>(budget / page_bytes, INT32_MAX)) : 0;
+    if (s->options.num_pages < 1)
+      return resource_exhausted("no GPU memory left for the KV cache: weights and activations take {:.1f} GB of {:.1f} GB, "
+                                "--gpu-memory-utilization {} allows {:.1f} GB",
+                                weights_and_activations / 1e9, total_bytes / 1e9, options.gpu_memory_utilization,
+                                options.gpu_memory_utilization * total_bytes / 1e9);
+  }
+  const Shape kv_shape{s->options.num_pages, c.num_kv_heads, options.page_size, c.head_dim};
+  for (auto& b : s->layers) {
+    MOE_RETURN_IF_ERROR(track(b.k_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
+    MOE_RETURN_IF_ERROR(track(b.v_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
+  }
+  log_info("CUDA model on device {}: {:.2f} GB of weights and activations, KV cache {} pages of {} tokens = {} tokens "
+           "({:.2f} GB)", options.device, weights_and_activations / 1e9, s->options.num_pages, options.page_size,
+           static_cast<int64_t>(s->options.num_pages) * options.page_size,
+           static_cast<double>(page_bytes) * s->options.num_pages / 1e9);
   return std::unique_ptr<CudaQwen3MoeModel>(new CudaQwen3MoeModel(std::move(s)));
 }
 
@@ -198,6 +221,14 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
   MOE_RETURN_IF_ERROR(copy_in(s.token_seq, token_seq));
   MOE_RETURN_IF_ERROR(copy_in(s.page_table, batch.page_table));
   MOE_RETURN_IF_ERROR(copy_in(s.logits_rows, batch.logits_rows));
+  // Prefill (any sequence with several new tokens) shares K/V chunks between a sequence's tokens.
+  bool prefill = false;
+  for (int seq = 0; seq < num_seqs; ++seq) prefill |= batch.query_start[seq + 1] - batch.query_start[seq] > 1;
+  std::vector<int32_t> groups;
+  if (prefill) {
+    groups = k::prefill_token_groups(batch.query_start);
+    MOE_RETURN_IF_ERROR(copy_in(s.attention_groups, groups));
+  }
 
 #define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
   MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
@@ -221,7 +252,10 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
                                             s.page_table.data_as<int32_t>(), s.attended.data_as<bf16>(), T, c.num_q_heads,
                                             c.num_kv_heads, c.head_dim, s.options.page_size, batch.max_pages_per_seq,
                                             1.0f / std::sqrt(static_cast<float>(c.head_dim))};
-    if (k::mma_attention_supported(attention)) {
+    if (k::mma_attention_supported(attention) && prefill) {
+      MOE_LAUNCH(k::mma_prefill_attention(attention, s.attention_groups.data_as<int32_t>(),
+                                          static_cast<int>(groups.size()) - 1, s.stream));
+    } else if (k::mma_attention_supported(attention)) {
       MOE_LAUNCH(k::mma_paged_attention(attention, max_position, s.attention_workspace.data_as<float>(),
                                         s.attention_workspace.num_bytes(), s.stream));
     } else {

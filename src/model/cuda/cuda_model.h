@@ -24,7 +24,8 @@ namespace moe::model {
 struct CudaModelOptions {
   int device = 0;
   int page_size = 16;
-  int32_t num_pages = 0;       // KV pages per layer
+  int32_t num_pages = 0;       // KV pages per layer; 0: sized from gpu_memory_utilization
+  double gpu_memory_utilization = 0.9;  // share of the GPU's memory this process may hold in all
   int max_num_tokens = 256;    // tokens per forward (activation buffers)
   int max_num_seqs = 64;
 };
@@ -48,6 +49,8 @@ class CudaQwen3MoeModel {
   // Random KV contents, for benchmarks that time decode at a long context
   // without running the prefill first.
   Status fill_kv_random(uint64_t seed);
+  int32_t num_pages() const;
+  int page_size() const;
   // Bytes of device memory held (weights, KV, activations).
   size_t device_bytes() const;
 

@@ -17,6 +17,8 @@
 #include <cfloat>
 #include <algorithm>
 #include <cstdint>
+#include <span>
+#include <vector>
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/kernels.h"
@@ -73,6 +75,116 @@ struct MmaAttentionParams {
   float* partial_ml;  // [num_tokens, num_q_heads, num_splits, 2]
 };
 
+// Q fragments of one token's group of q heads (rows past `group` are zero),
+// pre-scaled by scale * log2(e) so the softmax runs in base 2.
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[kD / 16][4], const bf16* q0, int group, float q_scale,
+                                                 int lane) {
+  const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = g + (r & 1) * 8, col = ks * 16 + tq * 2 + (r >> 1) * 8;
+      float lo = 0.0f, hi = 0.0f;
+      if (row < group) {
+        lo = __bfloat162float(q0[row * kD + col]) * q_scale;
+        hi = __bfloat162float(q0[row * kD + col + 1]) * q_scale;
+      }
+      qa[ks][r] = pack_bf16(lo, hi);
+    }
+}
+
+// A warp's running attention state for its 16 rows: O in mma accumulator
+// layout, the running max of rows g and g + 8, and this thread's part of
+// their sums.
+struct RowState {
+  float o[kD / 8][4];
+  float m[2], l[2];
+  __device__ void init() {
+#pragma unroll
+    for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    m[0] = m[1] = -FLT_MAX;
+    l[0] = l[1] = 0.0f;
+  }
+};
+
+// Folds one 16-position chunk (K and V rows in shared memory) into `state`;
+// positions outside [begin, end) are masked.
+__device__ __forceinline__ void attend_chunk(RowState& state, const uint32_t (&qa)[kD / 16][4],
+                                             const unsigned char* k_tile, const unsigned char* v_tile, int chunk_start,
+                                             int begin, int end, int lane) {
+  const int tq = lane & 3;
+  float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    // x4: matrices (positions 0-7, dims ks*16+0..7), (0-7, +8..15), (8-15, +0..7), (8-15, +8..15).
+    const int mat = lane >> 3, row = (lane & 7) + (mat >> 1) * 8, col = ks * 16 + (mat & 1) * 8;
+    uint32_t b0, b1, b2, b3;
+    ldmatrix_x4(smem_address(k_tile + row * kRowBytes + col * 2), b0, b1, b2, b3);
+    mma_16816(s[0], qa[ks], b0, b1);
+    mma_16816(s[1], qa[ks], b2, b3);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int position = chunk_start + nt * 8 + tq * 2 + (r & 1);
+      if (position < begin || position >= end) s[nt][r] = -FLT_MAX;
+    }
+  float corr[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float row_max = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+    const float new_max = fmaxf(state.m[h], row_max);
+    corr[h] = exp2f(state.m[h] - new_max);
+    state.m[h] = new_max;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float& v = s[nt][2 * h + c];
+        v = v == -FLT_MAX ? 0.0f : exp2f(v - new_max);
+        sum += v;
+      }
+    state.l[h] = state.l[h] * corr[h] + sum;
+  }
+  // O = O * corr + P V; P's A fragment comes straight from the S accumulators.
+  const uint32_t pa[4] = {pack_bf16(s[0][0], s[0][1]), pack_bf16(s[0][2], s[0][3]), pack_bf16(s[1][0], s[1][1]),
+                          pack_bf16(s[1][2], s[1][3])};
+#pragma unroll
+  for (int dt = 0; dt < kD / 16; ++dt) {
+    // x4.trans: (positions 0-7, dims dt*16+0..7), (8-15, +0..7), (0-7, +8..15), (8-15, +8..15).
+    const int mat = lane >> 3, row = (lane & 7) + (mat & 1) * 8, col = dt * 16 + (mat >> 1) * 8;
+    uint32_t b0, b1, b2, b3;
+    ldmatrix_x4_trans(smem_address(v_tile + row * kRowBytes + col * 2), b0, b1, b2, b3);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float (&acc)[4] = state.o[dt * 2 + half];
+      acc[0] *= corr[0], acc[1] *= corr[0], acc[2] *= corr[1], acc[3] *= corr[1];
+      mma_16816(acc, pa, half == 0 ? b0 : b2, half == 0 ? b1 : b3);
+    }
+  }
+}
+
+// Copies piece `piece` (0..255) of a 16-position chunk's K and V rows into
+// shared memory (16 rows x 16 pieces of 16 bytes each); pieces past `end` are zero.
+__device__ __forceinline__ void copy_chunk_piece(const PagedAttentionParams& p, const int32_t* pages, int kv_head,
+                                                 int chunk, int end, int piece, unsigned char* tile) {
+  const int row = piece >> 4, part = piece & 15;
+  const int position = chunk * kChunk + row;
+  const bool valid = position < end;
+  const int64_t offset =
+      valid ? ((static_cast<int64_t>(pages[position / p.page_size]) * p.num_kv_heads + kv_head) * p.page_size +
+               position % p.page_size) * kD + part * 8
+            : 0;
+  const uint32_t dst = smem_address(tile + row * kRowBytes + part * 16);
+  cp_async16(dst, p.k_pages + offset, valid);
+  cp_async16(dst + kChunkBytes, p.v_pages + offset, valid);
+}
+
 __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttentionParams args) {
   const PagedAttentionParams& p = args.p;
   const int t = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
@@ -87,119 +199,36 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* warp_smem = smem + warp * kWarpSmem;
 
-  // Q fragments (rows = q heads of the group, zero past `group`), pre-scaled by scale * log2(e).
-  const float q_scale = p.scale * 1.4426950408889634f;
   uint32_t qa[kD / 16][4];
-  {
-    const bf16* q0 = p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD;
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = g + (r & 1) * 8, col = ks * 16 + tq * 2 + (r >> 1) * 8;
-        float lo = 0.0f, hi = 0.0f;
-        if (row < group) {
-          lo = __bfloat162float(q0[row * kD + col]) * q_scale;
-          hi = __bfloat162float(q0[row * kD + col + 1]) * q_scale;
-        }
-        qa[ks][r] = pack_bf16(lo, hi);
-      }
-    }
-  }
-  float o[kD / 8][4];
-#pragma unroll
-  for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float m[2] = {-FLT_MAX, -FLT_MAX}, l[2] = {0.0f, 0.0f};  // rows g and g + 8 (l: this thread's part)
-
-  // Chunks of this warp: c = first + warp + kWarps * i.
+  load_q_fragments(qa, p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD, group,
+                   p.scale * 1.4426950408889634f, lane);
+  RowState state;
+  state.init();
+  // Chunks of this warp: first + warp + kWarps * i, double-buffered per warp.
   const int first_chunk = begin / kChunk, last_chunk = (end - 1) / kChunk;
   auto issue = [&](int chunk, int stage) {
-    // 16 rows x 256 bytes for K and for V: 16 x 16 chunks of 16 bytes each, 8 per lane per tensor.
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int idx = lane + 32 * i, row = idx >> 4, part = idx & 15;
-      const int position = chunk * kChunk + row;
-      const bool valid = position < end;
-      const int64_t offset = valid ? ((static_cast<int64_t>(pages[position / p.page_size]) * p.num_kv_heads + kv_head) *
-                                          p.page_size + position % p.page_size) * kD + part * 8
-                                   : 0;
-      const uint32_t dst = smem_address(warp_smem + (stage * 2) * kChunkBytes + row * kRowBytes + part * 16);
-      cp_async16(dst, p.k_pages + offset, valid);
-      cp_async16(dst + kChunkBytes, p.v_pages + offset, valid);
-    }
+    for (int i = 0; i < 8; ++i)
+      copy_chunk_piece(p, pages, kv_head, chunk, end, lane + 32 * i, warp_smem + (stage * 2) * kChunkBytes);
     asm volatile("cp.async.commit_group;\n" ::);
   };
   int chunk = first_chunk + warp, stage = 0;
   if (chunk <= last_chunk) issue(chunk, 0);
   for (; chunk <= last_chunk; chunk += kWarps, stage ^= 1) {
-    const int next = chunk + kWarps;
-    if (next <= last_chunk) {
-      issue(next, stage ^ 1);
+    if (chunk + kWarps <= last_chunk) {
+      issue(chunk + kWarps, stage ^ 1);
       asm volatile("cp.async.wait_group 1;\n" ::);
     } else {
       asm volatile("cp.async.wait_group 0;\n" ::);
     }
     __syncwarp();
     const unsigned char* k_tile = warp_smem + (stage * 2) * kChunkBytes;
-    const unsigned char* v_tile = k_tile + kChunkBytes;
-    // S = Q K^T: two n-tiles of 8 positions.
-    float s[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
-      // x4: matrices (positions 0-7, dims ks*16+0..7), (0-7, +8..15), (8-15, +0..7), (8-15, +8..15).
-      const int mat = lane >> 3, row = (lane & 7) + (mat >> 1) * 8, col = ks * 16 + (mat & 1) * 8;
-      uint32_t b0, b1, b2, b3;
-      ldmatrix_x4(smem_address(k_tile + row * kRowBytes + col * 2), b0, b1, b2, b3);
-      mma_16816(s[0], qa[ks], b0, b1);
-      mma_16816(s[1], qa[ks], b2, b3);
-    }
-    // Mask positions past the visible range.
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int position = chunk * kChunk + nt * 8 + tq * 2 + (r & 1);
-        if (position < begin || position >= end) s[nt][r] = -FLT_MAX;
-      }
-    // Online softmax for rows g (r = 0, 1) and g + 8 (r = 2, 3), in base 2.
-    float corr[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float row_max = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
-      row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
-      row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-      const float new_max = fmaxf(m[h], row_max);
-      corr[h] = exp2f(m[h] - new_max);
-      m[h] = new_max;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float& v = s[nt][2 * h + c];
-          v = v == -FLT_MAX ? 0.0f : exp2f(v - new_max);
-          sum += v;
-        }
-      l[h] = l[h] * corr[h] + sum;
-    }
-    // O = O * corr + P V; P's A fragment comes straight from the S accumulators.
-    const uint32_t pa[4] = {pack_bf16(s[0][0], s[0][1]), pack_bf16(s[0][2], s[0][3]), pack_bf16(s[1][0], s[1][1]),
-                            pack_bf16(s[1][2], s[1][3])};
-#pragma unroll
-    for (int dt = 0; dt < kD / 16; ++dt) {
-      // x4.trans: (positions 0-7, dims dt*16+0..7), (8-15, +0..7), (0-7, +8..15), (8-15, +8..15).
-      const int mat = lane >> 3, row = (lane & 7) + (mat & 1) * 8, col = dt * 16 + (mat >> 1) * 8;
-      uint32_t b0, b1, b2, b3;
-      ldmatrix_x4_trans(smem_address(v_tile + row * kRowBytes + col * 2), b0, b1, b2, b3);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float (&acc)[4] = o[dt * 2 + half];
-        acc[0] *= corr[0], acc[1] *= corr[0], acc[2] *= corr[1], acc[3] *= corr[1];
-        mma_16816(acc, pa, half == 0 ? b0 : b2, half == 0 ? b1 : b3);
-      }
-    }
+    attend_chunk(state, qa, k_tile, k_tile + kChunkBytes, chunk * kChunk, begin, end, lane);
     __syncwarp();
   }
+  float (&o)[kD / 8][4] = state.o;
+  float (&m)[2] = state.m;
+  float (&l)[2] = state.l;
 
   // Merge the 4 warps: row sums across the quad, then through shared memory.
 #pragma unroll
@@ -263,6 +292,78 @@ __global__ void combine_splits_kernel(MmaAttentionParams args) {
   }
 }
 
+constexpr int kPrefillWarps = 8;
+
+struct MmaPrefillParams {
+  PagedAttentionParams p;
+  const int32_t* group_start;  // [num_groups + 1]: first token of each group of <= kPrefillWarps tokens
+};
+
+// Prefill: block = (group of up to 8 consecutive tokens of one sequence, kv
+// head); warp w owns token w of the group. The block's threads copy each
+// 16-position K/V chunk into shared memory once (double-buffered cp.async)
+// and every warp whose token can see the chunk folds it in: 8x less K/V
+// traffic than one block per token.
+__global__ void __launch_bounds__(kPrefillWarps * 32, 2) mma_prefill_kernel(MmaPrefillParams args) {
+  const PagedAttentionParams& p = args.p;
+  const int t0 = args.group_start[blockIdx.x], t1 = args.group_start[blockIdx.x + 1];
+  const int kv_head = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = t0 + warp;
+  const bool active = t < t1;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int last_position = p.positions[t1 - 1];  // a group's tokens are in position order
+  const int pos = active ? p.positions[t] : -1;
+  const int32_t* pages = p.page_table + static_cast<int64_t>(p.token_seq[t0]) * p.max_pages_per_seq;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  uint32_t qa[kD / 16][4];
+  if (active)
+    load_q_fragments(qa, p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD, group,
+                     p.scale * 1.4426950408889634f, lane);
+  RowState state;
+  state.init();
+  const int last_chunk = last_position / kChunk;
+  auto issue = [&](int chunk, int stage) {
+    for (int piece = threadIdx.x; piece < kChunk * 16; piece += blockDim.x)
+      copy_chunk_piece(p, pages, kv_head, chunk, last_position + 1, piece, smem + stage * 2 * kChunkBytes);
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  issue(0, 0);
+  for (int chunk = 0; chunk <= last_chunk; ++chunk) {
+    const int stage = chunk & 1;
+    if (chunk < last_chunk) {
+      issue(chunk + 1, stage ^ 1);
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+    __syncthreads();
+    if (active && chunk * kChunk <= pos) {
+      const unsigned char* k_tile = smem + stage * 2 * kChunkBytes;
+      attend_chunk(state, qa, k_tile, k_tile + kChunkBytes, chunk * kChunk, 0, pos + 1, lane);
+    }
+    __syncthreads();  // the stage refilled next is no longer read
+  }
+  if (!active) return;
+  const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    state.l[h] += __shfl_xor_sync(0xffffffffu, state.l[h], 1);
+    state.l[h] += __shfl_xor_sync(0xffffffffu, state.l[h], 2);
+  }
+  bf16* out = p.out + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD;
+#pragma unroll
+  for (int dt = 0; dt < kD / 8; ++dt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = g + h * 8;
+      if (row >= group) continue;
+      const float inv = 1.0f / state.l[h];
+      *reinterpret_cast<__nv_bfloat162*>(out + row * kD + dt * 8 + tq * 2) =
+          __floats2bfloat162_rn(state.o[dt][2 * h] * inv, state.o[dt][2 * h + 1] * inv);
+    }
+}
+
 }  // namespace
 
 bool mma_attention_supported(const PagedAttentionParams& p) {
@@ -303,6 +404,28 @@ cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position,
   if (error != cudaSuccess) return error;
   mma_attention_kernel<<<dim3(p.num_tokens, p.num_kv_heads, args.num_splits), kWarps * 32, kSmem, stream>>>(args);
   if (args.num_splits > 1) combine_splits_kernel<<<dim3(p.num_tokens, p.num_q_heads), kD, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace moe::ops::cuda
+
+namespace moe::ops::cuda {
+
+std::vector<int32_t> prefill_token_groups(std::span<const int32_t> query_start) {
+  std::vector<int32_t> starts;
+  for (size_t seq = 0; seq + 1 < query_start.size(); ++seq)
+    for (int32_t t = query_start[seq]; t < query_start[seq + 1]; t += kPrefillWarps) starts.push_back(t);
+  starts.push_back(query_start.empty() ? 0 : query_start.back());
+  return starts;
+}
+
+cudaError_t mma_prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
+                                  cudaStream_t stream) {
+  if (!mma_attention_supported(p)) return cudaErrorInvalidValue;
+  if (num_groups == 0) return cudaSuccess;
+  constexpr int kSmem = 2 * 2 * kChunkBytes;
+  mma_prefill_kernel<<<dim3(num_groups, p.num_kv_heads), kPrefillWarps * 32, kSmem, stream>>>(
+      MmaPrefillParams{p, group_start});
   return cudaGetLastError();
 }
 

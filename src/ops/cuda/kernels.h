@@ -8,6 +8,8 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <vector>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -80,6 +82,13 @@ bool mma_attention_supported(const PagedAttentionParams& p);
 size_t mma_attention_workspace_bytes(int num_tokens, int num_q_heads, int max_position);
 cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position, float* workspace,
                                 size_t workspace_bytes, cudaStream_t stream);
+
+// Prefill on the tensor cores: groups of up to 8 consecutive tokens of one
+// sequence share each K/V chunk. group_start [num_groups + 1] comes from
+// prefill_token_groups(query_start) (host), uploaded by the caller.
+std::vector<int32_t> prefill_token_groups(std::span<const int32_t> query_start);
+cudaError_t mma_prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
+                                  cudaStream_t stream);
 
 // Router: softmax over experts, top-k (ties: lower expert first), optional renormalisation.
 struct RouteTopkParams {
