@@ -2,6 +2,8 @@
 // from the definition of each filter, with a chi-square goodness-of-fit test.
 #include "engine/sampler.h"
 
+#include "tests/engine/sampling_oracle.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,47 +14,8 @@
 namespace moe::engine {
 namespace {
 
-// The distribution sample_token should draw from, written independently:
-// filter by rank (top-k), by cumulative mass (top-p), by ratio (min-p).
-std::vector<double> expected_distribution(const std::vector<float>& logits, const SamplingParams& p) {
-  const size_t n = logits.size();
-  std::vector<size_t> rank(n);
-  std::iota(rank.begin(), rank.end(), 0);
-  std::stable_sort(rank.begin(), rank.end(), [&](size_t a, size_t b) { return logits[a] > logits[b]; });
-  size_t keep = (p.top_k > 0) ? std::min<size_t>(p.top_k, n) : n;
-  std::vector<double> w(n, 0.0);
-  double z = 0;
-  for (size_t i = 0; i < keep; ++i) z += w[rank[i]] = std::exp((logits[rank[i]] - logits[rank[0]]) / p.temperature);
-  double mass = 0;
-  size_t nucleus = 0;
-  while (nucleus < keep && mass < p.top_p) mass += w[rank[nucleus++]] / z;
-  keep = std::max<size_t>(nucleus, 1);
-  const double top = w[rank[0]] / z;
-  size_t above = 1;
-  while (above < keep && w[rank[above]] / z >= p.min_p * top) ++above;
-  keep = above;
-  std::vector<double> probs(n, 0.0);
-  double kept = 0;
-  for (size_t i = 0; i < keep; ++i) kept += w[rank[i]];
-  for (size_t i = 0; i < keep; ++i) probs[rank[i]] = w[rank[i]] / kept;
-  return probs;
-}
-
-// Pearson chi-square statistic of `counts` against `probs` over the support.
-double chi_square(const std::vector<int>& counts, const std::vector<double>& probs, int draws, int* dof) {
-  double stat = 0;
-  *dof = -1;
-  for (size_t i = 0; i < probs.size(); ++i) {
-    if (probs[i] == 0) {
-      EXPECT_EQ(counts[i], 0) << "token " << i << " is outside the filtered support";
-      continue;
-    }
-    const double expected = probs[i] * draws;
-    stat += (counts[i] - expected) * (counts[i] - expected) / expected;
-    ++*dof;
-  }
-  return stat;
-}
+using testing_oracle::chi_square;
+using testing_oracle::expected_distribution;
 
 TEST(Sampler, GreedyIsArgmaxWithLowestIdOnTies) {
   std::vector<float> logits = {0.5f, 2.0f, -1.0f, 2.0f};

@@ -159,6 +159,24 @@ struct ArgmaxParams {
 };
 cudaError_t argmax(const ArgmaxParams& p, cudaStream_t stream);
 
+// Sampling on the GPU (sampling.cu): per row the filters of engine/sampler.h
+// and the draw for (seed, step); temperature 0 is the argmax.
+struct SampleRow {
+  float temperature;
+  int top_k;      // <= 0: off
+  float top_p;    // 1: off
+  float min_p;    // 0: off
+  uint64_t seed;
+  uint64_t step;
+};
+struct SampleParams {
+  const float* logits;    // [num_rows, vocab]
+  const SampleRow* rows;  // [num_rows]
+  int32_t* tokens;        // [num_rows]
+  int num_rows, vocab;
+};
+cudaError_t sample(const SampleParams& p, cudaStream_t stream);
+
 // out[r, :] = in[rows[r], :] for bf16 rows (selecting the rows that need logits).
 struct GatherRowsParams {
   const bf16* in;        // [num_in, width]

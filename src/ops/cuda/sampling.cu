@@ -1,0 +1,167 @@
+// Token sampling on the GPU: one block per logits row, the same filters and
+// order as engine/sampler.h (temperature, top-k, top-p, min-p) and the same
+// counter-based uniform draw for (seed, step).
+//
+// Algorithm: thresholds instead of sorting. Logits map to order-preserving
+// 32-bit keys; the k-th largest key (top-k) and the key where the kept
+// probability mass reaches top_p are found by radix select (4 passes of 8
+// bits over the row, histograms in shared memory, weighted by probability for
+// top-p); min-p is a direct bound on the logit. The draw is an inverse CDF
+// over the kept tokens in vocabulary order (a block-wide prefix sum), so a
+// seeded row is reproducible on the GPU; it picks from the same distribution
+// as the CPU sampler, which walks the kept tokens in probability order, so
+// the two may return different tokens for the same seed. Tokens tied with the
+// top-k or top-p boundary are all kept (the CPU keeps the lower ids).
+// Greedy rows (temperature 0) take the argmax, lowest id on ties, as the CPU.
+#include <cfloat>
+
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/kernels.h"
+
+namespace moe::ops::cuda {
+namespace {
+
+constexpr int kThreads = 1024;
+
+__device__ __forceinline__ uint32_t order_key(float f) {
+  const uint32_t bits = __float_as_uint(f);
+  return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+}
+
+__device__ __forceinline__ uint64_t splitmix(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Radix select: the largest key K such that weight{key >= K} >= target, over
+// keys >= floor_key. Weighted by count (kByMass false) or by exp((l - max) / T).
+template <bool kByMass>
+__device__ uint32_t radix_select(const float* row, int vocab, uint32_t floor_key, float target, float max_logit,
+                                 float inv_temperature, float* hist, uint32_t* shared_prefix, float* shared_remaining) {
+  uint32_t prefix = 0, mask = 0;
+  if (threadIdx.x == 0) *shared_remaining = target;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int d = threadIdx.x; d < 256; d += blockDim.x) hist[d] = 0.0f;
+    __syncthreads();
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+      const uint32_t key = order_key(row[i]);
+      if (key < floor_key || (key & mask) != prefix) continue;
+      atomicAdd(&hist[(key >> shift) & 255], kByMass ? __expf((row[i] - max_logit) * inv_temperature) : 1.0f);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float remaining = *shared_remaining, cumulative = 0.0f;
+      int digit = 0;
+      for (int d = 255; d >= 0; --d) {
+        if (cumulative + hist[d] >= remaining) {
+          digit = d;
+          break;
+        }
+        cumulative += hist[d];
+      }
+      *shared_remaining = remaining - cumulative;
+      *shared_prefix = prefix | (static_cast<uint32_t>(digit) << shift);
+    }
+    __syncthreads();
+    prefix = *shared_prefix;
+    mask |= 255u << shift;
+  }
+  return prefix;
+}
+
+__global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
+  __shared__ float hist[256];
+  __shared__ float scratch[32];
+  __shared__ uint32_t shared_prefix;
+  __shared__ float shared_remaining;
+  __shared__ float scan[kThreads];
+  const int r = blockIdx.x;
+  const float* row = p.logits + static_cast<int64_t>(r) * p.vocab;
+  const SampleRow s = p.rows[r];
+  // Max and argmax (lowest id on ties).
+  float best = -FLT_MAX;
+  int best_index = 0x7fffffff;
+  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x)
+    if (row[i] > best) best = row[i], best_index = i;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float v = __shfl_xor_sync(0xffffffffu, best, offset);
+    const int j = __shfl_xor_sync(0xffffffffu, best_index, offset);
+    if (v > best || (v == best && j < best_index)) best = v, best_index = j;
+  }
+  __shared__ float warp_best[32];
+  __shared__ int warp_index[32];
+  if ((threadIdx.x & 31) == 0) warp_best[threadIdx.x >> 5] = best, warp_index[threadIdx.x >> 5] = best_index;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w)
+      if (warp_best[w] > best || (warp_best[w] == best && warp_index[w] < best_index)) best = warp_best[w], best_index = warp_index[w];
+    warp_best[0] = best, warp_index[0] = best_index;
+  }
+  __syncthreads();
+  const float max_logit = warp_best[0];
+  if (s.temperature == 0.0f) {
+    if (threadIdx.x == 0) p.tokens[r] = warp_index[0];
+    return;
+  }
+  const float inv_t = 1.0f / s.temperature;
+  // In the CPU sampler's order: top-k, then top-p over what top-k kept, then min-p.
+  uint32_t floor_key = 0;
+  if (s.top_k > 0 && s.top_k < p.vocab)
+    floor_key = radix_select<false>(row, p.vocab, 0, static_cast<float>(s.top_k), max_logit, inv_t, hist, &shared_prefix,
+                                    &shared_remaining);
+  if (s.top_p < 1.0f) {
+    float mass = 0.0f;
+    for (int i = threadIdx.x; i < p.vocab; i += blockDim.x)
+      if (order_key(row[i]) >= floor_key) mass += __expf((row[i] - max_logit) * inv_t);
+    mass = block_sum(mass, scratch);
+    floor_key = max(floor_key, radix_select<true>(row, p.vocab, floor_key, s.top_p * mass, max_logit, inv_t, hist,
+                                                  &shared_prefix, &shared_remaining));
+  }
+  // min-p: p / p_max >= min_p, i.e. logit >= max + T ln(min_p).
+  if (s.min_p > 0.0f) floor_key = max(floor_key, order_key(max_logit + s.temperature * logf(s.min_p)));
+  // Inverse CDF in vocabulary order: each thread owns a contiguous slice.
+  const int per_thread = (p.vocab + kThreads - 1) / kThreads;
+  const int begin = threadIdx.x * per_thread, end = min(p.vocab, begin + per_thread);
+  float local = 0.0f;
+  for (int i = begin; i < end; ++i)
+    if (order_key(row[i]) >= floor_key) local += __expf((row[i] - max_logit) * inv_t);
+  scan[threadIdx.x] = local;
+  __syncthreads();
+  for (int offset = 1; offset < kThreads; offset <<= 1) {  // inclusive Hillis-Steele scan
+    const float add = threadIdx.x >= offset ? scan[threadIdx.x - offset] : 0.0f;
+    __syncthreads();
+    scan[threadIdx.x] += add;
+    __syncthreads();
+  }
+  const float total = scan[kThreads - 1];
+  const uint64_t bits = splitmix(splitmix(s.seed) ^ s.step);
+  const float target = static_cast<float>(static_cast<double>(bits >> 11) * (1.0 / 9007199254740992.0)) * total;
+  const float before = threadIdx.x == 0 ? 0.0f : scan[threadIdx.x - 1];
+  if (target >= before && (target < scan[threadIdx.x] || threadIdx.x == kThreads - 1)) {
+    float cumulative = before;
+    int chosen = -1, last_kept = -1;
+    for (int i = begin; i < end; ++i) {
+      if (order_key(row[i]) < floor_key) continue;
+      last_kept = i;
+      cumulative += __expf((row[i] - max_logit) * inv_t);
+      if (target < cumulative) {
+        chosen = i;
+        break;
+      }
+    }
+    if (chosen < 0) chosen = last_kept >= 0 ? last_kept : warp_index[0];  // rounding at the very end
+    p.tokens[r] = chosen;
+  }
+}
+
+}  // namespace
+
+cudaError_t sample(const SampleParams& p, cudaStream_t stream) {
+  if (p.num_rows == 0) return cudaSuccess;
+  sample_kernel<<<p.num_rows, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace moe::ops::cuda
