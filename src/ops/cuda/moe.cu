@@ -102,7 +102,7 @@ __global__ void moe_permute_kernel(MoePermuteParams p) {
   }
 }
 
-constexpr int kTileM = kGroupedGemmTileRows, kTileN = 64, kTileK = 32, kPad = 8, kStages = 4;
+constexpr int kTileM = kGroupedGemmTileRows, kTileN = 64, kTileK = 128, kPad = 8, kStages = 2;
 constexpr int kLd = kTileK + kPad;  // shared-memory row of a tile, in bf16 (80 bytes: conflict-free ldmatrix)
 constexpr int kATileBytes = kTileM * kLd * 2, kBTileBytes = kTileN * kLd * 2;
 constexpr int kStageBytes = kATileBytes + 2 * kBTileBytes;
@@ -122,8 +122,10 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // Pipeline: kStages shared-memory stages of (A tile, gate B tile, up B tile),
-// filled by cp.async kStages - 1 K-steps ahead of the tensor cores, so each
-// CTA keeps ~45 KB of loads in flight (the decode case streams weights).
+// filled by cp.async kStages - 1 K-steps ahead of the tensor cores. Each weight
+// row is read 256 bytes at a time (kTileK = 128), which the DRAM pages favour;
+// measured on an H200 at decode sizes: K-step 32 x 4 stages 2.0 ms, 64 x 3
+// 1.64 ms, 64 x 4 1.64 ms, 128 x 2 1.60 ms, 128 x 3 (one CTA per SM) 2.0 ms.
 template <bool kGateUp>
 __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(GroupedGemmParams p) {
   using namespace nvcuda;
