@@ -203,43 +203,48 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
   config->num_layers = num_layers;
   const int context = 2048, page = 16;
   for (int batch : {64, 128, 256}) {
-    model::CudaModelOptions options;
-    options.page_size = page;
-    options.num_pages = batch * (context / page + 1);
-    options.max_num_tokens = batch;
-    options.max_num_seqs = batch;
-    auto m = model::CudaQwen3MoeModel::create_dummy(*config, 1, options);
-    check(m.status());
-    check((*m)->fill_kv_random(5));
+    double step_ms = 0, eager_ms = 0;
     model::ForwardBatch step;
-    step.max_pages_per_seq = context / page + 1;
-    step.query_start.push_back(0);
-    for (int b = 0; b < batch; ++b) {
-      step.token_ids.push_back(1000 + b);
-      step.positions.push_back(context - 1);
-      step.query_start.push_back(b + 1);
-      step.logits_rows.push_back(b);
-      for (int p = 0; p < step.max_pages_per_seq; ++p) step.page_table.push_back(b * step.max_pages_per_seq + p);
+    for (bool graphs : {true, false}) {
+      model::CudaModelOptions options;
+      options.page_size = page;
+      options.num_pages = batch * (context / page + 1);
+      options.max_num_tokens = batch;
+      options.max_num_seqs = batch;
+      options.use_cuda_graphs = graphs;
+      auto m = model::CudaQwen3MoeModel::create_dummy(*config, 1, options);
+      check(m.status());
+      check((*m)->fill_kv_random(5));
+      step = {};
+      step.max_pages_per_seq = context / page + 1;
+      step.query_start.push_back(0);
+      for (int b = 0; b < batch; ++b) {
+        step.token_ids.push_back(1000 + b);
+        step.positions.push_back(context - 1);
+        step.query_start.push_back(b + 1);
+        step.logits_rows.push_back(b);
+        for (int p = 0; p < step.max_pages_per_seq; ++p) step.page_table.push_back(b * step.max_pages_per_seq + p);
+      }
+      std::vector<double> ms;
+      for (int i = 0; i < 10; ++i) {
+        const auto start = std::chrono::steady_clock::now();
+        check((*m)->forward_greedy(step).status());
+        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      }
+      std::sort(ms.begin() + 2, ms.end());  // the first two capture the graph / warm up
+      (graphs ? step_ms : eager_ms) = ms[2 + (ms.size() - 2) / 2];
     }
-    std::vector<double> ms;
-    for (int i = 0; i < 8; ++i) {
-      const auto start = std::chrono::steady_clock::now();
-      check((*m)->forward_greedy(step).status());
-      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-    }
-    std::sort(ms.begin() + 2, ms.end());
-    const double step_ms = ms[2 + (ms.size() - 2) / 2];
     const model::ModelConfig& c = *config;
     const double layer_weights = 2.0 * (double(c.q_size() + 2 * c.kv_size()) * c.hidden_size + double(c.hidden_size) * c.q_size() +
                                         double(c.num_experts) * 3 * c.hidden_size * c.moe_intermediate_size);
     const double kv = 2.0 * batch * context * c.num_kv_heads * c.head_dim * 2;
     const double head_bytes = 2.0 * 2 * c.vocab_size * c.hidden_size;
     const double floor_ms = (num_layers * (layer_weights + kv) + head_bytes) / (copy_gbs * 1e6);
-    char shape[96], extra[160];
+    char shape[96], extra[200];
     std::snprintf(shape, sizeof shape, "%d layers, batch %d, ctx %d", num_layers, batch, context);
     const double per_layer = (step_ms - head_bytes / (copy_gbs * 1e6)) / num_layers;
-    std::snprintf(extra, sizeof extra, "~%.2f ms/layer; x94 layers ~ %.0f ms/step = %.0f tok/s (extrapolated)", per_layer,
-                  per_layer * 94, batch * 1000.0 / (per_layer * 94));
+    std::snprintf(extra, sizeof extra, "CUDA graph (eager %.2f ms); ~%.2f ms/layer; x94 ~ %.0f ms/step = %.0f tok/s (extrapolated)",
+                  eager_ms, per_layer, per_layer * 94, batch * 1000.0 / (per_layer * 94));
     report("decode_step", shape, step_ms, floor_ms, extra);
   }
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 
 #include "core/cuda/device_buffer.h"
 #include "core/logging.h"
@@ -59,9 +60,13 @@ struct CudaQwen3MoeModel::State {
   DeviceTensor token_ids, positions, token_seq, page_table, logits_rows;
   DeviceTensor attention_workspace;  // split-KV partials of the tensor-core attention
   DeviceTensor attention_groups;     // prefill token groups
+  DeviceTensor sample_rows;          // per-row sampling parameters
+  std::map<int64_t, cudaGraphExec_t> graphs;  // decode step per (bucket of tokens << 32 | page-table stride)
+  int max_pages_per_seq = 0;               // the page-table stride graphs use
   size_t bytes = 0;
 
   ~State() {
+    for (auto& [bucket, exec] : graphs) cudaGraphExecDestroy(exec);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
 };
@@ -177,14 +182,17 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
     MOE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
     const double budget = options.gpu_memory_utilization * static_cast<double>(total_bytes) -
                           static_cast<double>(total_bytes - free_bytes);
-    s->options.num_pages = budget > 0 ? static_cast<int32_t>(std::min<double>(budget / page_bytes, INT32_MAX)) : 0;
+    s->options.num_pages = budget > 0 ? static_cast<int32_t>(std::min<double>(budget / page_bytes - 1, INT32_MAX - 1)) : 0;
     if (s->options.num_pages < 1)
       return resource_exhausted("no GPU memory left for the KV cache: weights and activations take {:.1f} GB of {:.1f} GB, "
                                 "--gpu-memory-utilization {} allows {:.1f} GB",
                                 weights_and_activations / 1e9, total_bytes / 1e9, options.gpu_memory_utilization,
                                 options.gpu_memory_utilization * total_bytes / 1e9);
   }
-  const Shape kv_shape{s->options.num_pages, c.num_kv_heads, options.page_size, c.head_dim};
+  // One page past the pool: the scratch page that padding tokens of graph replays use.
+  const Shape kv_shape{s->options.num_pages + 1, c.num_kv_heads, options.page_size, c.head_dim};
+  const int64_t max_model_len = options.max_model_len > 0 ? options.max_model_len : std::max<int64_t>(c.max_position_embeddings, 1);
+  s->max_pages_per_seq = static_cast<int>((max_model_len + options.page_size - 1) / options.page_size);
   for (auto& b : s->layers) {
     MOE_RETURN_IF_ERROR(track(b.k_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
     MOE_RETURN_IF_ERROR(track(b.v_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
@@ -196,40 +204,124 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   return std::unique_ptr<CudaQwen3MoeModel>(new CudaQwen3MoeModel(std::move(s)));
 }
 
-Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
+// What the kernels of one step need to know; its buffers are already on the device.
+struct StepShape {
+  int num_tokens = 0, num_rows = 0, num_groups = 0, max_position = 0, stride = 0;
+  bool prefill = false;
+};
+
+// Uploads the step's metadata. padded_tokens > 0 (a decode step replayed as a
+// CUDA graph) pads the batch to that many tokens, one sequence per token, the
+// padding reading and writing the scratch KV page, with the page table at the
+// fixed stride the graph was captured with.
+Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, int padded_tokens) {
   State& s = *state_;
-  const ModelConfig& c = config();
-  const int T = batch.num_tokens(), H = static_cast<int>(c.hidden_size);
-  const int num_seqs = static_cast<int>(batch.query_start.size()) - 1;
-  if (T > s.options.max_num_tokens)
-    return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
-  if (static_cast<int>(batch.logits_rows.size()) > T) return invalid_argument("more logits rows than tokens");
-  const int max_position = batch.positions.empty() ? 0 : *std::max_element(batch.positions.begin(), batch.positions.end());
-  // Step metadata to the device.
-  std::vector<int32_t> token_seq(static_cast<size_t>(T));
+  const int T = batch.num_tokens(), num_seqs = static_cast<int>(batch.query_start.size()) - 1;
+  StepShape shape;
+  shape.num_tokens = padded_tokens > 0 ? padded_tokens : T;
+  shape.num_rows = padded_tokens > 0 ? padded_tokens : static_cast<int>(batch.logits_rows.size());
+  shape.stride = padded_tokens > 0 ? graph_stride(batch.max_pages_per_seq) : batch.max_pages_per_seq;
+  shape.max_position = padded_tokens > 0 ? shape.stride * s.options.page_size - 1
+                                         : (batch.positions.empty() ? 0 : *std::max_element(batch.positions.begin(),
+                                                                                               batch.positions.end()));
+  std::vector<int32_t> token_ids = batch.token_ids, positions = batch.positions, token_seq(static_cast<size_t>(T));
   for (int seq = 0; seq < num_seqs; ++seq)
     for (int t = batch.query_start[seq]; t < batch.query_start[seq + 1]; ++t) token_seq[t] = seq;
-  if (s.page_table.data() == nullptr || s.page_table.num_bytes() < batch.page_table.size() * sizeof(int32_t)) {
-    MOE_ASSIGN_OR_RETURN(s.page_table, DeviceTensor::allocate(DType::kI32, {static_cast<int64_t>(batch.page_table.size())}));
+  std::vector<int32_t> page_table = batch.page_table, logits_rows = batch.logits_rows;
+  if (padded_tokens > 0) {
+    const int32_t scratch = s.options.num_pages;  // the extra page past the scheduler's pool
+    token_ids.resize(padded_tokens, 0);
+    positions.resize(padded_tokens, 0);
+    logits_rows.resize(padded_tokens);
+    page_table.assign(static_cast<size_t>(padded_tokens) * shape.stride, scratch);
+    for (int t = 0; t < padded_tokens; ++t) {
+      logits_rows[t] = t;
+      if (t >= T) token_seq.push_back(t);
+      for (int p = 0; t < T && p < batch.max_pages_per_seq; ++p) {
+        const int32_t page = batch.page_table[static_cast<size_t>(t) * batch.max_pages_per_seq + p];
+        if (page >= 0) page_table[static_cast<size_t>(t) * shape.stride + p] = page;
+      }
+    }
+  }
+  if (s.page_table.data() == nullptr || s.page_table.num_bytes() < page_table.size() * sizeof(int32_t)) {
+    MOE_ASSIGN_OR_RETURN(s.page_table, DeviceTensor::allocate(DType::kI32, {static_cast<int64_t>(page_table.size())}));
   }
   auto copy_in = [&](const DeviceTensor& dst, const std::vector<int32_t>& src) {
     return cuda_status(cudaMemcpyAsync(dst.data(), src.data(), src.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
                                        s.stream), "metadata upload");
   };
-  MOE_RETURN_IF_ERROR(copy_in(s.token_ids, batch.token_ids));
-  MOE_RETURN_IF_ERROR(copy_in(s.positions, batch.positions));
+  MOE_RETURN_IF_ERROR(copy_in(s.token_ids, token_ids));
+  MOE_RETURN_IF_ERROR(copy_in(s.positions, positions));
   MOE_RETURN_IF_ERROR(copy_in(s.token_seq, token_seq));
-  MOE_RETURN_IF_ERROR(copy_in(s.page_table, batch.page_table));
-  MOE_RETURN_IF_ERROR(copy_in(s.logits_rows, batch.logits_rows));
+  MOE_RETURN_IF_ERROR(copy_in(s.page_table, page_table));
+  MOE_RETURN_IF_ERROR(copy_in(s.logits_rows, logits_rows));
   // Prefill (any sequence with several new tokens) shares K/V chunks between a sequence's tokens.
-  bool prefill = false;
-  for (int seq = 0; seq < num_seqs; ++seq) prefill |= batch.query_start[seq + 1] - batch.query_start[seq] > 1;
-  std::vector<int32_t> groups;
-  if (prefill) {
-    groups = k::prefill_token_groups(batch.query_start);
+  for (int seq = 0; seq < num_seqs; ++seq) shape.prefill |= batch.query_start[seq + 1] - batch.query_start[seq] > 1;
+  if (shape.prefill) {
+    const std::vector<int32_t> groups = k::prefill_token_groups(batch.query_start);
+    shape.num_groups = static_cast<int>(groups.size()) - 1;
     MOE_RETURN_IF_ERROR(copy_in(s.attention_groups, groups));
   }
+  return shape;
+}
 
+// The page-table stride of a graph: the batch's, rounded up to a power of two
+// (so few graphs cover all context lengths), at most max_pages_per_seq.
+int CudaQwen3MoeModel::graph_stride(int max_pages_per_seq) const {
+  int stride = 1;
+  while (stride < max_pages_per_seq) stride *= 2;
+  return std::min(stride, state_->max_pages_per_seq);
+}
+
+// Decode steps (one new token per sequence, logits for every token) replay a
+// CUDA graph captured once per (bucket of batch sizes, page-table stride).
+int CudaQwen3MoeModel::graph_bucket(const ForwardBatch& batch) const {
+  const State& s = *state_;
+  const int T = batch.num_tokens();
+  if (!s.options.use_cuda_graphs || T == 0 || batch.max_pages_per_seq > s.max_pages_per_seq) return 0;
+  if (static_cast<int>(batch.query_start.size()) != T + 1 || static_cast<int>(batch.logits_rows.size()) != T) return 0;
+  for (int t = 0; t < T; ++t)
+    if (batch.query_start[t + 1] != t + 1 || batch.logits_rows[t] != t) return 0;
+  for (int bucket : {1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512})
+    if (bucket >= T && bucket <= s.options.max_num_tokens) return bucket;
+  return 0;
+}
+
+Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
+  State& s = *state_;
+  const int T = batch.num_tokens();
+  if (T > s.options.max_num_tokens)
+    return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
+  if (static_cast<int>(batch.logits_rows.size()) > T) return invalid_argument("more logits rows than tokens");
+  const int bucket = graph_bucket(batch);
+  MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, bucket));
+  if (bucket == 0) return launch_step(shape);
+  const int64_t key = static_cast<int64_t>(bucket) << 32 | shape.stride;
+  if (auto it = s.graphs.find(key); it != s.graphs.end())
+    return cuda_status(cudaGraphLaunch(it->second, s.stream), "cudaGraphLaunch");
+  // First time at this size: run it eagerly (warming every lazy initialisation), then capture.
+  MOE_RETURN_IF_ERROR(launch_step(shape));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
+  const Status launched = launch_step(shape);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(s.stream, &graph);
+  MOE_RETURN_IF_ERROR(launched);
+  MOE_CUDA_RETURN_IF_ERROR(ended);
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  MOE_CUDA_RETURN_IF_ERROR(instantiated);
+  s.graphs[key] = exec;
+  log_debug("captured the decode step for {} tokens, page-table stride {}, as a CUDA graph", bucket, shape.stride);
+  return Status::ok();
+}
+
+Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const int T = shape.num_tokens, H = static_cast<int>(c.hidden_size);
+  const int max_position = shape.max_position;
+  const bool prefill = shape.prefill;
 #define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
   MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
                            static_cast<int>(c.vocab_size)}, s.stream));
@@ -245,16 +337,15 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
                                    s.inv_freq.data_as<float>(), s.attention_factor, s.positions.data_as<int32_t>(),
                                    s.token_seq.data_as<int32_t>(), s.page_table.data_as<int32_t>(), s.q.data_as<bf16>(),
                                    b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(), T, c.num_q_heads,
-                                   c.num_kv_heads, c.head_dim, s.options.page_size, batch.max_pages_per_seq,
+                                   c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
                                    c.rms_norm_eps}, s.stream));
     const k::PagedAttentionParams attention{s.q.data_as<bf16>(), b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(),
                                             s.positions.data_as<int32_t>(), s.token_seq.data_as<int32_t>(),
                                             s.page_table.data_as<int32_t>(), s.attended.data_as<bf16>(), T, c.num_q_heads,
-                                            c.num_kv_heads, c.head_dim, s.options.page_size, batch.max_pages_per_seq,
+                                            c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
                                             1.0f / std::sqrt(static_cast<float>(c.head_dim))};
     if (k::mma_attention_supported(attention) && prefill) {
-      MOE_LAUNCH(k::mma_prefill_attention(attention, s.attention_groups.data_as<int32_t>(),
-                                          static_cast<int>(groups.size()) - 1, s.stream));
+      MOE_LAUNCH(k::mma_prefill_attention(attention, s.attention_groups.data_as<int32_t>(), shape.num_groups, s.stream));
     } else if (k::mma_attention_supported(attention)) {
       MOE_LAUNCH(k::mma_paged_attention(attention, max_position, s.attention_workspace.data_as<float>(),
                                         s.attention_workspace.num_bytes(), s.stream));
@@ -297,7 +388,7 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
     MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(), next_norm,
                                 s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
   }
-  const int rows = static_cast<int>(batch.logits_rows.size());
+  const int rows = shape.num_rows;
   MOE_LAUNCH(k::gather_rows({s.normed.data_as<bf16>(), s.logits_rows.data_as<int32_t>(), s.logit_rows.data_as<bf16>(),
                              rows, H}, s.stream));
   MOE_RETURN_IF_ERROR(s.gemm->matmul(s.logit_rows.data_as<bf16>(), s.lm_head.data_as<bf16>(), s.logits.data(),
@@ -323,6 +414,27 @@ Expected<Tensor> CudaQwen3MoeModel::forward(const ForwardBatch& batch) {
                                            cudaMemcpyDeviceToHost, state_->stream));
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(state_->stream));
   return logits;
+}
+
+Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_sample(const ForwardBatch& batch,
+                                                                  std::span<const ops::cuda::SampleRow> rows) {
+  if (rows.size() != batch.logits_rows.size())
+    return invalid_argument("{} sampling rows for {} logits rows", rows.size(), batch.logits_rows.size());
+  State& s = *state_;
+  if (s.sample_rows.data() == nullptr || s.sample_rows.num_bytes() < rows.size_bytes()) {
+    MOE_ASSIGN_OR_RETURN(s.sample_rows, DeviceTensor::allocate(DType::kU8, {static_cast<int64_t>(rows.size_bytes())}));
+  }
+  MOE_RETURN_IF_ERROR(run(batch));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.sample_rows.data(), rows.data(), rows.size_bytes(), cudaMemcpyHostToDevice,
+                                           s.stream));
+  MOE_CUDA_RETURN_IF_ERROR(ops::cuda::sample({s.logits.data_as<float>(), s.sample_rows.data_as<ops::cuda::SampleRow>(),
+                                              s.greedy.data_as<int32_t>(), static_cast<int>(rows.size()),
+                                              static_cast<int>(config().vocab_size)}, s.stream));
+  std::vector<int32_t> tokens(rows.size());
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens.data(), s.greedy.data(), tokens.size() * sizeof(int32_t),
+                                           cudaMemcpyDeviceToHost, s.stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
+  return tokens;
 }
 
 Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy(const ForwardBatch& batch) {

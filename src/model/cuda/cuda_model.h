@@ -12,12 +12,14 @@
 #pragma once
 
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "core/status.h"
 #include "core/tensor.h"
 #include "model/qwen3_moe.h"
 #include "model/weights.h"
+#include "ops/cuda/kernels.h"
 
 namespace moe::model {
 
@@ -28,7 +30,11 @@ struct CudaModelOptions {
   double gpu_memory_utilization = 0.9;  // share of the GPU's memory this process may hold in all
   int max_num_tokens = 256;    // tokens per forward (activation buffers)
   int max_num_seqs = 64;
+  int64_t max_model_len = 0;   // longest sequence (page-table stride of graph replays); 0: max_position_embeddings
+  bool use_cuda_graphs = true; // decode steps replay captured graphs (vLLM's --enforce-eager turns this off)
 };
+
+struct StepShape;
 
 class CudaQwen3MoeModel {
  public:
@@ -44,6 +50,9 @@ class CudaQwen3MoeModel {
   // Runs the batch (its KV written into this model's pages) and returns the
   // logits of batch.logits_rows [rows, vocab] f32 on the host.
   Expected<Tensor> forward(const ForwardBatch& batch);
+  // The same forward, with each logits row's token sampled on the GPU
+  // (ops/cuda/kernels.h: sample), so the logits never leave the device.
+  Expected<std::vector<int32_t>> forward_sample(const ForwardBatch& batch, std::span<const ops::cuda::SampleRow> rows);
   // The same forward, with the greedy token of each logits row chosen on the GPU.
   Expected<std::vector<int32_t>> forward_greedy(const ForwardBatch& batch);
   // Random KV contents, for benchmarks that time decode at a long context
@@ -60,6 +69,10 @@ class CudaQwen3MoeModel {
   static Expected<std::unique_ptr<CudaQwen3MoeModel>> create_impl(const ModelConfig& config, const ModelWeights* weights,
                                                                   uint64_t seed, const CudaModelOptions& options);
   Status run(const ForwardBatch& batch);
+  Expected<StepShape> upload_step(const ForwardBatch& batch, int padded_tokens);
+  Status launch_step(const StepShape& shape);
+  int graph_bucket(const ForwardBatch& batch) const;
+  int graph_stride(int max_pages_per_seq) const;
   std::unique_ptr<State> state_;
 };
 
