@@ -255,21 +255,24 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
 int main(int argc, char** argv) {
   std::string json_path, config_path = "tests/data/configs/qwen3-235b-a22b.config.json";
   int layers = 4;
+  std::string only;  // run one section: copy, moe, decode_attention, prefill_attention, model
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) json_path = argv[++i];
     else if (a == "--config" && i + 1 < argc) config_path = argv[++i];
     else if (a == "--layers" && i + 1 < argc) layers = std::atoi(argv[++i]);
+    else if (a == "--only" && i + 1 < argc) only = argv[++i];
   }
   if (!json_path.empty()) moe::json_out = std::fopen(json_path.c_str(), "w");
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   const double copy_gbs = moe::copy_bandwidth_gbs();
-  moe::bench_grouped_gemm(copy_gbs);
-  moe::bench_decode_attention(copy_gbs);
-  moe::bench_prefill_attention();
-  moe::bench_model(config_path, layers, copy_gbs);
+  auto wanted = [&](const char* name) { return only.empty() || only == name; };
+  if (wanted("moe")) moe::bench_grouped_gemm(copy_gbs);
+  if (wanted("decode_attention")) moe::bench_decode_attention(copy_gbs);
+  if (wanted("prefill_attention")) moe::bench_prefill_attention();
+  if (wanted("model")) moe::bench_model(config_path, layers, copy_gbs);
   if (moe::json_out) std::fclose(moe::json_out);
   return 0;
 }
