@@ -8,7 +8,13 @@ cd "$(dirname "$0")/.."
 packages=(build-essential cmake git pkg-config nlohmann-json3-dev libfmt-dev libspdlog-dev libcli11-dev
           libboost-dev libpcre2-dev libutf8proc-dev libgtest-dev libgmock-dev libbenchmark-dev)
 if [[ "${1:-}" == "--test" ]]; then
-  packages+=(clang libclang-rt-14-dev nodejs npm)
+  packages+=(clang libclang-rt-14-dev prometheus)
+  # Node.js for the npm test oracles: Debian's, unless a node and npm are
+  # already there (a NodeSource nodejs ships its own npm and conflicts with
+  # Debian's npm package).
+  if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    packages+=(nodejs npm)
+  fi
 fi
 
 missing=()

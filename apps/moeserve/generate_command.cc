@@ -10,6 +10,9 @@
 
 #include "core/logging.h"
 #include "engine/generator.h"
+#ifdef MOE_WITH_CUDA
+#include "engine/cuda_runner.h"
+#endif
 #include "model/config.h"
 #include "model/qwen3_moe.h"
 #include "model/weights.h"
@@ -35,6 +38,8 @@ struct GenerateArgs {
   int page_size = 16;
   int max_tokens_per_step = 0;
   std::string device = "cpu";
+  double gpu_memory_utilization = 0.9;
+  bool enforce_eager = false;
 };
 
 Expected<std::vector<int32_t>> parse_ids(const std::string& text) {
@@ -72,9 +77,13 @@ Expected<model::ModelConfig> load_config(const GenerateArgs& args) {
 }
 
 Status run_generate(const GenerateArgs& args) {
-  if (args.device != "cpu")
-    return unimplemented("--device {}: this build serves on the CPU only (the CUDA backend is not written yet)",
-                         args.device);
+  if (args.device != "cpu" && args.device != "cuda")
+    return invalid_argument("--device must be cpu or cuda, got '{}'", args.device);
+#ifdef MOE_WITH_CUDA
+  if (args.device == "cuda") MOE_RETURN_IF_ERROR(engine::cuda_device_status());
+#else
+  if (args.device == "cuda") return unimplemented("--device cuda: this build has no CUDA backend (nvcc was not found)");
+#endif
   MOE_ASSIGN_OR_RETURN(model::ModelConfig config, load_config(args));
   if (args.num_layers > 0) {
     if (args.num_layers > config.num_layers)
@@ -104,20 +113,6 @@ Status run_generate(const GenerateArgs& args) {
     requests.push_back(std::move(r));
   }
 
-  ThreadPool pool(args.threads);
-  const auto load_start = std::chrono::steady_clock::now();
-  std::optional<model::ModelWeights> weights;
-  if (dummy) {
-    weights.emplace(model::ModelWeights::dummy(config, 0, pool));
-  } else {
-    MOE_ASSIGN_OR_RETURN(auto loaded, model::ModelWeights::load(args.model, config, pool));
-    weights.emplace(std::move(loaded));
-  }
-  const double load_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
-  log_info("loaded {} ({} layers, {:.1f} MB of weights{}) in {:.2f} s, {} threads", args.model, config.num_layers,
-           static_cast<double>(weights->num_bytes()) / 1e6, dummy ? ", dummy" : "", load_seconds, pool.num_threads());
-
   engine::GeneratorOptions options;
   options.page_size = args.page_size;
   options.kv_dtype = kv_dtype;
@@ -128,10 +123,46 @@ Status run_generate(const GenerateArgs& args) {
     if (!eos.empty()) options.eos_token_ids.assign(eos.begin(), eos.end());
   }
 
-  model::Qwen3MoeModel model(*weights);
-  engine::Generator generator(model, pool, options);
-  MOE_ASSIGN_OR_RETURN(auto results, generator.generate(requests));
-  const auto& stats = generator.stats();
+  ThreadPool pool(args.threads);
+  const auto load_start = std::chrono::steady_clock::now();
+  std::optional<model::ModelWeights> weights;
+  // On the GPU, dummy weights are generated there; real ones are read here first.
+  if (!(dummy && args.device == "cuda")) {
+    if (dummy) {
+      weights.emplace(model::ModelWeights::dummy(config, 0, pool));
+    } else {
+      MOE_ASSIGN_OR_RETURN(auto loaded, model::ModelWeights::load(args.model, config, pool));
+      weights.emplace(std::move(loaded));
+    }
+    const double load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
+    log_info("loaded {} ({} layers, {:.1f} MB of weights{}) in {:.2f} s, {} threads", args.model, config.num_layers,
+             static_cast<double>(weights->num_bytes()) / 1e6, dummy ? ", dummy" : "", load_seconds, pool.num_threads());
+  }
+
+  std::optional<model::Qwen3MoeModel> cpu_model;
+  std::unique_ptr<engine::ModelRunner> runner;
+  std::optional<engine::Generator> generator;
+  if (args.device == "cpu") {
+    cpu_model.emplace(*weights);
+    generator.emplace(*cpu_model, pool, options);
+  } else {
+#ifdef MOE_WITH_CUDA
+    if (options.max_tokens_per_step <= 0) options.max_tokens_per_step = 2048;
+    model::CudaModelOptions cuda;
+    cuda.page_size = args.page_size;
+    cuda.max_num_tokens = options.max_tokens_per_step;
+    cuda.max_num_seqs = static_cast<int>(requests.size());
+    cuda.gpu_memory_utilization = args.gpu_memory_utilization;
+    cuda.use_cuda_graphs = !args.enforce_eager;
+    MOE_ASSIGN_OR_RETURN(auto cuda_runner,
+                         engine::CudaRunner::create(config, weights ? &*weights : nullptr, 0, cuda));
+    const int32_t num_pages = cuda_runner->num_pages();
+    runner = std::move(cuda_runner);
+    generator.emplace(*runner, num_pages, options);
+#endif
+  }
+  MOE_ASSIGN_OR_RETURN(auto results, generator->generate(requests));
+  const auto& stats = generator->stats();
   const double decode_tps = stats.decode_seconds > 0 ? static_cast<double>(stats.num_generated_tokens - static_cast<int64_t>(results.size())) / stats.decode_seconds : 0.0;
   log_info("{} prompt tokens in {:.3f} s, {} generated tokens, decode {:.1f} tokens/s", stats.num_prompt_tokens,
            stats.prefill_seconds, stats.num_generated_tokens, decode_tps);
@@ -175,7 +206,11 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_option("--page-size", args->page_size, "Tokens per KV page");
   cmd->add_option("--max-tokens-per-step", args->max_tokens_per_step, "Prefill chunk budget per step (0 = unlimited)");
-  cmd->add_option("--device", args->device, "cpu (cuda: not yet)");
+  cmd->add_option("--device", args->device, "cpu or cuda (one GPU)")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--gpu-memory-utilization", args->gpu_memory_utilization,
+                  "With --device cuda: share of the GPU's memory for weights, activations and the KV cache")
+      ->check(CLI::Range(0.05, 0.99));
+  cmd->add_flag("--enforce-eager", args->enforce_eager, "With --device cuda: no CUDA graphs for decode steps");
   cmd->callback([args] {
     Status status = run_generate(*args);
     if (!status.is_ok()) {

@@ -2,13 +2,17 @@
 // file and registers itself here.
 #include <CLI/CLI.hpp>
 
+#include "apps/moeserve/bench_command.h"
 #include "apps/moeserve/generate_command.h"
+#include "apps/moeserve/serve_command.h"
 #include "apps/moeserve/tokenize_command.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"moeserve: an inference server for Mixture-of-Experts models (Qwen3-MoE)"};
   app.require_subcommand(1);
   moe::apps::add_generate_command(app);
+  moe::apps::add_serve_command(app);
+  moe::apps::add_bench_command(app);
   moe::apps::add_tokenize_commands(app);
   try {
     app.parse(argc, argv);

@@ -2,154 +2,112 @@
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
 #include <random>
 
 #include "core/logging.h"
+#include "engine/scheduler.h"
 
 namespace moe::engine {
 namespace {
-
-struct Sequence {
-  int index = 0;                    // into the request list
-  std::vector<int32_t> tokens;      // prompt then generated
-  int32_t prompt_len = 0;
-  int32_t num_computed = 0;         // tokens whose KV is in the cache
-  uint64_t seed = 0;
-  kv::PageTable pages;
-  GenerationResult result;
-};
 
 int32_t pages_needed(int64_t tokens, int page_size) {
   return static_cast<int32_t>((tokens + page_size - 1) / page_size);
 }
 
-}  // namespace
-
-Generator::Generator(const model::Qwen3MoeModel& model, ThreadPool& pool, GeneratorOptions options)
-    : model_(model), pool_(pool), options_(std::move(options)) {}
-
-Expected<std::vector<GenerationResult>> Generator::generate(const std::vector<GenerationRequest>& requests) {
-  const model::ModelConfig& config = model_.config();
-  const int page_size = options_.page_size;
-  int64_t total_pages = 0;
+// Checks every request; the total and the longest prompt + max_tokens.
+Status validate_requests(const std::vector<GenerationRequest>& requests, int64_t vocab_size, int page_size,
+                         int64_t& total_pages, int64_t& longest) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const auto& r = requests[i];
     if (r.prompt.empty()) return invalid_argument("request {}: the prompt is empty", i);
     if (r.max_tokens < 1) return invalid_argument("request {}: max_tokens must be >= 1, got {}", i, r.max_tokens);
     for (int32_t id : r.prompt)
-      if (id < 0 || id >= config.vocab_size)
-        return invalid_argument("request {}: token id {} is outside the vocabulary [0, {})", i, id, config.vocab_size);
+      if (id < 0 || id >= vocab_size)
+        return invalid_argument("request {}: token id {} is outside the vocabulary [0, {})", i, id, vocab_size);
     MOE_RETURN_IF_ERROR(validate_sampling(r.sampling).with_context(fmt::format("request {}", i)));
-    total_pages += pages_needed(static_cast<int64_t>(r.prompt.size()) + r.max_tokens, page_size);
+    const int64_t len = static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
+    total_pages += pages_needed(len, page_size);
+    longest = std::max(longest, len);
   }
-  const int32_t num_pages = options_.num_pages > 0 ? options_.num_pages : static_cast<int32_t>(total_pages);
-  for (size_t i = 0; i < requests.size(); ++i)
-    if (pages_needed(static_cast<int64_t>(requests[i].prompt.size()) + requests[i].max_tokens, page_size) > num_pages)
-      return resource_exhausted("request {}: prompt + max_tokens needs more KV pages than the cache has ({})", i,
-                                num_pages);
+  return Status::ok();
+}
 
-  kv::KvCache cache({config.num_layers, config.num_kv_heads, config.head_dim, page_size, num_pages, options_.kv_dtype});
-  std::vector<ops::PagedKv> kv_layers;
-  for (int l = 0; l < config.num_layers; ++l) kv_layers.push_back(cache.layer(l));
+}  // namespace
+
+Generator::Generator(const model::Qwen3MoeModel& model, ThreadPool& pool, GeneratorOptions options)
+    : model_(&model), pool_(&pool), options_(std::move(options)) {}
+
+Generator::Generator(ModelRunner& runner, int32_t runner_num_pages, GeneratorOptions options)
+    : runner_(&runner), runner_num_pages_(runner_num_pages), options_(std::move(options)) {}
+
+Expected<std::vector<GenerationResult>> Generator::generate(const std::vector<GenerationRequest>& requests) {
+  const int64_t vocab_size = runner_ ? runner_->vocab_size() : model_->config().vocab_size;
+  int64_t total_pages = 0, longest = 1;
+  MOE_RETURN_IF_ERROR(validate_requests(requests, vocab_size, options_.page_size, total_pages, longest));
+  if (runner_ != nullptr) {
+    const int32_t pages = options_.num_pages > 0 ? std::min(options_.num_pages, runner_num_pages_) : runner_num_pages_;
+    return run(requests, *runner_, pages, longest);
+  }
+  const model::ModelConfig& config = model_->config();
+  const int32_t num_pages = options_.num_pages > 0 ? options_.num_pages : static_cast<int32_t>(total_pages);
+  Qwen3Runner runner(*model_, *pool_,
+                     {config.num_layers, config.num_kv_heads, config.head_dim, options_.page_size, num_pages, options_.kv_dtype});
+  return run(requests, runner, num_pages, longest);
+}
+
+// Requests are validated; `longest` is the longest prompt + max_tokens.
+Expected<std::vector<GenerationResult>> Generator::run(const std::vector<GenerationRequest>& requests,
+                                                       ModelRunner& runner, int32_t num_pages, int64_t longest) {
+  const int page_size = options_.page_size;
+  const int64_t vocab_size = runner.vocab_size();
+  if (pages_needed(longest, page_size) > num_pages)
+    return resource_exhausted("a request's prompt + max_tokens needs more KV pages than the cache has ({})", num_pages);
+  if (requests.empty()) return std::vector<GenerationResult>{};
+
+  // The serving scheduler, driven synchronously: continuous batching with
+  // chunked prefill (decodes first) and preemption when pages run out.
+  SchedulerOptions so;
+  so.page_size = page_size;
+  so.num_pages = num_pages;
+  so.max_num_seqs = static_cast<int>(requests.size());
+  so.max_num_batched_tokens = options_.max_tokens_per_step > 0 ? options_.max_tokens_per_step : INT32_MAX / 2;
+  so.max_model_len = static_cast<int>(longest);
+  so.enable_prefix_caching = false;
+  Scheduler scheduler(so);
+  std::random_device entropy;
+  std::vector<uint64_t> seeds(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const auto& r = requests[i];
+    seeds[i] = r.sampling.seed ? *r.sampling.seed : (static_cast<uint64_t>(entropy()) << 32 | entropy());
+    SequenceSpec spec{i, r.prompt, r.max_tokens, options_.eos_token_ids, r.stop_token_ids, r.ignore_eos, 0};
+    MOE_RETURN_IF_ERROR(scheduler.add(std::move(spec)));
+  }
 
   std::vector<GenerationResult> results(requests.size());
-  std::deque<int> waiting;
-  for (size_t i = 0; i < requests.size(); ++i) waiting.push_back(static_cast<int>(i));
-  std::vector<Sequence> running;
-  std::random_device entropy;
   stats_ = {};
-
-  while (!waiting.empty() || !running.empty()) {
-    // Admit in arrival order while the whole request fits.
-    while (!waiting.empty()) {
-      const auto& r = requests[waiting.front()];
-      const int32_t need = pages_needed(static_cast<int64_t>(r.prompt.size()) + r.max_tokens, page_size);
-      if (need > cache.allocator().num_free()) break;
-      Sequence s;
-      s.index = waiting.front();
-      s.tokens = r.prompt;
-      s.prompt_len = static_cast<int32_t>(r.prompt.size());
-      s.seed = r.sampling.seed ? *r.sampling.seed : (static_cast<uint64_t>(entropy()) << 32 | entropy());
-      CHECK(s.pages.reserve(s.prompt_len + r.max_tokens, page_size, cache.allocator()).is_ok(), "admission");
-      running.push_back(std::move(s));
-      waiting.pop_front();
-    }
-    CHECK(!running.empty(), "nothing runnable although requests wait");
-
-    // Build the step: each sequence contributes its uncomputed tokens, under the budget.
-    model::ForwardBatch batch;
-    int budget = options_.max_tokens_per_step > 0 ? options_.max_tokens_per_step : INT32_MAX;
-    std::vector<Sequence*> in_batch;
-    std::vector<bool> wants_logits;
-    size_t max_pages = 0;
-    for (auto& s : running) max_pages = std::max(max_pages, s.pages.pages().size());
-    batch.max_pages_per_seq = static_cast<int>(max_pages);
-    batch.query_start.push_back(0);
-    bool has_prompt_tokens = false;
-    // Decoding sequences first, so a long prompt never starves them of the budget.
-    std::vector<Sequence*> order;
-    for (auto& s : running)
-      if (s.num_computed >= s.prompt_len) order.push_back(&s);
-    for (auto& s : running)
-      if (s.num_computed < s.prompt_len) order.push_back(&s);
-    for (Sequence* s : order) {
-      if (budget <= 0) break;
-      const int32_t pending = static_cast<int32_t>(s->tokens.size()) - s->num_computed;
-      const int32_t take = std::min(pending, budget);
-      budget -= take;
-      has_prompt_tokens |= s->num_computed < s->prompt_len;
-      for (int32_t i = 0; i < take; ++i) {
-        batch.token_ids.push_back(s->tokens[s->num_computed + i]);
-        batch.positions.push_back(s->num_computed + i);
-      }
-      batch.query_start.push_back(static_cast<int32_t>(batch.token_ids.size()));
-      std::vector<int32_t> row = s->pages.pages();
-      row.resize(max_pages, -1);
-      batch.page_table.insert(batch.page_table.end(), row.begin(), row.end());
-      const bool completes = take == pending;
-      if (completes) batch.logits_rows.push_back(static_cast<int32_t>(batch.token_ids.size()) - 1);
-      s->num_computed += take;
-      in_batch.push_back(s);
-      wants_logits.push_back(completes);
-    }
-
+  while (scheduler.has_work()) {
+    const StepPlan plan = scheduler.schedule(0);
+    CHECK(!plan.empty(), "nothing runnable although requests wait");
     const auto start = std::chrono::steady_clock::now();
-    Tensor logits = model_.forward(pool_, batch, kv_layers);
+    MOE_ASSIGN_OR_RETURN(Tensor logits, runner.forward(scheduler.build_batch(plan)));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    (has_prompt_tokens ? stats_.prefill_seconds : stats_.decode_seconds) += seconds;
+    (plan.num_prefill_tokens > 0 ? stats_.prefill_seconds : stats_.decode_seconds) += seconds;
+    stats_.num_prompt_tokens += plan.num_prefill_tokens;
     ++stats_.num_steps;
-
-    // Sample for each sequence whose tokens are all computed.
+    std::vector<int32_t> sampled;
     int64_t row = 0;
-    for (size_t i = 0; i < in_batch.size(); ++i) {
-      if (!wants_logits[i]) continue;
-      Sequence& s = *in_batch[i];
-      const auto& r = requests[s.index];
-      std::span<const float> row_logits(logits.data_as<float>() + row * config.vocab_size, config.vocab_size);
-      ++row;
-      const auto num_generated = static_cast<uint64_t>(s.tokens.size()) - s.prompt_len;
-      const int32_t token = sample_token(row_logits, r.sampling, s.seed, num_generated);
-      s.tokens.push_back(token);
-      s.result.token_ids.push_back(token);
-      const bool is_eos = !r.ignore_eos && std::count(options_.eos_token_ids.begin(), options_.eos_token_ids.end(), token);
-      const bool is_stop = std::count(r.stop_token_ids.begin(), r.stop_token_ids.end(), token) > 0;
-      if (is_eos || is_stop) s.result.finish_reason = "stop";
-      else if (static_cast<int>(s.result.token_ids.size()) >= r.max_tokens) s.result.finish_reason = "length";
+    for (const ScheduledChunk& chunk : plan.chunks) {
+      if (!chunk.sample) continue;
+      std::span<const float> row_logits(logits.data_as<float>() + row++ * vocab_size, static_cast<size_t>(vocab_size));
+      const auto step = static_cast<uint64_t>(results[chunk.id].token_ids.size());
+      sampled.push_back(sample_token(row_logits, requests[chunk.id].sampling, seeds[chunk.id], step));
     }
-    // Retire finished sequences.
-    for (auto it = running.begin(); it != running.end();) {
-      if (it->result.finish_reason.empty()) {
-        ++it;
-        continue;
-      }
-      stats_.num_prompt_tokens += it->prompt_len;
-      stats_.num_generated_tokens += static_cast<int64_t>(it->result.token_ids.size());
-      it->pages.release(cache.allocator());
-      results[it->index] = std::move(it->result);
-      it = running.erase(it);
+    for (const SequenceUpdate& u : scheduler.complete_step(plan, sampled)) {
+      results[u.id].token_ids.push_back(u.token);
+      if (u.finish != FinishReason::kNone) results[u.id].finish_reason = finish_reason_name(u.finish);
+      ++stats_.num_generated_tokens;
     }
-    cache.allocator().check_invariants();
+    scheduler.check_invariants();
   }
   return results;
 }

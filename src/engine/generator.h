@@ -1,12 +1,12 @@
 // Offline batch generation: runs several sequences of different lengths
 // through the model together, one forward per step, on a paged KV cache.
 //
-// Each step packs every running sequence's pending tokens (its prompt, or a
-// chunk of it under `max_tokens_per_step`, or its last sampled token) into one
-// ragged batch. A request is admitted when the pages for its prompt plus
-// max_tokens are free; otherwise it waits for running ones to finish. This is
-// the minimal runner of the foundation; the serving engine (continuous
-// batching, preemption, prefix caching) builds on the same pieces.
+// Drives the serving scheduler (engine/scheduler.h) synchronously: each step
+// packs every running sequence's pending tokens (its prompt, or a chunk of it
+// under `max_tokens_per_step`, or its last sampled token) into one ragged
+// batch; prompts are admitted as pages allow, and a cache too small for all of
+// them preempts (recomputes) the newest sequence. Prefix caching is off, so
+// every run computes every token.
 //
 // Not thread-safe: one thread drives a Generator.
 #pragma once
@@ -17,6 +17,7 @@
 
 #include "core/status.h"
 #include "core/thread_pool.h"
+#include "engine/model_runner.h"
 #include "engine/sampler.h"
 #include "kv/kv_cache.h"
 #include "model/qwen3_moe.h"
@@ -46,7 +47,7 @@ struct GeneratorOptions {
 
 struct GenerationStats {
   int num_steps = 0;
-  int64_t num_prompt_tokens = 0;
+  int64_t num_prompt_tokens = 0;  // prefill tokens computed (recomputes included)
   int64_t num_generated_tokens = 0;
   double prefill_seconds = 0.0;  // steps that processed prompt tokens
   double decode_seconds = 0.0;   // steps of decode tokens only
@@ -54,7 +55,11 @@ struct GenerationStats {
 
 class Generator {
  public:
+  // On the CPU model: each generate() builds a KV cache sized for its requests.
   Generator(const model::Qwen3MoeModel& model, ThreadPool& pool, GeneratorOptions options);
+  // On any runner (the CUDA one), whose KV pool of `runner_num_pages` pages
+  // the scheduler's page ids index; options.num_pages, if set, uses fewer.
+  Generator(ModelRunner& runner, int32_t runner_num_pages, GeneratorOptions options);
 
   // Runs every request to completion. A request that could never fit in the
   // KV cache, or has bad parameters, makes the call fail before any work.
@@ -62,8 +67,13 @@ class Generator {
   const GenerationStats& stats() const { return stats_; }
 
  private:
-  const model::Qwen3MoeModel& model_;
-  ThreadPool& pool_;
+  Expected<std::vector<GenerationResult>> run(const std::vector<GenerationRequest>& requests, ModelRunner& runner,
+                                              int32_t num_pages, int64_t longest);
+
+  const model::Qwen3MoeModel* model_ = nullptr;  // CPU path
+  ThreadPool* pool_ = nullptr;
+  ModelRunner* runner_ = nullptr;  // runner path
+  int32_t runner_num_pages_ = 0;
   GeneratorOptions options_;
   GenerationStats stats_;
 };

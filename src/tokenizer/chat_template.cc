@@ -177,6 +177,8 @@ class Interpreter {
     if (target.kind == NodeKind::kMember) {
       MOE_ASSIGN_OR_RETURN(Value object, eval(*target.children[0]));
       if (!object.is_object()) return at_node(target, invalid_argument("cannot set an attribute of {}", object.type_name()));
+      if (reaches(v, &object.as_object()))
+        return at_node(target, invalid_argument("cannot store '{}' inside itself", target.name));
       object.as_object().set(target.name, v);
       return Status::ok();
     }

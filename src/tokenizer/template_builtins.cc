@@ -284,7 +284,9 @@ Expected<Value> call_method(const Value& object, std::string_view name, const Ca
   if (object.is_array() && name == "append") {
     found = true;
     if (object.as_array().size() >= kMaxBuiltItems) return resource_exhausted("append(): list too large");
-    object.as_array().push_back(args.get(0, "item"));
+    const Value item = args.get(0, "item");
+    if (reaches(item, &object.as_array())) return invalid_argument("append(): a list cannot contain itself");
+    object.as_array().push_back(item);
     return Value::none();
   }
   found = false;

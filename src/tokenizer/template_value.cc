@@ -1,7 +1,9 @@
 #include "tokenizer/template_value.h"
 
+
 #include <algorithm>
 #include <cmath>
+#include <unordered_set>
 
 #include <fmt/format.h>
 
@@ -260,6 +262,27 @@ std::string Value::to_json(int indent, bool sort_keys) const {
   std::string out;
   append_json(*this, indent, sort_keys, 0, out);
   return out;
+}
+
+bool reaches(const Value& value, const void* container) {
+  std::vector<const Value*> pending = {&value};
+  std::unordered_set<const void*> seen;
+  while (!pending.empty()) {
+    const Value* v = pending.back();
+    pending.pop_back();
+    if (v->is_array()) {
+      const Array& a = v->as_array();
+      if (&a == container) return true;
+      if (!seen.insert(&a).second) continue;
+      for (const Value& child : a) pending.push_back(&child);
+    } else if (v->is_object()) {
+      const Object& o = v->as_object();
+      if (&o == container) return true;
+      if (!seen.insert(&o).second) continue;
+      for (const auto& [key, child] : o.items) pending.push_back(&child);
+    }
+  }
+  return false;
 }
 
 const Value* Object::find(std::string_view key) const {

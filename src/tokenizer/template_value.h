@@ -82,6 +82,11 @@ class Value {
 };
 
 // An object (mapping) or a namespace; keys keep their insertion order.
+// True when `container` (an Array or Object) is reachable from `value`:
+// storing `value` into `container` would then make a reference cycle, which
+// shared ownership could never free, so set and append refuse it.
+bool reaches(const Value& value, const void* container);
+
 struct Object {
   std::vector<std::pair<std::string, Value>> items;
   bool is_namespace = false;

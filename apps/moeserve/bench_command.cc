@@ -1,0 +1,311 @@
+#include "apps/moeserve/bench_command.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <nlohmann/json.hpp>
+
+#include "core/logging.h"
+#include "core/status.h"
+
+namespace moe::apps {
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+struct BenchArgs {
+  std::string url = "http://127.0.0.1:8000";
+  std::string model;
+  std::string dataset = "random";
+  int input_len = 128;
+  int output_len = 64;
+  int num_prompts = 100;
+  double request_rate = 0;  // 0: all at once (inf)
+  int max_concurrency = 0;  // 0: no limit
+  int64_t seed = 0;
+  int vocab_lo = 10, vocab_hi = 1000;
+  std::string save_result;
+};
+
+struct Outcome {
+  bool ok = false;
+  std::string error;
+  int prompt_len = 0, output_tokens = 0;
+  double ttft_s = 0, e2e_s = 0;
+  std::vector<double> itl_s;
+};
+
+struct Endpoint {
+  std::string host, port;
+};
+
+Expected<Endpoint> parse_url(const std::string& url) {
+  const std::string prefix = "http://";
+  if (url.rfind(prefix, 0) != 0) return invalid_argument("--url must start with http://, got '{}'", url);
+  std::string rest = url.substr(prefix.size());
+  rest = rest.substr(0, rest.find('/'));
+  const size_t colon = rest.rfind(':');
+  if (colon == std::string::npos) return Endpoint{rest, "80"};
+  return Endpoint{rest.substr(0, colon), rest.substr(colon + 1)};
+}
+
+// One HTTP exchange; `on_body` sees the body as it arrives.
+Status http_exchange(const Endpoint& ep, const std::string& method, const std::string& target, const std::string& body,
+                     int& status, const std::function<void(std::string_view)>& on_body) {
+  try {
+    net::io_context ioc;
+    tcp::resolver resolver(ioc);
+    beast::tcp_stream stream(ioc);
+    stream.connect(resolver.resolve(ep.host, ep.port));
+    http::request<http::string_body> req{method == "POST" ? http::verb::post : http::verb::get, target, 11};
+    req.set(http::field::host, ep.host);
+    req.set(http::field::content_type, "application/json");
+    req.body() = body;
+    req.prepare_payload();
+    http::write(stream, req);
+    beast::flat_buffer buffer;
+    http::response_parser<http::buffer_body> parser;
+    parser.body_limit(std::uint64_t{1} << 40);
+    http::read_header(stream, buffer, parser);
+    status = static_cast<int>(parser.get().result_int());
+    char chunk[16384];
+    while (!parser.is_done()) {
+      parser.get().body().data = chunk;
+      parser.get().body().size = sizeof chunk;
+      beast::error_code ec;
+      http::read_some(stream, buffer, parser, ec);
+      if (ec && ec != http::error::need_buffer) return unavailable("{}", ec.message());
+      on_body(std::string_view(chunk, sizeof chunk - parser.get().body().size));
+    }
+    beast::error_code ignored;
+    stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
+    return Status::ok();
+  } catch (const std::exception& e) {
+    return unavailable("{}", e.what());
+  }
+}
+
+Outcome run_one(const Endpoint& ep, const std::string& model, const std::vector<int32_t>& prompt, int max_tokens) {
+  Outcome o;
+  o.prompt_len = static_cast<int>(prompt.size());
+  const json body = {{"model", model},       {"prompt", prompt},       {"max_tokens", max_tokens},
+                     {"temperature", 0},     {"ignore_eos", true},     {"stream", true},
+                     {"stream_options", {{"include_usage", true}}}};
+  const auto start = Clock::now();
+  auto last = start;
+  bool first = true;
+  std::string pending, error_body;
+  int status = 0;
+  auto on_event = [&](const std::string& data) {
+    if (data == "[DONE]") return;
+    const json j = json::parse(data, nullptr, false);
+    if (j.is_discarded()) return;
+    if (j.contains("error")) o.error = j["error"].value("message", "error event");
+    if (j.contains("usage") && j["usage"].is_object()) o.output_tokens = j["usage"].value("completion_tokens", 0);
+    if (!j.contains("choices") || j["choices"].empty()) return;
+    const auto now = Clock::now();
+    if (first) o.ttft_s = std::chrono::duration<double>(now - start).count(), first = false;
+    else o.itl_s.push_back(std::chrono::duration<double>(now - last).count());
+    last = now;
+  };
+  Status s = http_exchange(ep, "POST", "/v1/completions", body.dump(), status, [&](std::string_view bytes) {
+    if (status != 200) {
+      error_body.append(bytes);
+      return;
+    }
+    pending.append(bytes);
+    size_t end;
+    while ((end = pending.find("\n\n")) != std::string::npos) {
+      std::string event = pending.substr(0, end);
+      pending.erase(0, end + 2);
+      if (event.rfind("data: ", 0) == 0) on_event(event.substr(6));
+    }
+  });
+  o.e2e_s = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!s.is_ok()) o.error = s.message();
+  else if (status != 200) o.error = fmt::format("HTTP {}: {}", status, error_body.substr(0, 200));
+  o.ok = o.error.empty() && !first;
+  return o;
+}
+
+struct Stat {
+  double mean = 0, median = 0, p99 = 0;
+};
+Stat stats_ms(std::vector<double> v) {
+  Stat s;
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  for (double x : v) s.mean += x;
+  s.mean = s.mean / static_cast<double>(v.size()) * 1e3;
+  auto pct = [&](double p) {  // numpy's linear interpolation
+    const double pos = p * static_cast<double>(v.size() - 1);
+    const auto lo = static_cast<size_t>(pos);
+    const size_t hi = std::min(lo + 1, v.size() - 1);
+    return (v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo))) * 1e3;
+  };
+  s.median = pct(0.5);
+  s.p99 = pct(0.99);
+  return s;
+}
+
+std::string find_model(const Endpoint& ep) {
+  int status = 0;
+  std::string body;
+  Status s = http_exchange(ep, "GET", "/v1/models", "", status, [&](std::string_view b) { body.append(b); });
+  if (!s.is_ok()) {
+    log_error("bench: GET /v1/models: {}", s.message());
+    return {};
+  }
+  const json j = json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.contains("data") || j["data"].empty()) return {};
+  return j["data"][0].value("id", "");
+}
+
+void print_and_save(const BenchArgs& args, const std::string& model, const std::vector<Outcome>& outcomes,
+                    double duration_s) {
+  int completed = 0;
+  int64_t input_tokens = 0, output_tokens = 0;
+  std::vector<double> ttft, tpot, itl, e2el;
+  json errors = json::array();
+  for (const auto& o : outcomes) {
+    if (!o.ok) {
+      errors.push_back(o.error);
+      continue;
+    }
+    ++completed;
+    input_tokens += o.prompt_len;
+    output_tokens += o.output_tokens;
+    ttft.push_back(o.ttft_s);
+    e2el.push_back(o.e2e_s);
+    if (o.output_tokens > 1) tpot.push_back((o.e2e_s - o.ttft_s) / (o.output_tokens - 1));
+    itl.insert(itl.end(), o.itl_s.begin(), o.itl_s.end());
+  }
+  const Stat t = stats_ms(ttft), p = stats_ms(tpot), i = stats_ms(itl), e = stats_ms(e2el);
+  auto line = [](const char* k, double v) { std::printf("%-40s%-10.2f\n", k, v); };
+  std::printf("============ Serving Benchmark Result ============\n");
+  std::printf("%-40s%-10d\n", "Successful requests:", completed);
+  if (args.max_concurrency > 0) std::printf("%-40s%-10d\n", "Maximum request concurrency:", args.max_concurrency);
+  line("Benchmark duration (s):", duration_s);
+  std::printf("%-40s%-10ld\n%-40s%-10ld\n", "Total input tokens:", static_cast<long>(input_tokens),
+              "Total generated tokens:", static_cast<long>(output_tokens));
+  line("Request throughput (req/s):", completed / duration_s);
+  line("Output token throughput (tok/s):", static_cast<double>(output_tokens) / duration_s);
+  line("Total Token throughput (tok/s):", static_cast<double>(input_tokens + output_tokens) / duration_s);
+  const std::pair<const char*, Stat> sections[] = {{"Time to First Token", t}, {"Time per Output Token (excl. 1st token)", p},
+                                                   {"Inter-token Latency", i}, {"End-to-end Latency", e}};
+  const char* names[] = {"TTFT", "TPOT", "ITL", "E2EL"};
+  for (int s = 0; s < 4; ++s) {
+    const std::string title = sections[s].first;
+    const size_t pad = title.size() < 48 ? (50 - title.size()) / 2 : 1;
+    std::printf("%s%s%s\n", std::string(pad, '-').c_str(), title.c_str(), std::string(50 - pad - title.size(), '-').c_str());
+    line(fmt::format("Mean {} (ms):", names[s]).c_str(), sections[s].second.mean);
+    line(fmt::format("Median {} (ms):", names[s]).c_str(), sections[s].second.median);
+    line(fmt::format("P99 {} (ms):", names[s]).c_str(), sections[s].second.p99);
+  }
+  std::printf("==================================================\n");
+  if (!errors.empty()) std::printf("%zu requests failed; first error: %s\n", errors.size(), errors[0].get<std::string>().c_str());
+  std::fflush(stdout);
+  if (args.save_result.empty()) return;
+  json r = {{"backend", "moeserve"}, {"model_id", model}, {"url", args.url}, {"dataset", args.dataset},
+            {"random_input_len", args.input_len}, {"random_output_len", args.output_len},
+            {"num_prompts", args.num_prompts},
+            {"request_rate", args.request_rate > 0 ? json(args.request_rate) : json("inf")},
+            {"max_concurrency", args.max_concurrency > 0 ? json(args.max_concurrency) : json(nullptr)},
+            {"seed", args.seed}, {"duration", duration_s}, {"completed", completed},
+            {"total_input_tokens", input_tokens}, {"total_output_tokens", output_tokens},
+            {"request_throughput", completed / duration_s},
+            {"output_throughput", static_cast<double>(output_tokens) / duration_s},
+            {"total_token_throughput", static_cast<double>(input_tokens + output_tokens) / duration_s}, {"errors", errors}};
+  for (int s = 0; s < 4; ++s) {
+    std::string n = names[s];
+    std::transform(n.begin(), n.end(), n.begin(), ::tolower);
+    r["mean_" + n + "_ms"] = sections[s].second.mean;
+    r["median_" + n + "_ms"] = sections[s].second.median;
+    r["p99_" + n + "_ms"] = sections[s].second.p99;
+  }
+  r["ttfts"] = ttft;
+  r["e2els"] = e2el;
+  std::ofstream(args.save_result) << r.dump(2) << "\n";
+}
+
+Status run_bench(const BenchArgs& args) {
+  if (args.dataset != "random") return invalid_argument("--dataset: only 'random' is supported");
+  if (args.vocab_lo < 0 || args.vocab_hi <= args.vocab_lo) return invalid_argument("--random-vocab-range must be lo < hi");
+  MOE_ASSIGN_OR_RETURN(Endpoint ep, parse_url(args.url));
+  std::string model = args.model.empty() ? find_model(ep) : args.model;
+  if (model.empty()) return unavailable("no model from {}/v1/models (is the server up?)", args.url);
+  std::mt19937_64 rng(static_cast<uint64_t>(args.seed));
+  std::uniform_int_distribution<int32_t> token(args.vocab_lo, args.vocab_hi - 1);
+  std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(args.num_prompts));
+  for (auto& p : prompts) {
+    p.resize(static_cast<size_t>(args.input_len));
+    for (auto& t : p) t = token(rng);
+  }
+  // Arrival times: Poisson at request_rate, or all at once.
+  std::vector<double> arrival(prompts.size(), 0.0);
+  std::exponential_distribution<double> gap(args.request_rate > 0 ? args.request_rate : 1.0);
+  for (size_t i = 1; i < arrival.size(); ++i) arrival[i] = arrival[i - 1] + (args.request_rate > 0 ? gap(rng) : 0.0);
+  log_info("bench: {} prompts of {} tokens, {} output tokens, rate {}, concurrency {}, model '{}'", args.num_prompts,
+           args.input_len, args.output_len, args.request_rate > 0 ? fmt::format("{}", args.request_rate) : "inf",
+           args.max_concurrency > 0 ? std::to_string(args.max_concurrency) : "unlimited", model);
+  const int workers = args.max_concurrency > 0 ? std::min(args.max_concurrency, args.num_prompts) : args.num_prompts;
+  std::vector<Outcome> outcomes(prompts.size());
+  std::atomic<size_t> next{0};
+  const auto start = Clock::now();
+  std::vector<std::thread> threads;
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&] {
+      for (size_t i; (i = next.fetch_add(1)) < prompts.size();) {
+        std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(arrival[i])));
+        outcomes[i] = run_one(ep, model, prompts[i], args.output_len);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  print_and_save(args, model, outcomes, std::chrono::duration<double>(Clock::now() - start).count());
+  return Status::ok();
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app) {
+  auto args = std::make_shared<BenchArgs>();
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
+  bench->require_subcommand(1);
+  CLI::App* cmd = bench->add_subcommand("serve", "Load-test an OpenAI-compatible server (like `vllm bench serve`)");
+  cmd->add_option("--url", args->url, "Server base URL (http://host:port)");
+  cmd->add_option("--model", args->model, "Model name (default: the first of /v1/models)");
+  cmd->add_option("--dataset", args->dataset, "random (random token ids)");
+  cmd->add_option("--random-input-len", args->input_len, "Prompt tokens")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--random-output-len", args->output_len, "Generated tokens (ignore_eos)")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--num-prompts", args->num_prompts, "Requests to send")->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--request-rate", args->request_rate, "Poisson arrivals per second (0 = all at once)");
+  cmd->add_option("--max-concurrency", args->max_concurrency, "Requests in flight at most (0 = no limit)");
+  cmd->add_option("--seed", args->seed, "Dataset and arrival seed");
+  cmd->add_option("--random-vocab-lo", args->vocab_lo, "Lowest random token id");
+  cmd->add_option("--random-vocab-hi", args->vocab_hi, "One past the highest random token id");
+  cmd->add_option("--save-result", args->save_result, "Write the results as JSON to this file");
+  cmd->callback([args] {
+    Status status = run_bench(*args);
+    if (!status.is_ok()) {
+      log_error("{}", status.to_string());
+      throw CLI::RuntimeError(1);
+    }
+  });
+}
+
+}  // namespace moe::apps

@@ -1,0 +1,320 @@
+#include "apps/moeserve/serve_command.h"
+
+#include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include "core/logging.h"
+#include "engine/engine.h"
+#include "model/config.h"
+#include "model/qwen3_moe.h"
+#include "model/weights.h"
+#ifdef MOE_WITH_CUDA
+#include "engine/cuda_runner.h"
+#endif
+#include "server/http_server.h"
+#include "server/openai_api.h"
+#include "tokenizer/tokenizer.h"
+
+namespace moe::apps {
+namespace {
+
+struct ServeArgs {
+  std::string model;
+  std::string served_model_name;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string api_key;
+  int max_num_seqs = 64;
+  int max_model_len = 0;  // 0: min(the model's max_position_embeddings, 4096)
+  int max_num_batched_tokens = 512;
+  double kv_cache_gb = 1.0;
+  int page_size = 16;
+  std::string kv_dtype = "f32";
+  bool no_prefix_caching = false;
+  std::string device = "cpu";
+  double gpu_memory_utilization = 0.9;
+  bool enforce_eager = false;
+  int threads = 0;
+  int http_threads = 2;
+  std::string reasoning_parser;
+  size_t max_body_bytes = size_t{1} << 20;
+  double read_timeout_s = 15;
+  double request_timeout_s = 600;
+  int max_waiting = 1024;
+  size_t max_connections = 1024;
+  int max_n = 16;
+  int max_logprobs = 20;
+};
+
+// Sampling defaults from DIR/generation_config.json (temperature, top_p,
+// top_k, min_p), as vLLM applies them; OpenAI's defaults when absent.
+engine::SamplingParams generation_defaults(const std::string& model_dir) {
+  engine::SamplingParams s;
+  std::ifstream in(std::filesystem::path(model_dir) / "generation_config.json");
+  if (!in.good()) return s;
+  const auto j = nlohmann::json::parse(in, nullptr, false);
+  if (!j.is_object()) return s;
+  if (j.contains("temperature") && j["temperature"].is_number()) s.temperature = j["temperature"].get<float>();
+  if (j.contains("top_p") && j["top_p"].is_number()) s.top_p = j["top_p"].get<float>();
+  if (j.contains("top_k") && j["top_k"].is_number_integer()) s.top_k = std::max(0, j["top_k"].get<int>());
+  if (j.contains("min_p") && j["min_p"].is_number()) s.min_p = j["min_p"].get<float>();
+  if (!engine::validate_sampling(s).is_ok()) return {};
+  return s;
+}
+
+// The demo model ships with the source tree; an installed binary looks next to itself.
+std::string find_default_model() {
+  namespace fs = std::filesystem;
+  const fs::path source = fs::path(MOE_SOURCE_DIR) / "models" / "moeserve-demo";
+  if (fs::exists(source / "config.json")) return source.string();
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  for (const fs::path& p : {exe.parent_path() / "../models/moeserve-demo", exe.parent_path() / "../../models/moeserve-demo"})
+    if (!ec && fs::exists(p / "config.json")) return fs::weakly_canonical(p).string();
+  return source.string();
+}
+
+Expected<engine::SchedulerOptions> scheduler_options(const ServeArgs& args, const model::ModelConfig& config,
+                                                     size_t page_bytes_all_layers) {
+  engine::SchedulerOptions s;
+  s.page_size = args.page_size;
+  s.max_num_seqs = args.max_num_seqs;
+  s.max_num_batched_tokens = args.max_num_batched_tokens;
+  s.enable_prefix_caching = !args.no_prefix_caching;
+  const int64_t model_max = config.max_position_embeddings > 0 ? config.max_position_embeddings : 4096;
+  s.max_model_len = args.max_model_len > 0 ? args.max_model_len : static_cast<int>(std::min<int64_t>(model_max, 4096));
+  if (s.max_model_len > model_max)
+    return invalid_argument("--max-model-len {} is over the model's max_position_embeddings {}", s.max_model_len, model_max);
+  const int64_t pages_per_seq = (s.max_model_len + s.page_size - 1) / s.page_size;
+  const auto budget_pages = static_cast<int64_t>(args.kv_cache_gb * 1e9 / static_cast<double>(page_bytes_all_layers));
+  s.num_pages = static_cast<int32_t>(std::min<int64_t>(budget_pages, pages_per_seq * s.max_num_seqs));
+  if (s.num_pages < pages_per_seq)
+    return invalid_argument("--kv-cache-gb {} holds {} pages; one sequence of --max-model-len {} needs {}", args.kv_cache_gb,
+                            budget_pages, s.max_model_len, pages_per_seq);
+  return s;
+}
+
+server::ApiOptions api_options(const ServeArgs& args, const engine::SchedulerOptions& sched) {
+  server::ApiOptions o;
+  o.model_name = args.served_model_name;
+  o.api_key = args.api_key;
+  o.limits.max_model_len = sched.max_model_len;
+  o.limits.max_n = args.max_n;
+  o.limits.max_logprobs = args.max_logprobs;
+  o.limits.default_sampling = generation_defaults(args.model);
+  o.reasoning_parser_qwen3 = args.reasoning_parser == "qwen3";
+  o.request_timeout_s = args.request_timeout_s;
+  return o;
+}
+
+server::HttpServerOptions http_options(const ServeArgs& args) {
+  server::HttpServerOptions o;
+  o.host = args.host;
+  o.port = static_cast<uint16_t>(args.port);
+  o.num_threads = args.http_threads;
+  o.max_body_bytes = args.max_body_bytes;
+  o.read_timeout_s = args.read_timeout_s;
+  o.max_connections = args.max_connections;
+  return o;
+}
+
+// The effective configuration, the sampling defaults and the KV capacity.
+void log_startup(const ServeArgs& args, const engine::SchedulerOptions& sched, const kv::KvCacheLayout& layout,
+                 int num_threads) {
+  const auto num_layers = static_cast<size_t>(layout.num_layers);
+  const int64_t kv_tokens = static_cast<int64_t>(sched.num_pages) * sched.page_size;
+  log_info("config: model={} served as '{}', device={}, threads={}, max_num_seqs={}, max_model_len={}, "
+           "max_num_batched_tokens={}, page_size={}, kv_dtype={}, prefix_caching={}, reasoning_parser={}",
+           args.model, args.served_model_name, args.device, num_threads, sched.max_num_seqs, sched.max_model_len,
+           sched.max_num_batched_tokens, sched.page_size, args.kv_dtype, sched.enable_prefix_caching ? "on" : "off",
+           args.reasoning_parser.empty() ? "none" : args.reasoning_parser);
+  const engine::SamplingParams defaults = generation_defaults(args.model);
+  log_info("sampling defaults (generation_config.json): temperature={} top_p={} top_k={} min_p={}", defaults.temperature,
+           defaults.top_p, defaults.top_k, defaults.min_p);
+  log_info("KV cache: {} pages, {} tokens, {:.1f} MB; maximum concurrency at max_model_len {}: {:.1f}x", sched.num_pages,
+           kv_tokens, static_cast<double>(layout.page_bytes() * num_layers * sched.num_pages) / 1e6,
+           sched.max_model_len, static_cast<double>(kv_tokens) / sched.max_model_len);
+}
+
+// Reads the checkpoint files once, showing progress (a bar on a terminal,
+// a line per 10% otherwise), so the loader that follows maps them from the
+// page cache: on a large model the disk read is what takes the time.
+void prefetch_weights(const std::string& model_dir) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> files;
+  uintmax_t total = 0;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(model_dir, ec))
+    if (entry.path().extension() == ".safetensors") files.push_back(entry.path()), total += entry.file_size(ec);
+  if (files.empty() || total == 0) return;
+  // A checkpoint that would not stay in the page cache would be read twice.
+  const auto free_bytes = static_cast<double>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  if (static_cast<double>(total) > 0.5 * free_bytes) return;
+  std::sort(files.begin(), files.end());
+  const bool tty = isatty(STDERR_FILENO) != 0;
+  std::vector<char> buffer(size_t{16} << 20);
+  uintmax_t done = 0;
+  int last_decile = -1;
+  for (const auto& file : files) {
+    std::ifstream in(file, std::ios::binary);
+    while (in.read(buffer.data(), static_cast<std::streamsize>(buffer.size())) || in.gcount() > 0) {
+      done += static_cast<uintmax_t>(in.gcount());
+      const double frac = static_cast<double>(done) / static_cast<double>(total);
+      if (tty) {
+        const int width = 40, filled = static_cast<int>(frac * width);
+        std::fprintf(stderr, "\rloading weights [%s%s] %5.1f%% of %.1f MB", std::string(filled, '#').c_str(),
+                     std::string(width - filled, ' ').c_str(), 100 * frac, static_cast<double>(total) / 1e6);
+      } else if (static_cast<int>(frac * 10) > last_decile) {
+        last_decile = static_cast<int>(frac * 10);
+        log_info("loading weights: {:.0f}% of {:.1f} MB ({} files)", 100 * frac, static_cast<double>(total) / 1e6,
+                 files.size());
+      }
+    }
+  }
+  if (tty) std::fprintf(stderr, "\n");
+}
+
+Status run_serve(ServeArgs args) {
+  if (args.device != "cpu" && args.device != "cuda")
+    return invalid_argument("--device must be cpu or cuda, got '{}'", args.device);
+#ifdef MOE_WITH_CUDA
+  if (args.device == "cuda") MOE_RETURN_IF_ERROR(engine::cuda_device_status());
+#else
+  if (args.device == "cuda") return unimplemented("--device cuda: this build has no CUDA backend (nvcc was not found)");
+#endif
+  if (args.model.empty()) args.model = find_default_model();
+  if (args.page_size < 1 || args.page_size > 1024) return invalid_argument("--page-size must be in [1, 1024]");
+  if (!args.reasoning_parser.empty() && args.reasoning_parser != "qwen3")
+    return invalid_argument("--reasoning-parser: only qwen3 is supported, got '{}'", args.reasoning_parser);
+  if (args.device == "cuda") args.kv_dtype = "bf16";  // the GPU's KV pages are bf16
+  MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
+  if (kv_dtype != DType::kF32 && kv_dtype != DType::kBF16) return invalid_argument("--kv-dtype must be f32 or bf16");
+  MOE_ASSIGN_OR_RETURN(model::ModelConfig config, model::load_model_config(args.model));
+  if (args.served_model_name.empty()) args.served_model_name = std::filesystem::path(args.model).filename().string();
+
+  std::optional<tokenizer::Tokenizer> tok;
+  if (std::filesystem::exists(std::filesystem::path(args.model) / "tokenizer.json")) {
+    MOE_ASSIGN_OR_RETURN(auto t, tokenizer::Tokenizer::load(args.model));
+    tok.emplace(std::move(t));
+  } else {
+    log_warn("{} has no tokenizer.json: only token-id prompts will work", args.model);
+  }
+  // Signals go to sigwait below, not to the threads started from here on
+  // (thread pool, engine, HTTP I/O), which inherit this mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  ThreadPool pool(args.threads);
+  pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);  // Ctrl-C still ends a long load at once
+  log_info("loading weights from {} ...", args.model);
+  const double load_start = engine::monotonic_seconds();
+  prefetch_weights(args.model);
+  MOE_ASSIGN_OR_RETURN(auto weights, model::ModelWeights::load(args.model, config, pool));
+  log_info("loaded {:.1f} MB of weights in {:.2f} s ({} layers, {} experts, vocab {})",
+           static_cast<double>(weights.num_bytes()) / 1e6, engine::monotonic_seconds() - load_start,
+           config.num_layers, config.num_experts, config.vocab_size);
+  model::Qwen3MoeModel model(weights);
+
+  kv::KvCacheLayout layout{config.num_layers, config.num_kv_heads, config.head_dim, args.page_size, 0, kv_dtype};
+  MOE_ASSIGN_OR_RETURN(auto sched, scheduler_options(args, config, layout.page_bytes() * config.num_layers));
+  std::unique_ptr<engine::ModelRunner> runner;
+#ifdef MOE_WITH_CUDA
+  if (args.device == "cuda") {
+    // The KV pool takes what --gpu-memory-utilization leaves after the weights.
+    model::CudaModelOptions cuda;
+    cuda.page_size = sched.page_size;
+    cuda.max_num_tokens = std::max(sched.max_num_batched_tokens, sched.max_num_seqs);
+    cuda.max_num_seqs = sched.max_num_seqs;
+    cuda.max_model_len = sched.max_model_len;
+    cuda.gpu_memory_utilization = args.gpu_memory_utilization;
+    cuda.use_cuda_graphs = !args.enforce_eager;
+    MOE_ASSIGN_OR_RETURN(auto cuda_runner, engine::CudaRunner::create(config, &weights, 0, cuda));
+    sched.num_pages = cuda_runner->num_pages();
+    runner = std::move(cuda_runner);
+  }
+#endif
+  layout.num_pages = sched.num_pages;
+  engine::EngineOptions engine_options;
+  engine_options.scheduler = sched;
+  engine_options.max_waiting = args.max_waiting;
+  if (tok) engine_options.eos_token_ids.assign(tok->special_tokens().eos_ids.begin(), tok->special_tokens().eos_ids.end());
+  if (engine_options.eos_token_ids.empty())
+    engine_options.eos_token_ids.assign(config.eos_token_ids.begin(), config.eos_token_ids.end());
+  log_startup(args, sched, layout, pool.num_threads());
+
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  server::HttpServer http;  // declared first: destroyed after everything that may hold a connection
+  if (!runner) runner = std::make_unique<engine::Qwen3Runner>(model, pool, layout);
+  engine::Engine engine(std::move(runner), engine_options);
+  server::OpenAiApi api(engine, tok ? &*tok : nullptr, api_options(args, sched));
+  MOE_RETURN_IF_ERROR(http.start(http_options(args), [&api](server::HttpRequest r, std::shared_ptr<server::HttpExchange> e) {
+    api.handle(std::move(r), std::move(e));
+  }));
+  std::printf("moeserve: listening on http://%s:%u (model '%s')\n", args.host.c_str(), http.port(),
+              args.served_model_name.c_str());
+  std::fflush(stdout);
+  log_info("listening on http://{}:{}", args.host, http.port());
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  log_info("signal {}: shutting down", signal_number);
+  http.stop();
+  engine.shutdown();
+  return Status::ok();
+}
+
+}  // namespace
+
+std::string default_model_dir() { return find_default_model(); }
+
+void add_serve_command(CLI::App& app) {
+  auto args = std::make_shared<ServeArgs>();
+  CLI::App* cmd = app.add_subcommand("serve", "Serve the OpenAI-compatible HTTP API (default model: the bundled demo)");
+  cmd->add_option("--model", args->model, "Model directory (default: the bundled demo model)");
+  cmd->add_option("--served-model-name", args->served_model_name, "Model name in the API (default: the directory name)");
+  cmd->add_option("--host", args->host, "Address to bind (default 127.0.0.1)");
+  cmd->add_option("--port", args->port, "Port (0: any free port)")->check(CLI::Range(0, 65535));
+  cmd->add_option("--api-key", args->api_key, "Require 'Authorization: Bearer KEY' on the API");
+  cmd->add_option("--max-num-seqs", args->max_num_seqs, "Sequences in a batch at most")->check(CLI::Range(1, 4096));
+  cmd->add_option("--max-model-len", args->max_model_len, "Prompt + generated tokens at most per request");
+  cmd->add_option("--max-num-batched-tokens", args->max_num_batched_tokens, "Tokens per step (chunked prefill budget)")
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--kv-cache-gb", args->kv_cache_gb, "Memory for the KV cache in GB")->check(CLI::Range(0.0001, 4096.0));
+  cmd->add_option("--page-size", args->page_size, "Tokens per KV page");
+  cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
+  cmd->add_flag("--no-enable-prefix-caching", args->no_prefix_caching, "Turn prefix caching off");
+  cmd->add_option("--device", args->device, "cpu or cuda (one GPU)")->check(CLI::IsMember({"cpu", "cuda"}));
+  cmd->add_option("--gpu-memory-utilization", args->gpu_memory_utilization,
+                  "With --device cuda: share of the GPU's memory for weights, activations and the KV cache")
+      ->check(CLI::Range(0.05, 0.99));
+  cmd->add_flag("--enforce-eager", args->enforce_eager, "With --device cuda: no CUDA graphs for decode steps");
+  cmd->add_option("--threads", args->threads, "CPU threads for the model (0 = all cores)");
+  cmd->add_option("--http-threads", args->http_threads, "HTTP I/O threads")->check(CLI::Range(1, 64));
+  cmd->add_option("--reasoning-parser", args->reasoning_parser, "qwen3: split <think> into reasoning_content");
+  cmd->add_option("--max-body-bytes", args->max_body_bytes, "Largest request body (413 above)");
+  cmd->add_option("--read-timeout", args->read_timeout_s, "Seconds to receive a request (idle, headers and body)");
+  cmd->add_option("--request-timeout", args->request_timeout_s, "Deadline of each generation in seconds (0 = none)");
+  cmd->add_option("--max-waiting", args->max_waiting, "Queued requests before 503 + Retry-After");
+  cmd->add_option("--max-connections", args->max_connections, "Open connections before 503 + close")
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--max-n", args->max_n, "Largest n (choices per request)")->check(CLI::Range(1, 1024));
+  cmd->add_option("--max-logprobs", args->max_logprobs, "Largest logprobs / top_logprobs")->check(CLI::Range(0, 1000));
+  cmd->callback([args] {
+    Status status = run_serve(*args);
+    if (!status.is_ok()) {
+      log_error("{}", status.to_string());
+      throw CLI::RuntimeError(1);
+    }
+  });
+}
+
+}  // namespace moe::apps

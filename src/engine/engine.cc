@@ -1,0 +1,322 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <exception>
+
+#include "core/check.h"
+#include "core/logging.h"
+
+namespace moe::engine {
+
+double monotonic_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+namespace {
+
+// log_softmax of `logits` at the sampled token, and the top k (raw model
+// distribution, as vLLM and OpenAI report it).
+TokenLogprobs compute_logprobs(std::span<const float> logits, int32_t token, int k) {
+  const float max_logit = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (float x : logits) sum += std::exp(static_cast<double>(x - max_logit));
+  const auto log_z = static_cast<float>(max_logit + std::log(sum));
+  TokenLogprobs out;
+  out.token = token;
+  out.logprob = logits[static_cast<size_t>(token)] - log_z;
+  if (k > 0) {
+    std::vector<int32_t> ids(logits.size());
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+    const auto kk = std::min<size_t>(static_cast<size_t>(k), ids.size());
+    std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(kk), ids.end(), [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    for (size_t i = 0; i < kk; ++i) out.top.emplace_back(ids[i], logits[static_cast<size_t>(ids[i])] - log_z);
+  }
+  return out;
+}
+
+// Runs an output callback; an exception from it (the caller's code) is logged
+// and contained, so it cannot take the engine thread down.
+void deliver(const OutputCallback& callback, const EngineOutput& out) {
+  try {
+    callback(out);
+  } catch (const std::exception& e) {
+    log_error("engine: the output callback of request {} threw: {}", out.id, e.what());
+  }
+}
+
+}  // namespace
+
+Engine::Engine(std::unique_ptr<ModelRunner> runner, EngineOptions options)
+    : runner_(std::move(runner)),
+      options_(std::move(options)),
+      vocab_size_(runner_->vocab_size()),
+      scheduler_(options_.scheduler),
+      seed_source_(std::random_device{}()) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() { shutdown(); }
+
+void Engine::shutdown() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+Expected<uint64_t> Engine::submit(EngineRequest request, OutputCallback on_output) {
+  if (request.prompt.empty()) return invalid_argument("the prompt is empty");
+  for (int32_t id : request.prompt)
+    if (id < 0 || id >= vocab_size_) return invalid_argument("token id {} is outside the vocabulary [0, {})", id, vocab_size_);
+  if (request.max_tokens < 1) return invalid_argument("max_tokens must be at least 1, got {}", request.max_tokens);
+  const int64_t total = static_cast<int64_t>(request.prompt.size()) + request.max_tokens;
+  if (total > options_.scheduler.max_model_len)
+    return invalid_argument("prompt ({} tokens) + max_tokens ({}) is over max_model_len {}", request.prompt.size(),
+                            request.max_tokens, options_.scheduler.max_model_len);
+  MOE_RETURN_IF_ERROR(validate_sampling(request.sampling));
+  if (request.num_logprobs > vocab_size_) return invalid_argument("logprobs must be at most {}", vocab_size_);
+  if (dead_.load()) return unavailable("the engine has failed");
+  Active active;
+  active.request = std::move(request);
+  active.on_output = std::move(on_output);
+  active.arrival_s = monotonic_seconds();
+  uint64_t id = 0;
+  {
+    std::lock_guard lock(mutex_);
+    if (stop_) return unavailable("the engine is shutting down");
+    if (num_queued_ >= options_.max_waiting)
+      return resource_exhausted("the request queue is full ({} waiting)", num_queued_);
+    id = next_id_++;
+    ++num_queued_;
+    incoming_.emplace_back(id, std::move(active));
+  }
+  wake_.notify_one();
+  return id;
+}
+
+void Engine::cancel(uint64_t id) {
+  {
+    std::lock_guard lock(mutex_);
+    cancels_.push_back(id);
+  }
+  wake_.notify_one();
+}
+
+EngineMetrics Engine::metrics() const {
+  std::lock_guard lock(mutex_);
+  return metrics_;
+}
+
+void Engine::finish(uint64_t id, EngineOutput out) {
+  auto it = active_.find(id);
+  if (it == active_.end()) return;
+  Active& a = it->second;
+  out.id = id;
+  out.num_prompt_tokens = static_cast<int>(a.request.prompt.size());
+  out.num_output_tokens = a.num_output_tokens;
+  if (out.finish == FinishReason::kNone) out.finish = FinishReason::kAbort;
+  const double now = monotonic_seconds();
+  {
+    std::lock_guard lock(mutex_);
+    metrics_.request_success_total[static_cast<int>(out.finish)]++;
+    metrics_.e2e_request_latency_seconds.observe(now - a.arrival_s);
+    if (a.first_token_s >= 0 && a.num_output_tokens > 1)
+      metrics_.time_per_output_token_seconds.observe((now - a.first_token_s) / (a.num_output_tokens - 1));
+  }
+  OutputCallback callback = std::move(a.on_output);
+  active_.erase(it);
+  deliver(callback, out);
+}
+
+void Engine::drain_queues() {
+  std::vector<std::pair<uint64_t, Active>> incoming;
+  std::vector<uint64_t> cancels;
+  {
+    std::lock_guard lock(mutex_);
+    incoming.swap(incoming_);
+    cancels.swap(cancels_);
+  }
+  for (auto& [id, active] : incoming) {
+    SequenceSpec spec;
+    spec.id = id;
+    spec.prompt = active.request.prompt;
+    spec.max_tokens = active.request.max_tokens;
+    spec.eos_token_ids = options_.eos_token_ids;
+    spec.stop_token_ids = active.request.stop_token_ids;
+    spec.ignore_eos = active.request.ignore_eos;
+    if (active.request.timeout_s > 0) spec.deadline_s = active.arrival_s + active.request.timeout_s;
+    const auto& sampling = active.request.sampling;
+    active.seed = sampling.seed ? *sampling.seed : seed_source_();
+    Status status = scheduler_.add(std::move(spec));
+    auto [it, inserted] = active_.emplace(id, std::move(active));
+    CHECK(inserted, "request id {} twice", id);
+    if (!status.is_ok()) {
+      EngineOutput out;
+      out.error = status;
+      finish(id, std::move(out));
+    }
+  }
+  for (uint64_t id : cancels) {
+    if (!scheduler_.abort(id)) continue;
+    EngineOutput out;
+    out.finish = FinishReason::kAbort;
+    finish(id, std::move(out));
+  }
+}
+
+void Engine::update_gauges() {
+  std::lock_guard lock(mutex_);
+  metrics_.num_requests_running = scheduler_.num_running();
+  metrics_.num_requests_waiting = scheduler_.num_waiting() + static_cast<int>(incoming_.size());
+  num_queued_ = metrics_.num_requests_waiting;
+  const auto& cache = scheduler_.cache();
+  metrics_.kv_cache_usage_perc = static_cast<double>(cache.num_used()) / std::max(1, cache.num_pages());
+  metrics_.num_preemptions_total = scheduler_.num_preemptions();
+  metrics_.prefix_cache_queries_total = scheduler_.prefix_query_tokens();
+  metrics_.prefix_cache_hits_total = scheduler_.prefix_hit_tokens();
+}
+
+void Engine::loop() {
+  while (true) {
+    {
+      std::unique_lock lock(mutex_);
+      wake_.wait(lock, [&] { return stop_ || !incoming_.empty() || !cancels_.empty() || scheduler_.has_work(); });
+      if (stop_) break;
+    }
+    drain_queues();
+    if (dead_.load()) fail_all(unavailable("the engine has failed"));
+    else step();
+    update_gauges();
+  }
+  fail_all(unavailable("the engine is shutting down"));
+}
+
+void Engine::fail_all(const Status& status) {
+  drain_queues();
+  std::vector<uint64_t> ids;
+  for (const auto& [id, active] : active_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  for (uint64_t id : ids) {
+    scheduler_.abort(id);
+    EngineOutput out;
+    out.error = status;
+    finish(id, std::move(out));
+  }
+  update_gauges();
+}
+
+void Engine::sample(const StepPlan& plan, const Tensor& logits, std::vector<int32_t>& tokens,
+                    std::vector<std::optional<TokenLogprobs>>& logprobs) {
+  int64_t row = 0;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    if (!chunk.sample) continue;
+    Active& a = active_.at(chunk.id);
+    std::span<const float> row_logits(logits.data_as<float>() + row * vocab_size_, static_cast<size_t>(vocab_size_));
+    ++row;
+    const int32_t token = sample_token(row_logits, a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens));
+    tokens.push_back(token);
+    if (a.request.num_logprobs >= 0) logprobs.push_back(compute_logprobs(row_logits, token, a.request.num_logprobs));
+    else logprobs.emplace_back();
+  }
+}
+
+// At most every 10 s while steps run, one line as vLLM logs: throughputs
+// (averaged since the previous line, idle time included), batch, KV usage.
+void Engine::log_throughput(double now) {
+  if (last_log_s_ == 0) last_log_s_ = now;
+  if (now - last_log_s_ < 10) return;
+  int64_t prompt = 0, generated = 0;
+  {
+    std::lock_guard lock(mutex_);
+    prompt = metrics_.prompt_tokens_total;
+    generated = metrics_.generation_tokens_total;
+  }
+  const double seconds = now - last_log_s_;
+  const auto& cache = scheduler_.cache();
+  log_info("engine: prompt {:.1f} tokens/s, generation {:.1f} tokens/s, running {}, waiting {}, KV cache {:.1f}%, "
+           "prefix cache hits {:.1f}%",
+           static_cast<double>(prompt - logged_prompt_tokens_) / seconds,
+           static_cast<double>(generated - logged_generation_tokens_) / seconds, scheduler_.num_running(),
+           scheduler_.num_waiting(), 100.0 * cache.num_used() / std::max(1, cache.num_pages()),
+           scheduler_.prefix_query_tokens() > 0
+               ? 100.0 * static_cast<double>(scheduler_.prefix_hit_tokens()) / static_cast<double>(scheduler_.prefix_query_tokens())
+               : 0.0);
+  last_log_s_ = now;
+  logged_prompt_tokens_ = prompt;
+  logged_generation_tokens_ = generated;
+}
+
+void Engine::step() {
+  const double now = monotonic_seconds();
+  StepPlan plan = scheduler_.schedule(now);
+  for (uint64_t id : plan.expired) {
+    EngineOutput out;
+    out.error = deadline_exceeded("the request ran past its deadline of {} s", active_.at(id).request.timeout_s);
+    finish(id, std::move(out));
+  }
+  if (plan.empty()) return;
+  for (const auto& chunk : plan.chunks) {
+    Active& a = active_.at(chunk.id);
+    if (a.first_scheduled_s >= 0) continue;
+    a.first_scheduled_s = now;
+    std::lock_guard lock(mutex_);
+    metrics_.request_queue_time_seconds.observe(now - a.arrival_s);
+  }
+  Expected<Tensor> result = internal_error("no forward pass");
+  try {
+    result = runner_->forward(scheduler_.build_batch(plan));
+  } catch (const std::exception& e) {  // the runner's libraries may throw: the module boundary
+    result = internal_error("{}", e.what());
+  }
+  if (!result) {
+    log_error("engine: the forward pass failed: {}", result.status().to_string());
+    dead_ = true;
+    fail_all(internal_error("the forward pass failed: {}", result.status().message()));
+    return;
+  }
+  const Tensor& logits = *result;
+  std::vector<int32_t> tokens;
+  std::vector<std::optional<TokenLogprobs>> logprobs;
+  sample(plan, logits, tokens, logprobs);
+  const std::vector<SequenceUpdate> updates = scheduler_.complete_step(plan, tokens);
+  if (options_.check_invariants) scheduler_.check_invariants();
+  const double done = monotonic_seconds();
+  {
+    std::lock_guard lock(mutex_);
+    metrics_.prompt_tokens_total += plan.num_prefill_tokens;
+    metrics_.generation_tokens_total += static_cast<int64_t>(updates.size());
+    ++metrics_.num_steps_total;
+  }
+  log_throughput(done);
+  for (size_t i = 0; i < updates.size(); ++i) {
+    const SequenceUpdate& u = updates[i];
+    Active& a = active_.at(u.id);
+    a.num_output_tokens = u.num_output_tokens;
+    EngineOutput out;
+    out.id = u.id;
+    out.token = u.token;
+    out.logprobs = std::move(logprobs[i]);
+    out.num_prompt_tokens = u.num_prompt_tokens;
+    out.num_output_tokens = u.num_output_tokens;
+    if (a.first_token_s < 0) {
+      a.first_token_s = done;
+      std::lock_guard lock(mutex_);
+      metrics_.time_to_first_token_seconds.observe(done - a.arrival_s);
+    }
+    out.num_cached_tokens = scheduler_.num_cached_tokens(u.id);
+    if (u.finish != FinishReason::kNone) {
+      out.finish = u.finish;
+      finish(u.id, std::move(out));
+    } else {
+      deliver(a.on_output, out);
+    }
+  }
+}
+
+}  // namespace moe::engine

@@ -1,0 +1,42 @@
+// What the engine needs from a model: run one ragged batch over the KV cache
+// and return the logits of the requested rows. The scheduler's page ids index
+// the runner's KV cache. Tests use fake runners (tests/engine/fake_runner.h).
+//
+// forward() is called by the engine thread only.
+#pragma once
+
+#include <memory>
+
+#include "core/status.h"
+#include "core/tensor.h"
+#include "core/thread_pool.h"
+#include "kv/kv_cache.h"
+#include "model/qwen3_moe.h"
+
+namespace moe::engine {
+
+class ModelRunner {
+ public:
+  virtual ~ModelRunner() = default;
+  virtual int64_t vocab_size() const = 0;
+  // logits [batch.logits_rows.size(), vocab_size()] f32; an error (a device
+  // failure) makes the engine fail every request and report itself unhealthy.
+  virtual Expected<Tensor> forward(const model::ForwardBatch& batch) = 0;
+};
+
+// The Qwen3-MoE CPU forward over its own paged KV cache.
+class Qwen3Runner final : public ModelRunner {
+ public:
+  Qwen3Runner(const model::Qwen3MoeModel& model, ThreadPool& pool, const kv::KvCacheLayout& layout);
+  int64_t vocab_size() const override { return model_.config().vocab_size; }
+  Expected<Tensor> forward(const model::ForwardBatch& batch) override;
+  const kv::KvCache& cache() const { return cache_; }
+
+ private:
+  const model::Qwen3MoeModel& model_;
+  ThreadPool& pool_;
+  kv::KvCache cache_;
+  std::vector<ops::PagedKv> layers_;
+};
+
+}  // namespace moe::engine

@@ -1,0 +1,242 @@
+#include "engine/scheduler.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace moe::engine {
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kAbort: return "abort";
+    case FinishReason::kNone: break;
+  }
+  return "";
+}
+
+Scheduler::Scheduler(SchedulerOptions options)
+    : options_(options), cache_(options.num_pages, options.page_size, options.enable_prefix_caching) {
+  CHECK(options.max_num_seqs > 0 && options.max_num_batched_tokens > 0, "scheduler limits");
+  // One sequence of max_model_len must always fit alone, or it could preempt
+  // itself forever.
+  CHECK(pages_for(options.max_model_len) <= options.num_pages, "max_model_len {} needs more than {} pages",
+        options.max_model_len, options.num_pages);
+}
+
+Status Scheduler::add(SequenceSpec spec) {
+  if (spec.prompt.empty()) return invalid_argument("the prompt is empty");
+  if (spec.max_tokens < 1) return invalid_argument("max_tokens must be at least 1, got {}", spec.max_tokens);
+  if (static_cast<int64_t>(spec.prompt.size()) + spec.max_tokens > options_.max_model_len)
+    return invalid_argument("prompt ({} tokens) + max_tokens ({}) is over max_model_len {}", spec.prompt.size(),
+                            spec.max_tokens, options_.max_model_len);
+  if (seqs_.count(spec.id)) return invalid_argument("sequence id {} is in use", spec.id);
+  auto seq = std::make_unique<Sequence>();
+  seq->tokens = spec.prompt;
+  seq->arrival = next_arrival_++;
+  seq->spec = std::move(spec);
+  waiting_.push_back(seq.get());
+  seqs_.emplace(seq->spec.id, std::move(seq));
+  return Status::ok();
+}
+
+void Scheduler::finish(Sequence& seq) {
+  cache_.release(seq.pages);
+  if (seq.running) running_.erase(std::find(running_.begin(), running_.end(), &seq));
+  else waiting_.erase(std::find(waiting_.begin(), waiting_.end(), &seq));
+  seqs_.erase(seq.spec.id);
+}
+
+bool Scheduler::abort(uint64_t id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return false;
+  finish(*it->second);
+  return true;
+}
+
+int Scheduler::num_cached_tokens(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? 0 : it->second->num_cached_tokens;
+}
+
+bool Scheduler::grow(Sequence& seq, int64_t num_tokens) {
+  const int32_t need = pages_for(num_tokens) - static_cast<int32_t>(seq.pages.size());
+  if (need <= 0) return true;
+  auto pages = cache_.allocate(need);
+  if (!pages) return false;
+  seq.pages.insert(seq.pages.end(), pages->begin(), pages->end());
+  return true;
+}
+
+void Scheduler::preempt(Sequence& seq) {
+  cache_.release(seq.pages);
+  seq.pages.clear();
+  seq.page_hashes.clear();
+  seq.num_computed = 0;
+  seq.running = false;
+  running_.erase(std::find(running_.begin(), running_.end(), &seq));
+  // Back to the waiting queue in arrival order (it is older than most waiters).
+  auto pos = std::find_if(waiting_.begin(), waiting_.end(), [&](Sequence* w) { return w->arrival > seq.arrival; });
+  waiting_.insert(pos, &seq);
+  ++num_preemptions_;
+}
+
+void Scheduler::add_chunk(Sequence& seq, int32_t take, StepPlan& plan) {
+  const bool in_prompt = seq.num_computed < static_cast<int32_t>(seq.spec.prompt.size());
+  const bool sample = seq.num_computed + take == static_cast<int32_t>(seq.tokens.size());
+  plan.chunks.push_back({seq.spec.id, seq.num_computed, take, sample});
+  (in_prompt || take > 1 ? plan.num_prefill_tokens : plan.num_decode_tokens) += take;
+}
+
+bool Scheduler::try_admit(Sequence& seq, int& budget, StepPlan& plan) {
+  // Reuse cached full pages, but always leave at least one token to compute:
+  // its logits give the next token.
+  const auto num_tokens = static_cast<int32_t>(seq.tokens.size());
+  std::vector<int32_t> cached = cache_.acquire_prefix(seq.tokens, (num_tokens - 1) / options_.page_size);
+  const int32_t need = pages_for(num_tokens) - static_cast<int32_t>(cached.size());
+  if (need > cache_.num_available()) {
+    cache_.release(cached);
+    return false;
+  }
+  const auto num_cached = static_cast<int32_t>(cached.size()) * options_.page_size;
+  if (!seq.counted) {  // first admission, not a recompute after preemption
+    seq.counted = true;
+    prefix_query_tokens_ += num_tokens;
+    prefix_hit_tokens_ += num_cached;
+    seq.num_cached_tokens = num_cached;
+  }
+  seq.pages = std::move(cached);
+  CHECK(grow(seq, num_tokens), "admission after the availability check");
+  seq.num_computed = num_cached;
+  // The cached pages are published already: their hashes start the chain.
+  uint64_t parent = kv::kRootHash;
+  for (int32_t i = 0; i < num_cached / options_.page_size; ++i) {
+    parent = kv::chain_hash(parent, std::span(seq.tokens).subspan(static_cast<size_t>(i) * options_.page_size,
+                                                                  static_cast<size_t>(options_.page_size)));
+    seq.page_hashes.push_back(parent);
+  }
+  seq.running = true;
+  waiting_.pop_front();
+  running_.push_back(&seq);
+  const int32_t take = std::min(num_tokens - seq.num_computed, budget);
+  add_chunk(seq, take, plan);
+  budget -= take;
+  return true;
+}
+
+StepPlan Scheduler::schedule(double now_s) {
+  StepPlan plan;
+  std::vector<Sequence*> expired;
+  for (auto& [id, seq] : seqs_)
+    if (seq->spec.deadline_s > 0 && now_s >= seq->spec.deadline_s) expired.push_back(seq.get());
+  for (Sequence* seq : expired) {
+    plan.expired.push_back(seq->spec.id);
+    finish(*seq);
+  }
+
+  int budget = options_.max_num_batched_tokens;
+  const std::vector<Sequence*> running = running_;
+  for (Sequence* seq : running) {
+    if (budget <= 0) break;
+    if (!seq->running) continue;  // preempted earlier in this step
+    const int32_t pending = static_cast<int32_t>(seq->tokens.size()) - seq->num_computed;
+    const int32_t take = std::min(pending, budget);
+    while (!grow(*seq, seq->num_computed + take)) {
+      Sequence* victim = running_.back();
+      plan.preempted.push_back(victim->spec.id);
+      preempt(*victim);
+      if (victim == seq) break;
+    }
+    if (!seq->running) continue;
+    add_chunk(*seq, take, plan);
+    budget -= take;
+  }
+
+  while (plan.preempted.empty() && !waiting_.empty() && budget > 0 &&
+         static_cast<int>(running_.size()) < options_.max_num_seqs) {
+    if (!try_admit(*waiting_.front(), budget, plan)) break;
+  }
+  return plan;
+}
+
+void Scheduler::publish_full_pages(Sequence& seq) {
+  const int ps = options_.page_size;
+  while (static_cast<int32_t>(seq.page_hashes.size() + 1) * ps <= seq.num_computed) {
+    const size_t i = seq.page_hashes.size();
+    const uint64_t parent = i == 0 ? kv::kRootHash : seq.page_hashes.back();
+    seq.page_hashes.push_back(
+        cache_.publish(parent, std::span(seq.tokens).subspan(i * ps, static_cast<size_t>(ps)), seq.pages[i]));
+  }
+}
+
+std::vector<SequenceUpdate> Scheduler::complete_step(const StepPlan& plan, std::span<const int32_t> sampled) {
+  std::vector<SequenceUpdate> updates;
+  size_t next_sample = 0;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    auto it = seqs_.find(chunk.id);
+    if (it == seqs_.end()) {  // aborted while the step ran
+      if (chunk.sample) ++next_sample;
+      continue;
+    }
+    Sequence& seq = *it->second;
+    CHECK(seq.num_computed == chunk.start, "sequence {} computed {} but the chunk started at {}", chunk.id,
+          seq.num_computed, chunk.start);
+    seq.num_computed += chunk.num_tokens;
+    publish_full_pages(seq);
+    if (!chunk.sample) continue;
+    CHECK(next_sample < sampled.size(), "fewer sampled tokens than sampling chunks");
+    const int32_t token = sampled[next_sample++];
+    seq.tokens.push_back(token);
+    const auto& spec = seq.spec;
+    SequenceUpdate u{spec.id, token};
+    u.num_prompt_tokens = static_cast<int>(spec.prompt.size());
+    u.num_output_tokens = static_cast<int>(seq.tokens.size() - spec.prompt.size());
+    const bool eos = !spec.ignore_eos && std::count(spec.eos_token_ids.begin(), spec.eos_token_ids.end(), token);
+    const bool stop = std::count(spec.stop_token_ids.begin(), spec.stop_token_ids.end(), token) > 0;
+    if (eos || stop) u.finish = FinishReason::kStop;
+    else if (u.num_output_tokens >= spec.max_tokens || static_cast<int>(seq.tokens.size()) >= options_.max_model_len)
+      u.finish = FinishReason::kLength;
+    if (u.finish != FinishReason::kNone) finish(seq);
+    updates.push_back(u);
+  }
+  CHECK(next_sample == sampled.size(), "{} sampled tokens for {} sampling chunks", sampled.size(), next_sample);
+  return updates;
+}
+
+model::ForwardBatch Scheduler::build_batch(const StepPlan& plan) const {
+  model::ForwardBatch batch;
+  size_t max_pages = 1;
+  for (const auto& chunk : plan.chunks) max_pages = std::max(max_pages, seqs_.at(chunk.id)->pages.size());
+  batch.max_pages_per_seq = static_cast<int>(max_pages);
+  batch.query_start.push_back(0);
+  for (const auto& chunk : plan.chunks) {
+    const Sequence& seq = *seqs_.at(chunk.id);
+    for (int32_t i = 0; i < chunk.num_tokens; ++i) {
+      batch.token_ids.push_back(seq.tokens[chunk.start + i]);
+      batch.positions.push_back(chunk.start + i);
+    }
+    batch.query_start.push_back(batch.num_tokens());
+    std::vector<int32_t> row = seq.pages;
+    row.resize(max_pages, -1);
+    batch.page_table.insert(batch.page_table.end(), row.begin(), row.end());
+    if (chunk.sample) batch.logits_rows.push_back(batch.num_tokens() - 1);
+  }
+  return batch;
+}
+
+void Scheduler::check_invariants() const {
+  cache_.check_invariants();
+  int64_t referenced = 0;
+  for (const Sequence* seq : running_) {
+    CHECK(seq->running, "running list holds a waiting sequence");
+    CHECK(static_cast<int64_t>(seq->pages.size()) * options_.page_size >= seq->num_computed, "pages cover KV");
+    referenced += static_cast<int64_t>(seq->pages.size());
+  }
+  for (const Sequence* seq : waiting_) CHECK(!seq->running && seq->pages.empty(), "waiting sequence holds pages");
+  CHECK(running_.size() + waiting_.size() == seqs_.size(), "every sequence is running or waiting");
+  // Shared pages are counted once per holder, so holders >= pages in use.
+  CHECK(referenced >= cache_.num_used(), "{} page references < {} pages in use", referenced, cache_.num_used());
+}
+
+}  // namespace moe::engine

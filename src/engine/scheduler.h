@@ -1,0 +1,149 @@
+// The serving scheduler: continuous batching over a paged KV cache.
+//
+// Each step (vLLM v1's policy, small enough to read in one sitting):
+//  1. Sequences past their deadline are finished with kAbort (pages freed).
+//  2. Running sequences, oldest first, get their pending tokens (a decode token,
+//     or the next chunk of a prompt) under the per-step token budget. A sequence
+//     whose next token needs a page when none is available preempts the newest
+//     running sequence (recompute: its pages are released, it returns to the
+//     front of the waiting queue and later recomputes prompt + generated tokens),
+//     possibly itself.
+//  3. If nothing was preempted, waiting sequences are admitted in arrival order
+//     while there is budget, a sequence slot (max_num_seqs) and enough available
+//     pages for all of their tokens (after reusing cached prefix pages). The
+//     queue is FIFO: the head blocks the rest.
+// After the forward pass, complete_step() advances the computed counts, appends
+// sampled tokens, publishes newly completed full pages to the prefix cache and
+// finishes sequences (eos / stop id / max_tokens / max_model_len).
+//
+// The scheduler knows nothing of the model, sampling or clocks: time comes in as
+// an argument, so runs are deterministic and testable with a fake model runner.
+// Not thread-safe: owned by the engine thread.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "core/status.h"
+#include "kv/prefix_cache.h"
+#include "model/qwen3_moe.h"
+
+namespace moe::engine {
+
+enum class FinishReason { kNone, kStop, kLength, kAbort };
+const char* finish_reason_name(FinishReason reason);  // "stop", "length", "abort"
+
+struct SchedulerOptions {
+  int page_size = 16;
+  int32_t num_pages = 0;
+  int max_num_seqs = 256;
+  int max_num_batched_tokens = 2048;  // per-step token budget (chunked prefill)
+  int max_model_len = 4096;           // prompt + generated tokens
+  bool enable_prefix_caching = true;
+};
+
+struct SequenceSpec {
+  uint64_t id = 0;
+  std::vector<int32_t> prompt;
+  int max_tokens = 16;
+  std::vector<int32_t> eos_token_ids;   // ignored when ignore_eos
+  std::vector<int32_t> stop_token_ids;  // always honoured
+  bool ignore_eos = false;
+  double deadline_s = 0;  // in the caller's clock; 0: none
+};
+
+// One sequence's share of a step.
+struct ScheduledChunk {
+  uint64_t id = 0;
+  int32_t start = 0;       // first position computed in this step
+  int32_t num_tokens = 0;
+  bool sample = false;     // the chunk ends the known tokens: sample the next one
+};
+
+struct StepPlan {
+  std::vector<ScheduledChunk> chunks;  // in batch order
+  std::vector<uint64_t> expired;       // finished by their deadline (now gone)
+  std::vector<uint64_t> preempted;     // sent back to waiting in this step
+  int num_prefill_tokens = 0;          // tokens of sequences still in their prompt
+  int num_decode_tokens = 0;
+  bool empty() const { return chunks.empty(); }
+};
+
+// What complete_step() did to a sequence that sampled.
+struct SequenceUpdate {
+  uint64_t id = 0;
+  int32_t token = -1;
+  FinishReason finish = FinishReason::kNone;  // set: the sequence is gone
+  int num_prompt_tokens = 0;
+  int num_output_tokens = 0;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(SchedulerOptions options);
+
+  const SchedulerOptions& options() const { return options_; }
+
+  // Queues a sequence; kInvalidArgument when it can never run (empty prompt,
+  // prompt + max_tokens over max_model_len, an id already in use).
+  Status add(SequenceSpec spec);
+  // Finishes a sequence now and frees its pages; false when it is unknown.
+  bool abort(uint64_t id);
+
+  StepPlan schedule(double now_s);
+  // `sampled` holds one token per chunk with sample = true, in plan order.
+  std::vector<SequenceUpdate> complete_step(const StepPlan& plan, std::span<const int32_t> sampled);
+
+  // The ragged batch for `plan` (token ids, positions, page tables; logits rows
+  // for the sampling chunks).
+  model::ForwardBatch build_batch(const StepPlan& plan) const;
+
+  int num_running() const { return static_cast<int>(running_.size()); }
+  int num_waiting() const { return static_cast<int>(waiting_.size()); }
+  bool has_work() const { return !running_.empty() || !waiting_.empty(); }
+  const kv::PrefixCache& cache() const { return cache_; }
+  // Prefix cache lookups of admitted sequences, in tokens (vLLM's counters).
+  int64_t prefix_query_tokens() const { return prefix_query_tokens_; }
+  int64_t prefix_hit_tokens() const { return prefix_hit_tokens_; }
+  int64_t num_preemptions() const { return num_preemptions_; }
+  // Tokens of a sequence's prompt found in the prefix cache at its admission.
+  int num_cached_tokens(uint64_t id) const;
+
+  // CHECKs the page bookkeeping (run after every step in debug builds).
+  void check_invariants() const;
+
+ private:
+  struct Sequence {
+    SequenceSpec spec;
+    std::vector<int32_t> tokens;  // prompt then generated
+    int32_t num_computed = 0;     // tokens whose KV is in the cache
+    std::vector<int32_t> pages;
+    std::vector<uint64_t> page_hashes;  // chain hashes of the first pages, published
+    uint64_t arrival = 0;
+    int num_cached_tokens = 0;
+    bool running = false;
+    bool counted = false;  // in the prefix cache counters
+  };
+  int32_t pages_for(int64_t tokens) const {
+    return static_cast<int32_t>((tokens + options_.page_size - 1) / options_.page_size);
+  }
+  bool grow(Sequence& seq, int64_t num_tokens);
+  void preempt(Sequence& seq);
+  void finish(Sequence& seq);
+  bool try_admit(Sequence& seq, int& budget, StepPlan& plan);
+  void publish_full_pages(Sequence& seq);
+  void add_chunk(Sequence& seq, int32_t take, StepPlan& plan);
+
+  SchedulerOptions options_;
+  kv::PrefixCache cache_;
+  std::map<uint64_t, std::unique_ptr<Sequence>> seqs_;
+  std::vector<Sequence*> running_;  // arrival order
+  std::deque<Sequence*> waiting_;   // arrival order
+  uint64_t next_arrival_ = 0;
+  int64_t prefix_query_tokens_ = 0, prefix_hit_tokens_ = 0, num_preemptions_ = 0;
+};
+
+}  // namespace moe::engine

@@ -1,0 +1,325 @@
+#include "server/completion_run.h"
+
+#include <algorithm>
+
+#include "core/logging.h"
+
+namespace moe::server {
+
+using nlohmann::json;
+
+namespace {
+
+constexpr std::string_view kThinkOpen = "<think>";
+constexpr std::string_view kThinkClose = "</think>";
+
+// Length of the longest suffix of `text` that is a proper prefix of `tag`.
+size_t partial_tag(std::string_view text, std::string_view tag) {
+  for (size_t n = std::min(text.size(), tag.size() - 1); n > 0; --n)
+    if (text.substr(text.size() - n) == tag.substr(0, n)) return n;
+  return 0;
+}
+
+int http_status_of(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument: case StatusCode::kOutOfRange: return 400;
+    case StatusCode::kResourceExhausted: case StatusCode::kUnavailable: return 503;
+    case StatusCode::kDeadlineExceeded: return 504;
+    default: return 500;
+  }
+}
+
+}  // namespace
+
+std::pair<std::string, std::string> ReasoningSplitter::feed(const std::string& text) {
+  pending_ += text;
+  std::string reasoning, content;
+  if (mode_ == Mode::kStart) {
+    if (pending_.size() < kThinkOpen.size() && std::string_view(kThinkOpen).substr(0, pending_.size()) == pending_)
+      return {};
+    if (pending_.starts_with(kThinkOpen)) {
+      pending_.erase(0, kThinkOpen.size());
+      mode_ = Mode::kReasoning;
+    } else {
+      mode_ = Mode::kContent;
+    }
+  }
+  if (mode_ == Mode::kReasoning) {
+    const size_t end = pending_.find(kThinkClose);
+    if (end == std::string::npos) {
+      const size_t keep = partial_tag(pending_, kThinkClose);
+      reasoning = pending_.substr(0, pending_.size() - keep);
+      pending_.erase(0, pending_.size() - keep);
+      return {reasoning, content};
+    }
+    reasoning = pending_.substr(0, end);
+    pending_.erase(0, end + kThinkClose.size());
+    mode_ = Mode::kContent;
+  }
+  content = std::move(pending_);
+  pending_.clear();
+  return {reasoning, content};
+}
+
+std::pair<std::string, std::string> ReasoningSplitter::finish() {
+  std::string rest = std::move(pending_);
+  pending_.clear();
+  if (mode_ == Mode::kReasoning) return {rest, ""};
+  return {"", rest};
+}
+
+CompletionRun::CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exchange, engine::Engine& engine)
+    : config_(std::move(config)), exchange_(std::move(exchange)), engine_(engine) {
+  choices_.resize(static_cast<size_t>(config_.params.n));
+  for (auto& c : choices_)
+    if (config_.tokenizer) c.detokenizer.emplace(*config_.tokenizer, config_.params.skip_special_tokens);
+  for (const auto& s : config_.params.stop) max_stop_len_ = std::max(max_stop_len_, s.size());
+}
+
+std::optional<ApiError> CompletionRun::start(const engine::EngineRequest& base) {
+  std::lock_guard lock(mutex_);
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    engine::EngineRequest request = base;
+    if (request.sampling.seed) request.sampling.seed = *request.sampling.seed + i;
+    auto self = shared_from_this();
+    auto id = engine_.submit(std::move(request), [self, i](const engine::EngineOutput& out) { self->on_output(i, out); });
+    if (!id) {
+      failed_ = true;
+      for (size_t k = 0; k < i; ++k) engine_.cancel(choices_[k].engine_id);
+      const Status& s = id.status();
+      ApiError error = bad_request(s.message());
+      error.status = http_status_of(s);
+      if (error.status == 503) {
+        error.type = "service_unavailable";
+        error.headers.emplace_back("Retry-After", "1");
+      }
+      return error;
+    }
+    choices_[i].engine_id = *id;
+  }
+  started_ = true;
+  if (config_.params.stream) {
+    HeaderList headers = config_.headers;
+    exchange_->start_events(200, headers);
+  }
+  return std::nullopt;
+}
+
+void CompletionRun::cancel() {
+  std::lock_guard lock(mutex_);
+  for (const auto& c : choices_)
+    if (!c.done && c.engine_id != 0) engine_.cancel(c.engine_id);
+}
+
+std::string CompletionRun::token_text(int32_t id) const {
+  if (!config_.tokenizer) return {};
+  const int32_t ids[] = {id};
+  return config_.tokenizer->decode(ids, false);
+}
+
+void CompletionRun::add_token(Choice& c, const engine::EngineOutput& out) {
+  c.token_ids.push_back(out.token);
+  if (out.logprobs) c.logprobs.push_back(*out.logprobs);
+  // The token that stopped generation (eos or a stop id) is not part of the text.
+  const bool stop_token = out.finish == engine::FinishReason::kStop;
+  if (c.detokenizer && !stop_token) c.text += c.detokenizer->add(out.token);
+}
+
+bool CompletionRun::find_stop(Choice& c) {
+  if (config_.params.stop.empty()) return false;
+  size_t best = std::string::npos;
+  for (const auto& s : config_.params.stop) {
+    const size_t from = c.stop_checked >= s.size() ? c.stop_checked - s.size() + 1 : 0;
+    best = std::min(best, c.text.find(s, from));
+  }
+  c.stop_checked = c.text.size();
+  if (best == std::string::npos) return false;
+  c.text.resize(best);
+  return true;
+}
+
+size_t CompletionRun::stop_holdback(const Choice& c) const {
+  size_t hold = 0;
+  for (const auto& s : config_.params.stop) hold = std::max(hold, partial_tag(c.text, s));
+  return hold;
+}
+
+void CompletionRun::on_output(size_t index, const engine::EngineOutput& out) {
+  std::lock_guard lock(mutex_);
+  if (failed_) return;
+  Choice& c = choices_[index];
+  if (c.done) return;  // cut by a stop string: the cancel's final output
+  if (!out.error.is_ok()) return fail(out.error);
+  c.num_cached_tokens = std::max(c.num_cached_tokens, out.num_cached_tokens);
+  if (out.token >= 0) add_token(c, out);
+  if (out.finish != engine::FinishReason::kNone) {
+    if (c.detokenizer) c.text += c.detokenizer->finish();
+    c.finish_reason = engine::finish_reason_name(out.finish);
+    c.done = true;
+  }
+  if (find_stop(c)) {
+    if (!c.done) engine_.cancel(c.engine_id);
+    c.finish_reason = "stop";
+    c.done = true;
+  }
+  if (c.done) ++num_done_;
+  if (config_.params.stream) stream_choice(index, c.done);
+  if (num_done_ == choices_.size()) complete();
+}
+
+json CompletionRun::chunk_head() const {
+  return {{"id", config_.id},
+          {"object", config_.chat ? "chat.completion.chunk" : "text_completion"},
+          {"created", config_.created},
+          {"model", config_.model}};
+}
+
+json CompletionRun::logprobs_json(const Choice& c, size_t from, size_t text_offset) const {
+  if (config_.params.logprobs < 0) return nullptr;
+  if (config_.chat) {
+    json content = json::array();
+    for (size_t i = from; i < c.logprobs.size(); ++i) {
+      auto entry = [&](int32_t id, float lp) {
+        const std::string t = token_text(id);
+        std::vector<int> bytes;
+        for (unsigned char b : t) bytes.push_back(b);
+        return json{{"token", t}, {"logprob", lp}, {"bytes", bytes}};
+      };
+      json e = entry(c.logprobs[i].token, c.logprobs[i].logprob);
+      e["top_logprobs"] = json::array();
+      for (const auto& [id, lp] : c.logprobs[i].top) e["top_logprobs"].push_back(entry(id, lp));
+      content.push_back(std::move(e));
+    }
+    return {{"content", content}};
+  }
+  json tokens = json::array(), token_logprobs = json::array(), top = json::array(), offsets = json::array();
+  for (size_t i = from; i < c.logprobs.size(); ++i) {
+    const std::string t = token_text(c.logprobs[i].token);
+    tokens.push_back(t);
+    token_logprobs.push_back(c.logprobs[i].logprob);
+    json alternatives = json::object();
+    for (const auto& [id, lp] : c.logprobs[i].top) alternatives[token_text(id)] = lp;
+    top.push_back(config_.params.logprobs > 0 ? alternatives : json(nullptr));
+    offsets.push_back(text_offset);
+    text_offset += t.size();
+  }
+  return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+}
+
+void CompletionRun::stream_choice(size_t index, bool final_chunk) {
+  Choice& c = choices_[index];
+  const size_t safe = c.done ? c.text.size() : c.text.size() - std::min(c.text.size(), stop_holdback(c));
+  std::string delta = safe > c.emitted ? c.text.substr(c.emitted, safe - c.emitted) : std::string();
+  const bool new_logprobs = c.logprobs.size() > c.logprobs_emitted;
+  // Token ids are visible (return_token_ids, or no tokenizer): a chunk per token.
+  const bool new_tokens = (config_.params.return_token_ids || !config_.tokenizer) && c.token_ids.size() > c.tokens_emitted;
+  c.tokens_emitted = c.token_ids.size();
+  if (delta.empty() && !final_chunk && !new_logprobs && !new_tokens && (c.sent_role || !config_.chat)) return;
+  json chunk = chunk_head();
+  json choice = {{"index", index}};
+  const size_t offset = c.emitted;
+  c.emitted = std::max(c.emitted, safe);
+  if (config_.chat) {
+    json d = json::object();
+    if (!c.sent_role) d["role"] = "assistant", c.sent_role = true;
+    if (config_.reasoning_qwen3) {
+      auto [reasoning, content] = c.splitter.feed(delta);
+      if (final_chunk) {
+        auto [r2, c2] = c.splitter.finish();
+        reasoning += r2, content += c2;
+      }
+      if (!reasoning.empty()) d["reasoning_content"] = reasoning, d["reasoning"] = reasoning;
+      if (!content.empty() || d.empty()) d["content"] = content;
+    } else {
+      d["content"] = delta;
+    }
+    choice["delta"] = d;
+  } else {
+    choice["text"] = delta;
+  }
+  choice["logprobs"] = new_logprobs ? logprobs_json(c, c.logprobs_emitted, offset) : json(nullptr);
+  c.logprobs_emitted = c.logprobs.size();
+  if (config_.params.return_token_ids) choice["token_ids"] = c.token_ids;
+  choice["finish_reason"] = final_chunk ? json(c.finish_reason) : json(nullptr);
+  chunk["choices"] = json::array({choice});
+  if (config_.params.include_usage) chunk["usage"] = nullptr;
+  exchange_->send_event(chunk.dump(-1, ' ', false, json::error_handler_t::replace));
+}
+
+json CompletionRun::usage() const {
+  int64_t completion = 0;
+  int cached = 0;
+  for (const auto& c : choices_) completion += static_cast<int64_t>(c.token_ids.size()), cached = std::max(cached, c.num_cached_tokens);
+  const auto prompt = static_cast<int64_t>(config_.prompt_ids.size());
+  return {{"prompt_tokens", prompt},
+          {"completion_tokens", completion},
+          {"total_tokens", prompt + completion},
+          {"prompt_tokens_details", {{"cached_tokens", cached}}}};
+}
+
+void CompletionRun::fail(const Status& status) {
+  failed_ = true;
+  for (const auto& c : choices_)
+    if (!c.done) engine_.cancel(c.engine_id);
+  const int http_status = http_status_of(status);
+  const std::string type = http_status == 504 ? "timeout" : http_status == 503 ? "service_unavailable" : "internal_error";
+  if (config_.params.stream) {
+    exchange_->send_event(error_json(status.message(), type, "", std::to_string(http_status)));
+    exchange_->send_event("[DONE]");
+    exchange_->end_events();
+  } else {
+    HttpResponse r{http_status, "application/json", error_json(status.message(), type), config_.headers};
+    exchange_->respond(std::move(r));
+  }
+}
+
+void CompletionRun::complete() {
+  if (config_.params.stream) {
+    if (config_.params.include_usage) {
+      json chunk = chunk_head();
+      chunk["choices"] = json::array();
+      chunk["usage"] = usage();
+      exchange_->send_event(chunk.dump());
+    }
+    exchange_->send_event("[DONE]");
+    exchange_->end_events();
+    return;
+  }
+  json body = {{"id", config_.id},
+               {"object", config_.chat ? "chat.completion" : "text_completion"},
+               {"created", config_.created},
+               {"model", config_.model}};
+  json choices = json::array();
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    Choice& c = choices_[i];
+    json choice = {{"index", i}};
+    if (config_.chat) {
+      json message = {{"role", "assistant"}};
+      if (config_.reasoning_qwen3) {
+        auto [r1, c1] = c.splitter.feed(c.text);
+        auto [r2, c2] = c.splitter.finish();
+        const std::string reasoning = r1 + r2;
+        message["content"] = c1 + c2;
+        message["reasoning_content"] = reasoning.empty() ? json(nullptr) : json(reasoning);
+        message["reasoning"] = message["reasoning_content"];
+      } else {
+        message["content"] = c.text;
+      }
+      choice["message"] = message;
+    } else {
+      choice["text"] = config_.echo_text + c.text;
+    }
+    choice["logprobs"] = logprobs_json(c, 0, config_.echo_text.size());
+    choice["finish_reason"] = c.finish_reason;
+    if (config_.params.return_token_ids) {
+      choice["token_ids"] = c.token_ids;
+      choice["prompt_token_ids"] = config_.prompt_ids;
+    }
+    choices.push_back(std::move(choice));
+  }
+  body["choices"] = std::move(choices);
+  body["usage"] = usage();
+  exchange_->respond({200, "application/json", body.dump(-1, ' ', false, json::error_handler_t::replace), config_.headers});
+}
+
+}  // namespace moe::server

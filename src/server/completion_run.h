@@ -1,0 +1,103 @@
+// One /v1/completions or /v1/chat/completions request in flight: its n engine
+// requests (choices), their incremental detokenization, stop strings, the
+// qwen3 reasoning split, and the response (one JSON body, or SSE chunks).
+//
+// Threads: start() on an I/O thread; on_output() on the engine thread;
+// cancel() from any thread. All state is guarded by one mutex.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/engine.h"
+#include "server/http_server.h"
+#include "server/openai_protocol.h"
+#include "tokenizer/detokenizer.h"
+#include "tokenizer/tokenizer.h"
+
+namespace moe::server {
+
+// Splits Qwen3 output into reasoning ("<think>...</think>") and content, fed
+// piece by piece; holds back text that may be the start of a tag.
+class ReasoningSplitter {
+ public:
+  // Appends `text`; returns the (reasoning, content) text that is now final.
+  std::pair<std::string, std::string> feed(const std::string& text);
+  std::pair<std::string, std::string> finish();
+
+ private:
+  enum class Mode { kStart, kReasoning, kContent };
+  Mode mode_ = Mode::kStart;
+  std::string pending_;
+};
+
+struct RunConfig {
+  bool chat = false;
+  std::string id;     // "chatcmpl-..." / "cmpl-..."
+  std::string model;
+  int64_t created = 0;
+  GenerationParams params;
+  std::vector<int32_t> prompt_ids;
+  std::string echo_text;  // completions with echo: prepended to each choice
+  bool reasoning_qwen3 = false;
+  const tokenizer::Tokenizer* tokenizer = nullptr;
+  HeaderList headers;  // added to the response (X-Request-Id)
+};
+
+class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
+ public:
+  CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exchange, engine::Engine& engine);
+
+  // Submits one engine request per choice (`base` with per-choice seeds). On
+  // failure nothing stays queued and the error is returned for the caller to send.
+  std::optional<ApiError> start(const engine::EngineRequest& base);
+  // Cancels every choice still running (the client went away).
+  void cancel();
+
+ private:
+  struct Choice {
+    uint64_t engine_id = 0;
+    std::optional<tokenizer::IncrementalDetokenizer> detokenizer;
+    std::string text;          // detokenized so far (cut at a stop string)
+    size_t emitted = 0;        // bytes of text already streamed
+    size_t stop_checked = 0;   // stop strings searched up to here
+    std::vector<int32_t> token_ids;
+    std::vector<engine::TokenLogprobs> logprobs;
+    size_t logprobs_emitted = 0;
+    size_t tokens_emitted = 0;
+    std::string finish_reason;
+    bool done = false;
+    bool sent_role = false;
+    int num_cached_tokens = 0;
+    ReasoningSplitter splitter;
+    std::string reasoning, content;  // non-streaming chat with the reasoning parser
+  };
+  void on_output(size_t index, const engine::EngineOutput& out);
+  void add_token(Choice& c, const engine::EngineOutput& out);
+  bool find_stop(Choice& c);
+  size_t stop_holdback(const Choice& c) const;
+  void stream_choice(size_t index, bool final_chunk);
+  void fail(const Status& status);
+  void complete();
+  nlohmann::json usage() const;
+  nlohmann::json chunk_head() const;
+  nlohmann::json logprobs_json(const Choice& c, size_t from, size_t text_offset) const;
+  std::string token_text(int32_t id) const;
+
+  RunConfig config_;
+  std::shared_ptr<HttpExchange> exchange_;
+  engine::Engine& engine_;
+  std::mutex mutex_;
+  std::vector<Choice> choices_;
+  size_t num_done_ = 0;
+  bool failed_ = false;   // an error was sent: ignore further outputs
+  bool started_ = false;  // submission finished
+  size_t max_stop_len_ = 0;
+};
+
+}  // namespace moe::server

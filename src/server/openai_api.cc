@@ -1,0 +1,214 @@
+#include "server/openai_api.h"
+
+#include <chrono>
+#include <random>
+
+#include "core/logging.h"
+#include "server/completion_run.h"
+#include "server/metrics_text.h"
+
+namespace moe::server {
+
+using nlohmann::json;
+
+struct OpenAiApi::Prepared {
+  std::vector<int32_t> prompt_ids;
+  std::string echo_text;
+};
+
+namespace {
+
+HttpResponse json_response(int status, const json& body) { return {status, "application/json", body.dump(), {}}; }
+
+HttpResponse not_found(const std::string& path) {
+  return {404, "application/json", error_json("no route for " + path, "not_found_error", "", "not_found"), {}};
+}
+
+// A request id made of safe characters only (it is echoed in a header).
+std::string sanitize_request_id(const std::string& id) {
+  std::string out;
+  for (char ch : id)
+    if (std::isalnum(static_cast<unsigned char>(ch)) || ch == '-' || ch == '_' || ch == '.') out += ch;
+  return out.substr(0, 128);
+}
+
+}  // namespace
+
+OpenAiApi::OpenAiApi(engine::Engine& engine, const tokenizer::Tokenizer* tokenizer, ApiOptions options)
+    : engine_(engine), tokenizer_(tokenizer), options_(std::move(options)) {
+  created_s_ = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  next_request_ = (static_cast<uint64_t>(std::random_device{}()) << 20) | 1;  // ids differ across restarts
+  if (tokenizer_ && !tokenizer_->chat_template().empty()) {
+    auto t = tokenizer::ChatTemplate::create(tokenizer_->chat_template());
+    if (t) chat_template_.emplace(std::move(t).value());
+    else chat_template_error_ = t.status().message();
+  }
+}
+
+bool OpenAiApi::authorized(const HttpRequest& request) const {
+  if (options_.api_key.empty()) return true;
+  return request.header("authorization") == "Bearer " + options_.api_key;
+}
+
+void OpenAiApi::handle(HttpRequest request, std::shared_ptr<HttpExchange> exchange) {
+  std::string request_id = sanitize_request_id(request.header("x-request-id"));
+  if (request_id.empty()) request_id = fmt::format("{:016x}", next_request_.fetch_add(1) * 0x9e3779b97f4a7c15ull);
+  const HeaderList id_header = {{"X-Request-Id", request_id}};
+  auto reply = [&](HttpResponse r) {
+    r.headers.insert(r.headers.end(), id_header.begin(), id_header.end());
+    exchange->respond(std::move(r));
+  };
+  const std::string& path = request.path;
+  const bool is_post = request.method == "POST";
+  if (path == "/health") return reply({engine_.healthy() ? 200 : 503, "text/plain", "", {}});
+  if (path == "/metrics") return reply({200, "text/plain; version=0.0.4", render_metrics(engine_.metrics(), options_.model_name), {}});
+  const bool known = path == "/v1/models" || path == "/v1/completions" || path == "/v1/chat/completions" ||
+                     path == "/tokenize" || path == "/detokenize";
+  if (!known) return reply(not_found(path));
+  if (!authorized(request))
+    return reply({401, "application/json",
+                  error_json("Incorrect API key provided.", "invalid_request_error", "", "invalid_api_key"), {}});
+  if (path == "/v1/models") return reply(handle_models());
+  if (!is_post)
+    return reply({405, "application/json", error_json("use POST for " + path, "invalid_request_error"), {{"Allow", "POST"}}});
+  if (path == "/tokenize") return reply(handle_tokenize(request));
+  if (path == "/detokenize") return reply(handle_detokenize(request));
+  if (!engine_.healthy())
+    return reply({503, "application/json", error_json("the engine has failed", "service_unavailable"), {}});
+  handle_completion(request, exchange, path == "/v1/chat/completions", request_id);
+}
+
+HttpResponse OpenAiApi::handle_models() const {
+  json model = {{"id", options_.model_name},
+                {"object", "model"},
+                {"created", created_s_},
+                {"owned_by", "moeserve"},
+                {"root", options_.model_name},
+                {"max_model_len", options_.limits.max_model_len}};
+  return json_response(200, {{"object", "list"}, {"data", json::array({model})}});
+}
+
+std::optional<ApiError> OpenAiApi::prepare_chat(const ChatRequest& chat, Prepared& out) const {
+  if (!tokenizer_) return bad_request("this model has no tokenizer: use /v1/completions with token ids");
+  if (!chat_template_)
+    return bad_request(chat_template_error_.empty() ? "this model has no chat template"
+                                                    : "the model's chat template does not parse: " + chat_template_error_);
+  const auto& special = tokenizer_->special_tokens();
+  auto context = tokenizer::make_chat_context(chat.messages, chat.tools, chat.add_generation_prompt, special.bos,
+                                              special.eos, chat.chat_template_kwargs);
+  auto text = chat_template_->render(context);
+  if (!text) return bad_request("the chat template failed on these messages: " + text.status().message(), "messages");
+  out.prompt_ids = tokenizer_->encode(*text, /*parse_special=*/true);
+  return std::nullopt;
+}
+
+std::optional<ApiError> OpenAiApi::prepare_completion(const CompletionRequest& req, Prepared& out) const {
+  if (req.prompt_text) {
+    if (!tokenizer_) return bad_request("this model has no tokenizer: send the prompt as token ids", "prompt");
+    out.prompt_ids = tokenizer_->encode(*req.prompt_text, true);
+    if (req.echo) out.echo_text = *req.prompt_text;
+  } else {
+    out.prompt_ids = req.prompt_ids;
+    if (req.echo && tokenizer_) out.echo_text = tokenizer_->decode(req.prompt_ids, req.params.skip_special_tokens);
+  }
+  for (int32_t id : out.prompt_ids)
+    if (id >= engine_.vocab_size())
+      return bad_request(fmt::format("token id {} is outside the vocabulary [0, {})", id, engine_.vocab_size()), "prompt");
+  if (out.prompt_ids.empty()) return bad_request("the prompt encodes to no tokens", "prompt");
+  return std::nullopt;
+}
+
+void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_ptr<HttpExchange>& exchange,
+                                  bool chat, const std::string& request_id) {
+  const HeaderList id_header = {{"X-Request-Id", request_id}};
+  auto reply_error = [&](ApiError e) {
+    e.headers.insert(e.headers.end(), id_header.begin(), id_header.end());
+    exchange->respond(e.to_response());
+  };
+  const RequestLimits& limits = options_.limits;
+  GenerationParams params;
+  Prepared prepared;
+  if (chat) {
+    auto parsed = parse_chat_request(request.body, limits);
+    if (auto* e = std::get_if<ApiError>(&parsed)) return reply_error(*e);
+    const auto& r = std::get<ChatRequest>(parsed);
+    params = r.params;
+    if (auto e = prepare_chat(r, prepared)) return reply_error(*e);
+  } else {
+    auto parsed = parse_completion_request(request.body, limits);
+    if (auto* e = std::get_if<ApiError>(&parsed)) return reply_error(*e);
+    const auto& r = std::get<CompletionRequest>(parsed);
+    params = r.params;
+    if (auto e = prepare_completion(r, prepared)) return reply_error(*e);
+  }
+  if (params.model && *params.model != options_.model_name)
+    return reply_error({404, fmt::format("The model `{}` does not exist.", *params.model), "NotFoundError", "model",
+                        "model_not_found", {}});
+  const auto num_prompt = static_cast<int64_t>(prepared.prompt_ids.size());
+  const char* param = chat ? "messages" : "prompt";
+  if (num_prompt >= limits.max_model_len || (params.max_tokens && num_prompt + *params.max_tokens > limits.max_model_len))
+    return reply_error(context_length_error(limits.max_model_len, num_prompt,
+                                            params.max_tokens.value_or(1), param));
+  engine::EngineRequest base;
+  base.prompt = prepared.prompt_ids;
+  base.max_tokens = params.max_tokens.value_or(static_cast<int>(limits.max_model_len - num_prompt));
+  base.sampling = params.sampling;
+  base.ignore_eos = params.ignore_eos;
+  base.stop_token_ids = params.stop_token_ids;
+  base.num_logprobs = params.logprobs;
+  base.timeout_s = options_.request_timeout_s;
+
+  RunConfig config;
+  config.chat = chat;
+  config.id = (chat ? "chatcmpl-" : "cmpl-") + request_id;
+  config.model = options_.model_name;
+  config.created = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  config.params = params;
+  config.prompt_ids = prepared.prompt_ids;
+  config.echo_text = prepared.echo_text;
+  config.reasoning_qwen3 = chat && options_.reasoning_parser_qwen3;
+  config.tokenizer = tokenizer_;
+  config.headers = id_header;
+  auto run = std::make_shared<CompletionRun>(std::move(config), exchange, engine_);
+  if (auto e = run->start(base)) return reply_error(*e);
+  exchange->on_close([run] { run->cancel(); });
+}
+
+HttpResponse OpenAiApi::handle_tokenize(const HttpRequest& request) const {
+  json j = json::parse(request.body, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) return bad_request("the request body must be a JSON object").to_response();
+  if (!tokenizer_) return bad_request("this model has no tokenizer").to_response();
+  std::vector<int32_t> ids;
+  if (j.contains("messages")) {
+    auto parsed = parse_chat_request(request.body, options_.limits);
+    if (auto* e = std::get_if<ApiError>(&parsed)) return e->to_response();
+    Prepared p;
+    if (auto e = prepare_chat(std::get<ChatRequest>(parsed), p)) return e->to_response();
+    ids = p.prompt_ids;
+  } else if (j.contains("prompt") && j["prompt"].is_string()) {
+    const auto flag = j.find("add_special_tokens");
+    if (flag != j.end() && !flag->is_boolean())
+      return bad_request("'add_special_tokens' must be a boolean", "add_special_tokens").to_response();
+    const bool add_special = flag == j.end() || flag->get<bool>();
+    ids = tokenizer_->encode(j["prompt"].get<std::string>(), add_special);
+  } else {
+    return bad_request("'prompt' (a string) or 'messages' is required", "prompt").to_response();
+  }
+  return json_response(200, {{"count", ids.size()}, {"max_model_len", options_.limits.max_model_len}, {"tokens", ids}});
+}
+
+HttpResponse OpenAiApi::handle_detokenize(const HttpRequest& request) const {
+  json j = json::parse(request.body, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("tokens") || !j["tokens"].is_array())
+    return bad_request("'tokens' (an array of token ids) is required", "tokens").to_response();
+  if (!tokenizer_) return bad_request("this model has no tokenizer").to_response();
+  std::vector<int32_t> ids;
+  for (const auto& t : j["tokens"]) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= engine_.vocab_size())
+      return bad_request("'tokens' must hold token ids of this model", "tokens").to_response();
+    ids.push_back(t.get<int32_t>());
+  }
+  return json_response(200, {{"prompt", tokenizer_->decode(ids, false)}});
+}
+
+}  // namespace moe::server

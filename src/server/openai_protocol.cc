@@ -1,0 +1,211 @@
+#include "server/openai_protocol.h"
+
+#include <limits>
+
+namespace moe::server {
+namespace {
+
+using nlohmann::json;
+using Json = nlohmann::ordered_json;
+
+// Each reader leaves `out` unchanged when the field is absent or null.
+std::optional<ApiError> read_bool(const Json& j, const char* key, bool& out) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_boolean()) return bad_request(fmt::format("'{}' must be a boolean", key), key);
+  out = it->get<bool>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_int(const Json& j, const char* key, int64_t lo, int64_t hi, std::optional<int64_t>& out) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number_integer() && !(it->is_number_float() && it->get<double>() == static_cast<int64_t>(it->get<double>())))
+    return bad_request(fmt::format("'{}' must be an integer", key), key);
+  const double v = it->get<double>();
+  if (v < static_cast<double>(lo) || v > static_cast<double>(hi))
+    return bad_request(fmt::format("'{}' must be between {} and {}, got {}", key, lo, hi, it->dump()), key);
+  out = it->is_number_unsigned() ? static_cast<int64_t>(it->get<uint64_t>()) : it->get<int64_t>();
+  return std::nullopt;
+}
+
+std::optional<ApiError> read_float(const Json& j, const char* key, double lo, double hi, float& out) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number()) return bad_request(fmt::format("'{}' must be a number", key), key);
+  const double v = it->get<double>();
+  if (!(v >= lo && v <= hi)) return bad_request(fmt::format("'{}' must be between {} and {}, got {}", key, lo, hi, v), key);
+  out = static_cast<float>(v);
+  return std::nullopt;
+}
+
+#define MOE_API_TRY(expr)                  \
+  do {                                     \
+    if (auto api_error_ = (expr)) return *api_error_; \
+  } while (0)
+
+std::optional<ApiError> read_common(const Json& j, const RequestLimits& limits, GenerationParams& p) {
+  p.sampling = limits.default_sampling;
+  if (auto it = j.find("model"); it != j.end() && !it->is_null()) {
+    if (!it->is_string()) return bad_request("'model' must be a string", "model");
+    p.model = it->get<std::string>();
+  }
+  std::optional<int64_t> v;
+  MOE_API_TRY(read_int(j, "max_tokens", 1, std::numeric_limits<int32_t>::max(), v));
+  if (v) p.max_tokens = static_cast<int>(*v);
+  v.reset();
+  MOE_API_TRY(read_int(j, "max_completion_tokens", 1, std::numeric_limits<int32_t>::max(), v));
+  if (v) p.max_tokens = static_cast<int>(*v);
+  MOE_API_TRY(read_float(j, "temperature", 0, 100, p.sampling.temperature));
+  MOE_API_TRY(read_float(j, "top_p", 1e-9, 1, p.sampling.top_p));
+  MOE_API_TRY(read_float(j, "min_p", 0, 1, p.sampling.min_p));
+  v.reset();
+  MOE_API_TRY(read_int(j, "top_k", -1, std::numeric_limits<int32_t>::max(), v));
+  if (v) p.sampling.top_k = *v <= 0 ? 0 : static_cast<int>(*v);
+  v.reset();
+  MOE_API_TRY(read_int(j, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), v));
+  if (v) p.sampling.seed = static_cast<uint64_t>(*v);
+  v.reset();
+  MOE_API_TRY(read_int(j, "n", 1, limits.max_n, v));
+  if (v) p.n = static_cast<int>(*v);
+  MOE_API_TRY(read_bool(j, "ignore_eos", p.ignore_eos));
+  MOE_API_TRY(read_bool(j, "skip_special_tokens", p.skip_special_tokens));
+  MOE_API_TRY(read_bool(j, "stream", p.stream));
+  MOE_API_TRY(read_bool(j, "return_token_ids", p.return_token_ids));
+  if (auto it = j.find("stream_options"); it != j.end() && !it->is_null()) {
+    if (!it->is_object()) return bad_request("'stream_options' must be an object", "stream_options");
+    MOE_API_TRY(read_bool(*it, "include_usage", p.include_usage));
+  }
+  if (auto it = j.find("stop"); it != j.end() && !it->is_null()) {
+    if (it->is_string()) {
+      p.stop.push_back(it->get<std::string>());
+    } else if (it->is_array()) {
+      if (static_cast<int>(it->size()) > limits.max_stop_strings)
+        return bad_request(fmt::format("'stop' may hold at most {} strings", limits.max_stop_strings), "stop");
+      for (const auto& s : *it) {
+        if (!s.is_string()) return bad_request("'stop' must be a string or an array of strings", "stop");
+        p.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      return bad_request("'stop' must be a string or an array of strings", "stop");
+    }
+    for (const auto& s : p.stop)
+      if (s.empty()) return bad_request("'stop' strings must not be empty", "stop");
+  }
+  if (auto it = j.find("stop_token_ids"); it != j.end() && !it->is_null()) {
+    if (!it->is_array() || it->size() > 64) return bad_request("'stop_token_ids' must be an array of token ids", "stop_token_ids");
+    for (const auto& t : *it) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > std::numeric_limits<int32_t>::max())
+        return bad_request("'stop_token_ids' must be an array of token ids", "stop_token_ids");
+      p.stop_token_ids.push_back(t.get<int32_t>());
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<Json> parse_object(const std::string& body, ApiError& error) {
+  Json j = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    error = bad_request("the request body is not valid JSON");
+    return std::nullopt;
+  }
+  if (!j.is_object()) {
+    error = bad_request("the request body must be a JSON object");
+    return std::nullopt;
+  }
+  return j;
+}
+
+}  // namespace
+
+ApiError context_length_error(int max_model_len, int64_t prompt_tokens, int64_t max_tokens, const std::string& param) {
+  const bool chat = param == "messages";
+  return bad_request(
+      fmt::format("This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the {}, "
+                  "{} in the completion). Please reduce the length of the {} or completion.",
+                  max_model_len, prompt_tokens + max_tokens, prompt_tokens, chat ? "messages" : "prompt", max_tokens,
+                  chat ? "messages" : "prompt"),
+      param, "context_length_exceeded");
+}
+
+std::variant<CompletionRequest, ApiError> parse_completion_request(const std::string& body, const RequestLimits& limits) {
+  ApiError error;
+  auto j = parse_object(body, error);
+  if (!j) return error;
+  CompletionRequest r;
+  MOE_API_TRY(read_common(*j, limits, r.params));
+  if (r.params.max_tokens == std::nullopt && !j->contains("max_tokens")) r.params.max_tokens = 16;  // OpenAI's default
+  MOE_API_TRY(read_bool(*j, "echo", r.echo));
+  std::optional<int64_t> lp;
+  MOE_API_TRY(read_int(*j, "logprobs", 0, limits.max_logprobs, lp));
+  if (lp) r.params.logprobs = static_cast<int>(*lp);
+  auto it = j->find("prompt");
+  if (it == j->end() || it->is_null()) return bad_request("'prompt' is required", "prompt");
+  const Json* prompt = &*it;
+  if (prompt->is_array() && prompt->size() == 1 && ((*prompt)[0].is_string() || (*prompt)[0].is_array()))
+    prompt = &(*prompt)[0];  // a batch of one
+  if (prompt->is_string()) {
+    r.prompt_text = prompt->get<std::string>();
+  } else if (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_number()) {
+    for (const auto& t : *prompt) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > std::numeric_limits<int32_t>::max())
+        return bad_request("'prompt' token ids must be non-negative integers", "prompt");
+      r.prompt_ids.push_back(t.get<int32_t>());
+    }
+  } else if (prompt->is_array() && prompt->size() > 1) {
+    return bad_request("batched prompts are not supported: send one prompt per request", "prompt");
+  } else {
+    return bad_request("'prompt' must be a string or an array of token ids", "prompt");
+  }
+  if (r.prompt_text && r.prompt_text->empty()) return bad_request("'prompt' must not be empty", "prompt");
+  return r;
+}
+
+std::variant<ChatRequest, ApiError> parse_chat_request(const std::string& body, const RequestLimits& limits) {
+  ApiError error;
+  auto j = parse_object(body, error);
+  if (!j) return error;
+  ChatRequest r;
+  MOE_API_TRY(read_common(*j, limits, r.params));
+  bool logprobs = false;
+  MOE_API_TRY(read_bool(*j, "logprobs", logprobs));
+  std::optional<int64_t> top;
+  MOE_API_TRY(read_int(*j, "top_logprobs", 0, limits.max_logprobs, top));
+  if (top && !logprobs) return bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs");
+  if (logprobs) r.params.logprobs = static_cast<int>(top.value_or(0));
+  MOE_API_TRY(read_bool(*j, "add_generation_prompt", r.add_generation_prompt));
+  if (auto it = j->find("chat_template_kwargs"); it != j->end() && !it->is_null()) {
+    if (!it->is_object()) return bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs");
+    r.chat_template_kwargs = *it;
+  }
+  if (auto it = j->find("tools"); it != j->end() && !it->is_null()) {
+    if (!it->is_array()) return bad_request("'tools' must be an array", "tools");
+    r.tools = *it;
+  }
+  auto it = j->find("messages");
+  if (it == j->end() || !it->is_array() || it->empty())
+    return bad_request("'messages' must be a non-empty array", "messages");
+  r.messages = Json::array();
+  for (const auto& m : *it) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      return bad_request("each message must be an object with a string 'role'", "messages");
+    Json message = m;
+    const auto& content = m.contains("content") ? m["content"] : Json();
+    if (content.is_array()) {  // [{type: "text", text}] parts, joined
+      std::string text;
+      for (const auto& part : content) {
+        if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
+            !part["text"].is_string())
+          return bad_request("only text content parts are supported", "messages");
+        text += part["text"].get<std::string>();
+      }
+      message["content"] = text;
+    } else if (!content.is_string() && !content.is_null()) {
+      return bad_request("message 'content' must be a string, an array of text parts or null", "messages");
+    }
+    r.messages.push_back(std::move(message));
+  }
+  return r;
+}
+
+}  // namespace moe::server

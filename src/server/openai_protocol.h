@@ -1,0 +1,83 @@
+// OpenAI API request parsing and validation: JSON bodies of /v1/completions and
+// /v1/chat/completions into plain structs, with errors that name the parameter
+// (ApiError, answered as {"error": {message, type, param, code}}). Unknown
+// fields are ignored, as OpenAI and vLLM do.
+//
+// Pure functions: any thread.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/sampler.h"
+#include "server/http_server.h"
+
+namespace moe::server {
+
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string type = "invalid_request_error";
+  std::string param;
+  std::string code;
+  HeaderList headers;
+  HttpResponse to_response() const { return {status, "application/json", error_json(message, type, param, code), headers}; }
+};
+
+inline ApiError bad_request(std::string message, std::string param = {}, std::string code = {}) {
+  return ApiError{400, std::move(message), "invalid_request_error", std::move(param), std::move(code), {}};
+}
+
+struct RequestLimits {
+  int max_n = 16;
+  int max_logprobs = 20;
+  int max_stop_strings = 16;
+  int max_model_len = 4096;
+  // Sampling defaults for fields a request leaves out (the model's
+  // generation_config.json, as vLLM's --generation-config auto).
+  engine::SamplingParams default_sampling;
+};
+
+// Sampling and output options shared by both endpoints.
+struct GenerationParams {
+  std::optional<int> max_tokens;  // max_completion_tokens, else max_tokens
+  engine::SamplingParams sampling;
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_token_ids;
+  int n = 1;
+  int logprobs = -1;  // -1: none; else the number of top alternatives
+  bool ignore_eos = false;
+  bool skip_special_tokens = true;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  bool return_token_ids = false;  // vLLM's extension: token ids in each choice
+  std::optional<std::string> model;
+};
+
+struct CompletionRequest {
+  GenerationParams params;
+  std::optional<std::string> prompt_text;
+  std::vector<int32_t> prompt_ids;  // when the prompt is an array of ids
+  bool echo = false;
+};
+
+struct ChatRequest {
+  GenerationParams params;
+  nlohmann::ordered_json messages;  // validated: [{role, content as a string}]
+  nlohmann::ordered_json tools;     // null when absent
+  nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
+  bool add_generation_prompt = true;
+};
+
+// Parses `body`; invalid JSON, wrong types and out-of-range values give a 400.
+std::variant<CompletionRequest, ApiError> parse_completion_request(const std::string& body, const RequestLimits& limits);
+std::variant<ChatRequest, ApiError> parse_chat_request(const std::string& body, const RequestLimits& limits);
+
+// OpenAI's wording for a prompt + completion over the context.
+ApiError context_length_error(int max_model_len, int64_t prompt_tokens, int64_t max_tokens, const std::string& param);
+
+}  // namespace moe::server

@@ -1,0 +1,201 @@
+// The OpenAI API through the official `openai` npm client against a live
+// server on the golden model moe_basic (tests/data/golden, token-id prompts):
+// greedy outputs equal transformers' goldens, streaming and not, usage chunks,
+// errors as the client's APIError classes, 64 concurrent streams equal to the
+// same requests run alone, and a client disconnect that cancels the request
+// and returns KV usage to its baseline.
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import path from 'node:path';
+import OpenAI from 'openai';
+import { startServer, repoRoot, metrics, waitFor } from './server_harness.mjs';
+
+const golden = JSON.parse(fs.readFileSync(path.join(repoRoot, 'tests/data/golden/moe_basic/golden.json')));
+let server;
+let client;
+const model = 'moe_basic';
+
+before(async () => {
+  server = await startServer(['--model', path.join(repoRoot, 'tests/data/golden/moe_basic'), '--max-model-len', '256',
+                              '--max-num-seqs', '32', '--max-num-batched-tokens', '64', '--page-size', '4',
+                              '--kv-cache-gb', '0.01']);
+  client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 60000 });
+});
+after(async () => { assert.equal(await server.stop(), 0); });
+
+test('models lists the served model', async () => {
+  const list = await client.models.list();
+  assert.deepEqual(list.data.map((m) => m.id), [model]);
+});
+
+test('greedy completions equal the transformers goldens (not streaming)', async () => {
+  const results = await Promise.all(golden.prompts.map((p) => client.completions.create({
+    model, prompt: p.ids, max_tokens: 24, temperature: 0, ignore_eos: true, return_token_ids: true })));
+  results.forEach((r, i) => {
+    assert.deepEqual(r.choices[0].token_ids, golden.prompts[i].greedy, `prompt ${i}`);
+    assert.equal(r.choices[0].finish_reason, 'length');
+    assert.equal(r.usage.prompt_tokens, golden.prompts[i].ids.length);
+    assert.equal(r.usage.completion_tokens, 24);
+    assert.equal(r.object, 'text_completion');
+  });
+});
+
+async function streamIds(params, { signal } = {}) {
+  const stream = await client.completions.create({ model, stream: true, return_token_ids: true, ...params },
+                                                  signal ? { signal } : undefined);
+  let ids = [];
+  let usage = null;
+  let finish = null;
+  let chunks = 0;
+  for await (const chunk of stream) {
+    chunks++;
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) {
+      if (c.token_ids) ids = c.token_ids;
+      if (c.finish_reason) finish = c.finish_reason;
+    }
+  }
+  return { ids, usage, finish, chunks };
+}
+
+test('greedy streaming equals the goldens, with a usage chunk', async () => {
+  for (const p of golden.prompts.slice(0, 3)) {
+    const r = await streamIds({ prompt: p.ids, max_tokens: 24, temperature: 0, ignore_eos: true,
+                                stream_options: { include_usage: true } });
+    assert.deepEqual(r.ids, p.greedy);
+    assert.equal(r.finish, 'length');
+    assert.equal(r.usage.completion_tokens, 24);
+    assert.equal(r.usage.total_tokens, 24 + p.ids.length);
+  }
+});
+
+test('errors surface as the client\'s APIError classes', async () => {
+  await assert.rejects(client.completions.create({ model: 'no-such-model', prompt: [1, 2], max_tokens: 2 }),
+                       (e) => e instanceof OpenAI.NotFoundError && e.status === 404);
+  await assert.rejects(client.completions.create({ model, prompt: [1, 2], max_tokens: 2, temperature: -3 }),
+                       (e) => e instanceof OpenAI.BadRequestError && e.param === 'temperature');
+  await assert.rejects(client.completions.create({ model, prompt: Array(250).fill(7), max_tokens: 10 }),
+                       (e) => e instanceof OpenAI.BadRequestError &&
+                              /maximum context length is 256 tokens/.test(e.message) && e.code === 'context_length_exceeded');
+  await assert.rejects(client.chat.completions.create({ model, messages: [{ role: 'user', content: 'hi' }] }),
+                       (e) => e instanceof OpenAI.BadRequestError && /no tokenizer/.test(e.message));
+});
+
+test('n choices, seeds, logprobs and stop_token_ids', async () => {
+  const p = golden.prompts[2];
+  const r = await client.completions.create({ model, prompt: p.ids, max_tokens: 8, temperature: 1, seed: 5, n: 3,
+                                              logprobs: 2, return_token_ids: true, ignore_eos: true });
+  assert.equal(r.choices.length, 3);
+  const again = await client.completions.create({ model, prompt: p.ids, max_tokens: 8, temperature: 1, seed: 5, n: 3,
+                                                  logprobs: 2, return_token_ids: true, ignore_eos: true });
+  assert.deepEqual(again.choices.map((c) => c.token_ids), r.choices.map((c) => c.token_ids));
+  for (const c of r.choices) {
+    assert.equal(c.logprobs.token_logprobs.length, 8);
+    for (const lp of c.logprobs.token_logprobs) assert.ok(lp <= 0);
+  }
+  const stopAt = p.greedy[4];
+  const s = await client.completions.create({ model, prompt: p.ids, max_tokens: 24, temperature: 0,
+                                              stop_token_ids: [stopAt], return_token_ids: true });
+  assert.equal(s.choices[0].finish_reason, 'stop');
+  assert.deepEqual(s.choices[0].token_ids, p.greedy.slice(0, p.greedy.indexOf(stopAt) + 1));
+});
+
+test('64 concurrent streams each equal the same request alone', async () => {
+  const requests = [];
+  let x = 12345;
+  const rand = (n) => { x = (x * 1103515245 + 12345) % 2147483648; return x % n; };
+  for (let i = 0; i < 64; i++) {
+    const prompt = Array.from({ length: 1 + rand(40) }, () => 3 + rand(500));
+    const sampled = i % 2 === 1;
+    requests.push({ prompt, max_tokens: 8 + rand(24), temperature: sampled ? 0.9 : 0, top_p: sampled ? 0.95 : 1,
+                    seed: sampled ? 1000 + i : undefined, ignore_eos: true });
+  }
+  const alone = [];
+  for (const r of requests) alone.push((await streamIds(r)).ids);
+  const together = await Promise.all(requests.map((r) => streamIds(r)));
+  together.forEach((t, i) => {
+    assert.equal(t.finish, 'length', `request ${i}`);
+    assert.deepEqual(t.ids, alone[i], `request ${i}`);
+    assert.equal(t.ids.length, requests[i].max_tokens);
+  });
+  const m = await metrics(server.url);
+  assert.ok(m['moeserve:prefix_cache_hits_total'] > 0, 'the repeated prompts hit the prefix cache');
+});
+
+test('a client disconnect cancels the request and frees its KV pages', async () => {
+  const before = await metrics(server.url);
+  assert.equal(before['moeserve:kv_cache_usage_perc'], 0);
+  const controller = new AbortController();
+  const stream = await client.completions.create({ model, prompt: [5, 6, 7, 8, 9], max_tokens: 240, temperature: 0,
+                                                   ignore_eos: true, stream: true, return_token_ids: true },
+                                                 { signal: controller.signal });
+  let chunks = 0;
+  let during = null;
+  try {
+    for await (const _ of stream) {
+      if (++chunks === 3) {
+        during = await metrics(server.url);
+        controller.abort();  // the client's stream ends (or throws APIUserAbortError)
+      }
+    }
+  } catch (e) {
+    assert.ok(e instanceof OpenAI.APIUserAbortError, String(e));
+  }
+  assert.ok(during['moeserve:kv_cache_usage_perc'] > 0);
+  assert.equal(during['moeserve:num_requests_running'], 1);
+  assert.ok(chunks < 240);
+  const freed = await waitFor(async () => {
+    const m = await metrics(server.url);
+    return m['moeserve:kv_cache_usage_perc'] === 0 && m['moeserve:num_requests_running'] === 0 &&
+           m['moeserve:request_success_total{abort}'] === (before['moeserve:request_success_total{abort}'] || 0) + 1;
+  });
+  assert.ok(freed, 'KV usage back to baseline and the request counted as aborted');
+  const after = await metrics(server.url);
+  assert.ok(after['moeserve:generation_tokens_total'] - before['moeserve:generation_tokens_total'] < 240);
+});
+
+test('X-Request-Id is honoured and returned', async () => {
+  const res = await fetch(`${server.url}/v1/completions`, {
+    method: 'POST', headers: { 'content-type': 'application/json', 'x-request-id': 'abc-123' },
+    body: JSON.stringify({ model, prompt: [1, 2, 3], max_tokens: 2 }) });
+  assert.equal(res.status, 200);
+  assert.equal(res.headers.get('x-request-id'), 'abc-123');
+  assert.equal((await res.json()).id, 'cmpl-abc-123');
+});
+
+test('40 clients leaving at random points: every request ends, no pages or sockets leak', async () => {
+  const fdCount = () => fs.readdirSync(`/proc/${server.proc.pid}/fd`).length;
+  await new Promise((r) => setTimeout(r, 100));
+  const fdsBefore = fdCount();
+  const before = await metrics(server.url);
+  let accepted = 0;  // streams the server answered (some clients leave before sending)
+  let x = 777;
+  const rand = (n) => { x = (x * 1103515245 + 12345) % 2147483648; return x % n; };
+  await Promise.all(Array.from({ length: 40 }, async (_, i) => {
+    const controller = new AbortController();
+    const leaveAfter = rand(12);  // 0: before the first chunk
+    if (leaveAfter === 0) setTimeout(() => controller.abort(), rand(30));
+    try {
+      const stream = await client.completions.create({ model, prompt: [3 + i, 9, 27], max_tokens: 200, temperature: 0,
+                                                       ignore_eos: true, stream: true, return_token_ids: true },
+                                                     { signal: controller.signal });
+      accepted++;
+      let chunks = 0;
+      for await (const _ of stream) if (++chunks === leaveAfter) controller.abort();
+    } catch (e) {
+      assert.ok(e instanceof OpenAI.APIUserAbortError || e.name === 'AbortError', String(e));
+    }
+  }));
+  const settled = await waitFor(async () => {
+    const m = await metrics(server.url);
+    return m['moeserve:kv_cache_usage_perc'] === 0 && m['moeserve:num_requests_running'] === 0 &&
+           m['moeserve:num_requests_waiting'] === 0;
+  }, 10000);
+  assert.ok(settled, 'no request left running and KV usage back to 0');
+  const after = await metrics(server.url);
+  const ended = (m) => ['stop', 'length', 'abort'].reduce((s, r) => s + (m[`moeserve:request_success_total{${r}}`] || 0), 0);
+  const n = ended(after) - ended(before);
+  assert.ok(n >= accepted && n <= 40, `${n} requests ended, ${accepted} accepted: each ends exactly once`);
+  assert.ok(await waitFor(async () => fdCount() <= fdsBefore + 2, 5000), `fds ${fdsBefore} -> ${fdCount()}`);
+});

@@ -1,0 +1,123 @@
+// The bundled demo model (models/moeserve-demo, tools/train_tiny.py) served
+// with no --model, through the official `openai` client: chat rendered with
+// the model's real ChatML template and text prompts give transformers' greedy
+// ids (golden.json), streaming equals non-streaming, stop strings, logprobs,
+// the API key, and 503 + Retry-After when the queue is full.
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import path from 'node:path';
+import OpenAI from 'openai';
+import { startServer, repoRoot } from './server_harness.mjs';
+
+const golden = JSON.parse(fs.readFileSync(path.join(repoRoot, 'models/moeserve-demo/golden.json')));
+const model = 'moeserve-demo';
+let server;
+let client;
+
+before(async () => {
+  server = await startServer(['--max-model-len', '512']);
+  client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: 'unused', maxRetries: 0 });
+});
+after(async () => { assert.equal(await server.stop(), 0); });
+
+test('chat through the real template: greedy ids equal transformers', async () => {
+  const results = await Promise.all(golden.chats.map((c) => client.chat.completions.create({
+    model, messages: c.messages, temperature: 0, max_tokens: golden.n_greedy, ignore_eos: true, return_token_ids: true })));
+  results.forEach((r, i) => {
+    assert.deepEqual(r.choices[0].prompt_token_ids, golden.chats[i].ids, `chat ${i} prompt`);
+    assert.deepEqual(r.choices[0].token_ids, golden.chats[i].greedy, `chat ${i}`);
+    assert.equal(r.choices[0].message.role, 'assistant');
+    assert.equal(r.object, 'chat.completion');
+  });
+});
+
+test('text prompts: tokenization and greedy ids equal transformers', async () => {
+  for (const t of golden.texts) {
+    const tok = await (await fetch(`${server.url}/tokenize`, { method: 'POST', body: JSON.stringify({ prompt: t.text }) })).json();
+    assert.deepEqual(tok.tokens, t.ids);
+    const r = await client.completions.create({ model, prompt: t.text, temperature: 0, max_tokens: golden.n_greedy,
+                                                ignore_eos: true, return_token_ids: true });
+    assert.deepEqual(r.choices[0].token_ids, t.greedy);
+    const detok = await (await fetch(`${server.url}/detokenize`, { method: 'POST', body: JSON.stringify({ tokens: t.greedy }) })).json();
+    assert.equal(detok.prompt, t.greedy_text);
+  }
+});
+
+test('streamed chat equals the same chat not streamed, with usage', async () => {
+  const c = golden.chats[2];
+  const full = await client.chat.completions.create({ model, messages: c.messages, temperature: 0, max_tokens: 40 });
+  const stream = await client.chat.completions.create({ model, messages: c.messages, temperature: 0, max_tokens: 40,
+                                                        stream: true, stream_options: { include_usage: true } });
+  let text = '';
+  let usage = null;
+  let finish = null;
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const ch of chunk.choices) {
+      text += ch.delta.content ?? '';
+      if (ch.finish_reason) finish = ch.finish_reason;
+    }
+  }
+  assert.equal(text, full.choices[0].message.content);
+  assert.equal(finish, full.choices[0].finish_reason);
+  assert.deepEqual(usage, full.usage);
+  assert.ok(/[a-z]+ [a-z]+/.test(text), `recognisable English: ${text}`);
+});
+
+test('stop strings cut the text, streaming or not', async () => {
+  const c = golden.chats[0];  // "The most important service rendered by the press ..."
+  const r = await client.chat.completions.create({ model, messages: c.messages, temperature: 0, max_tokens: 32, stop: ['press'] });
+  assert.equal(r.choices[0].finish_reason, 'stop');
+  assert.equal(r.choices[0].message.content, 'The most important service rendered by the ');
+  const stream = await client.chat.completions.create({ model, messages: c.messages, temperature: 0, max_tokens: 32,
+                                                        stop: ['xyz', 'rendered by'], stream: true });
+  let text = '';
+  for await (const chunk of stream) for (const ch of chunk.choices) text += ch.delta.content ?? '';
+  assert.equal(text, 'The most important service ');
+});
+
+test('chat logprobs: one entry per token, the top alternative first', async () => {
+  const r = await client.chat.completions.create({ model, messages: golden.chats[1].messages, temperature: 0, max_tokens: 6,
+                                                   logprobs: true, top_logprobs: 3 });
+  const content = r.choices[0].logprobs.content;
+  assert.equal(content.length, r.usage.completion_tokens);
+  for (const e of content) {
+    assert.equal(e.top_logprobs.length, 3);
+    assert.equal(e.top_logprobs[0].token, e.token);  // greedy
+    assert.ok(e.logprob <= 0 && e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob);
+  }
+});
+
+test('an API key is required when set', async () => {
+  const keyed = await startServer(['--api-key', 'sekret', '--max-model-len', '256']);
+  try {
+    const bad = new OpenAI({ baseURL: `${keyed.url}/v1`, apiKey: 'wrong', maxRetries: 0 });
+    await assert.rejects(bad.models.list(), (e) => e instanceof OpenAI.AuthenticationError && e.status === 401);
+    const good = new OpenAI({ baseURL: `${keyed.url}/v1`, apiKey: 'sekret', maxRetries: 0 });
+    const r = await good.chat.completions.create({ model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: 3 });
+    assert.ok(r.choices.length === 1);
+    assert.equal((await fetch(`${keyed.url}/health`)).status, 200);  // health needs no key
+  } finally {
+    assert.equal(await keyed.stop(), 0);
+  }
+});
+
+test('a full queue answers 503 with Retry-After, and the rest complete', async () => {
+  const busy = await startServer(['--max-num-seqs', '1', '--max-waiting', '2', '--max-model-len', '256']);
+  try {
+    const c = new OpenAI({ baseURL: `${busy.url}/v1`, apiKey: 'x', maxRetries: 0 });
+    const results = await Promise.allSettled(Array.from({ length: 12 }, () => c.completions.create({
+      model, prompt: 'The', max_tokens: 100, ignore_eos: true }).withResponse()));
+    const refused = results.filter((r) => r.status === 'rejected');
+    const served = results.filter((r) => r.status === 'fulfilled');
+    assert.ok(refused.length > 0 && served.length > 0, `${refused.length} refused, ${served.length} served`);
+    for (const r of refused) {
+      assert.equal(r.reason.status, 503);
+      assert.equal(r.reason.headers.get('retry-after'), '1');
+    }
+    for (const r of served) assert.equal(r.value.data.choices[0].finish_reason, 'length');
+  } finally {
+    assert.equal(await busy.stop(), 0);
+  }
+});

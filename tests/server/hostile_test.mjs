@@ -1,0 +1,170 @@
+// Hostile and malformed requests against a live server (the demo model): each
+// gets its documented status (docs/server.md), the server never crashes, and
+// it still serves normal requests afterwards.
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { startServer, rawRequest, httpPost, waitFor } from './server_harness.mjs';
+
+let server;
+const model = 'moeserve-demo';
+
+before(async () => {
+  server = await startServer(['--max-model-len', '256', '--read-timeout', '1', '--max-body-bytes', '65536',
+                              '--max-n', '8', '--max-logprobs', '10']);
+});
+after(async () => { assert.equal(await server.stop(), 0); });
+
+const completion = (body) => httpPost('/v1/completions', body);
+const chat = (body) => httpPost('/v1/chat/completions', body);
+const ok = { model, prompt: 'Hello', max_tokens: 2 };
+
+// [name, request chunks, expected status, expected error param (optional)]
+const cases = [
+  ['invalid JSON', completion('{"prompt": "x",'), 400],
+  ['JSON array body', completion('[1,2,3]'), 400],
+  ['JSON string body', completion('"hello"'), 400],
+  ['empty body', completion(''), 400],
+  ['prompt missing', completion({ model, max_tokens: 2 }), 400, 'prompt'],
+  ['prompt is a number', completion({ ...ok, prompt: 42 }), 400, 'prompt'],
+  ['prompt is an object', completion({ ...ok, prompt: { a: 1 } }), 400, 'prompt'],
+  ['negative token id', completion({ ...ok, prompt: [1, -5] }), 400, 'prompt'],
+  ['token id past the vocabulary', completion({ ...ok, prompt: [1, 999999] }), 400, 'prompt'],
+  ['float token id', completion({ ...ok, prompt: [1, 2.5] }), 400, 'prompt'],
+  ['empty prompt', completion({ ...ok, prompt: '' }), 400, 'prompt'],
+  ['batched prompts', completion({ ...ok, prompt: ['a', 'b'] }), 400, 'prompt'],
+  ['max_tokens is a string', completion({ ...ok, max_tokens: '10' }), 400, 'max_tokens'],
+  ['max_tokens 0', completion({ ...ok, max_tokens: 0 }), 400, 'max_tokens'],
+  ['max_tokens negative', completion({ ...ok, max_tokens: -1 }), 400, 'max_tokens'],
+  ['max_tokens 1e12', completion({ ...ok, max_tokens: 1e12 }), 400, 'max_tokens'],
+  ['max_tokens over the context', completion({ ...ok, max_tokens: 100000 }), 400, 'prompt'],
+  ['max_completion_tokens huge', chat({ model, messages: [{ role: 'user', content: 'x' }], max_completion_tokens: 5000 }), 400, 'messages'],
+  ['over-long prompt', completion({ ...ok, prompt: Array(300).fill(5) }), 400, 'prompt'],
+  ['n 1000', completion({ ...ok, n: 1000 }), 400, 'n'],
+  ['n 0', completion({ ...ok, n: 0 }), 400, 'n'],
+  ['n as a string', completion({ ...ok, n: 'two' }), 400, 'n'],
+  ['logprobs 1000', completion({ ...ok, logprobs: 1000 }), 400, 'logprobs'],
+  ['top_logprobs 1000', chat({ model, messages: [{ role: 'user', content: 'x' }], logprobs: true, top_logprobs: 1000 }), 400, 'top_logprobs'],
+  ['top_logprobs without logprobs', chat({ model, messages: [{ role: 'user', content: 'x' }], top_logprobs: 2 }), 400, 'top_logprobs'],
+  ['temperature negative', completion({ ...ok, temperature: -1 }), 400, 'temperature'],
+  ['temperature a string', completion({ ...ok, temperature: 'hot' }), 400, 'temperature'],
+  ['top_p 0', completion({ ...ok, top_p: 0 }), 400, 'top_p'],
+  ['top_p 2', completion({ ...ok, top_p: 2 }), 400, 'top_p'],
+  ['top_k -5', completion({ ...ok, top_k: -5 }), 400, 'top_k'],
+  ['min_p 1.5', completion({ ...ok, min_p: 1.5 }), 400, 'min_p'],
+  ['seed a string', completion({ ...ok, seed: 'abc' }), 400, 'seed'],
+  ['stop a number', completion({ ...ok, stop: 5 }), 400, 'stop'],
+  ['stop with 100 strings', completion({ ...ok, stop: Array(100).fill('a') }), 400, 'stop'],
+  ['empty stop string', completion({ ...ok, stop: [''] }), 400, 'stop'],
+  ['stop_token_ids of strings', completion({ ...ok, stop_token_ids: ['a'] }), 400, 'stop_token_ids'],
+  ['stream not a boolean', completion({ ...ok, stream: 'yes' }), 400, 'stream'],
+  ['stream_options not an object', completion({ ...ok, stream: true, stream_options: 3 }), 400, 'stream_options'],
+  ['unknown model', completion({ ...ok, model: 'gpt-4' }), 404, 'model'],
+  ['messages not an array', chat({ model, messages: 'hi' }), 400, 'messages'],
+  ['messages empty', chat({ model, messages: [] }), 400, 'messages'],
+  ['message without a role', chat({ model, messages: [{ content: 'hi' }] }), 400, 'messages'],
+  ['message content a number', chat({ model, messages: [{ role: 'user', content: 7 }] }), 400, 'messages'],
+  ['image content part', chat({ model, messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'x' } }] }] }), 400, 'messages'],
+  ['content part type a number', chat({ model, messages: [{ role: 'user', content: [{ type: 7, text: 'x' }] }] }), 400, 'messages'],
+  ['tokenize add_special_tokens a string', httpPost('/tokenize', { prompt: 'x', add_special_tokens: 'yes' }), 400, 'add_special_tokens'],
+  ['role a number', chat({ model, messages: [{ role: 5, content: 'x' }] }), 400, 'messages'],
+  ['messages of numbers', chat({ model, messages: [1, 2] }), 400, 'messages'],
+  ['chat_template_kwargs not an object', chat({ model, messages: [{ role: 'user', content: 'x' }], chat_template_kwargs: [] }), 400, 'chat_template_kwargs'],
+  ['deeply nested JSON', completion('{"prompt": ' + '['.repeat(20000) + ']'.repeat(20000) + '}'), 400],
+  ['invalid UTF-8 in JSON', [Buffer.from('POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 16\r\nConnection: close\r\n\r\n'),
+                             Buffer.from([0x7b, 0x22, 0x70, 0x22, 0x3a, 0x22, 0xff, 0xfe, 0x22, 0x7d, 0x20, 0x20, 0x20, 0x20, 0x20, 0x20])], 400],
+  ['oversized body', completion({ ...ok, prompt: 'x'.repeat(100000) }), 413],
+  ['oversized headers', [Buffer.from(`GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ${'a'.repeat(40000)}\r\n\r\n`)], 431],
+  ['malformed request line', [Buffer.from('HELLO WORLD\r\n\r\n')], 400],
+  ['bad chunked body', [Buffer.from('POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n')], 400],
+  ['unknown route', [Buffer.from('GET /v1/nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n')], 404],
+  ['GET on a POST route', [Buffer.from('GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n')], 405],
+  ['detokenize ids past the vocabulary', httpPost('/detokenize', { tokens: [1, 1e9] }), 400, 'tokens'],
+  ['tokenize without a prompt', httpPost('/tokenize', { nothing: 1 }), 400, 'prompt'],
+];
+
+test(`${cases.length} hostile requests get their documented status`, async () => {
+  assert.ok(cases.length >= 30);
+  for (const [name, chunks, status, param] of cases) {
+    const r = await rawRequest(server.port, chunks);
+    assert.equal(r.status, status, `${name}: got ${r.status} ${r.body.slice(0, 200)}`);
+    if (status >= 400 && r.headers['content-type'] === 'application/json') {
+      const body = JSON.parse(r.body);
+      assert.equal(typeof body.error.message, 'string', name);
+      assert.ok('type' in body.error && 'param' in body.error && 'code' in body.error, name);
+      if (param) assert.equal(body.error.param, param, `${name}: ${body.error.message}`);
+    }
+  }
+});
+
+test('context overflow uses OpenAI\'s wording', async () => {
+  const r = await rawRequest(server.port, completion({ ...ok, prompt: Array(200).fill(5), max_tokens: 100 }));
+  const e = JSON.parse(r.body).error;
+  assert.equal(e.message, 'This model\'s maximum context length is 256 tokens. However, you requested 300 tokens ' +
+                          '(200 in the prompt, 100 in the completion). Please reduce the length of the prompt or completion.');
+  assert.equal(e.code, 'context_length_exceeded');
+});
+
+test('slow headers (slowloris) are cut off by the read timeout', async () => {
+  const start = Date.now();
+  const head = 'GET /health HTTP/1.1\r\nHost: x\r\n'.split('');
+  const r = await rawRequest(server.port, head.map((c) => Buffer.from(c)), { delayMs: 200, endAfter: false, timeoutMs: 8000 });
+  assert.equal(r.status, 0);
+  assert.ok(r.closed, 'the server closed the connection');
+  assert.ok(Date.now() - start < 4000, `closed after ${Date.now() - start} ms`);
+});
+
+test('a connection that sends half a body and leaves does not hurt the server', async () => {
+  const r = await rawRequest(server.port, [Buffer.from('POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"pro')]);
+  assert.equal(r.status, 0);
+});
+
+test('the server is healthy and serves normally after all of it', async () => {
+  assert.equal((await fetch(`${server.url}/health`)).status, 200);
+  const res = await fetch(`${server.url}/v1/completions`, { method: 'POST', body: JSON.stringify({ ...ok, temperature: 0 }) });
+  assert.equal(res.status, 200);
+  const body = await res.json();
+  assert.equal(body.usage.completion_tokens, 2);
+  assert.equal(server.proc.exitCode, null);
+});
+
+test('Expect: 100-continue gets the interim answer at once (curl waits 1 s otherwise)', async () => {
+  const net = await import('node:net');
+  const body = JSON.stringify({ ...ok, temperature: 0 });
+  const reply = await new Promise((resolve, reject) => {
+    const socket = net.connect(server.port, '127.0.0.1');
+    let data = '';
+    const start = Date.now();
+    socket.on('data', (d) => {
+      data += d;
+      if (data.startsWith('HTTP/1.1 100 Continue\r\n\r\n') && !socket.sentBody) {
+        socket.sentBody = true;
+        socket.write(body);
+        socket.continueMs = Date.now() - start;
+      }
+      if (data.includes('"usage"')) { socket.destroy(); resolve({ data, continueMs: socket.continueMs }); }
+    });
+    socket.on('error', reject);
+    socket.write(`POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: ${body.length}\r\n\r\n`);
+  });
+  assert.ok(reply.continueMs < 500, `100 Continue after ${reply.continueMs} ms`);
+  assert.match(reply.data, /HTTP\/1\.1 200 OK/);
+});
+
+test('connections over --max-connections get 503 and the server recovers', async () => {
+  const net = await import('node:net');
+  const limited = await startServer(['--max-connections', '3', '--read-timeout', '5']);
+  try {
+    const idle = await Promise.all([0, 1, 2].map(() => new Promise((resolve) => {
+      const s = net.connect(limited.port, '127.0.0.1', () => resolve(s));
+    })));
+    await new Promise((r) => setTimeout(r, 100));
+    const refused = await rawRequest(limited.port, [Buffer.from('GET /health HTTP/1.1\r\nHost: x\r\n\r\n')]);
+    assert.equal(refused.status, 503);
+    assert.equal(refused.headers['retry-after'], '1');
+    for (const s of idle) s.destroy();
+    assert.ok(await waitFor(async () => (await rawRequest(limited.port,
+      [Buffer.from('GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n')])).status === 200, 5000));
+  } finally {
+    assert.equal(await limited.stop(), 0);
+  }
+});

@@ -1,0 +1,78 @@
+// `moeserve serve` as a process: bad flags fail with a message and exit code
+// 1 (or 2 for usage errors) before binding; a busy port fails; SIGINT and
+// SIGTERM stop it cleanly (exit 0).
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawnSync } from 'node:child_process';
+import { startServer, moeserveBin } from './server_harness.mjs';
+
+function serve(args) {
+  return spawnSync(moeserveBin, ['serve', ...args], { encoding: 'utf8', timeout: 60000 });
+}
+
+test('bad flags fail before serving, saying why', () => {
+  const cases = [
+    [['--model', '/nonexistent/model'], 1, /config\.json/],
+    [['--device', 'cuda'], 1, /no usable GPU|no CUDA backend/],  // CI has no GPU
+    [['--device', 'tpu'], 2, /device/],
+    [['--reasoning-parser', 'deepseek_r1'], 1, /only qwen3/],
+    [['--max-model-len', '100000'], 1, /max_position_embeddings/],
+    [['--kv-cache-gb', '0.0001'], 1, /kv-cache-gb/],
+    [['--host', 'not-an-ip', '--port', '0'], 1, /not an IP address/],
+    [['--port', '70000'], 2, /port/],
+    [['--no-such-flag'], 2, /no-such-flag/],
+  ];
+  for (const [args, code, message] of cases) {
+    const r = serve(args);
+    assert.equal(r.status, code, `${args.join(' ')}: ${r.stderr}`);
+    assert.match(r.stderr, message, args.join(' '));
+  }
+});
+
+test('a port in use fails with exit code 1', async () => {
+  const first = await startServer([]);
+  try {
+    const r = serve(['--port', String(first.port)]);
+    assert.equal(r.status, 1);
+    assert.match(r.stderr, /cannot listen/);
+  } finally {
+    assert.equal(await first.stop(), 0);
+  }
+});
+
+test('SIGINT stops the server with exit code 0', async () => {
+  const s = await startServer([]);
+  const exited = new Promise((resolve) => s.proc.on('exit', (code) => resolve(code)));
+  s.proc.kill('SIGINT');
+  assert.equal(await exited, 0);
+  await s.stop();
+});
+
+test('bench serve prints vLLM\'s result block and saves JSON that adds up', async () => {
+  const s = await startServer(['--max-model-len', '256']);
+  try {
+    const fs = await import('node:fs');
+    const os = await import('node:os');
+    const path = await import('node:path');
+    const file = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'moebench-')), 'result.json');
+    const r = spawnSync(moeserveBin, ['bench', 'serve', '--url', s.url, '--random-input-len', '12', '--random-output-len', '5',
+                                      '--num-prompts', '6', '--max-concurrency', '3', '--request-rate', '50', '--seed', '3',
+                                      '--save-result', file], { encoding: 'utf8', timeout: 60000 });
+    assert.equal(r.status, 0, r.stderr);
+    for (const label of ['Successful requests:', 'Benchmark duration (s):', 'Output token throughput (tok/s):',
+                         'Mean TTFT (ms):', 'P99 TPOT (ms):', 'Median ITL (ms):', 'P99 E2EL (ms):'])
+      assert.ok(r.stdout.includes(label), label);
+    const j = JSON.parse(fs.readFileSync(file, 'utf8'));
+    assert.equal(j.completed, 6);
+    assert.equal(j.total_input_tokens, 72);
+    assert.equal(j.total_output_tokens, 30);
+    assert.equal(j.max_concurrency, 3);
+    assert.ok(j.mean_ttft_ms > 0 && j.mean_e2el_ms >= j.mean_ttft_ms && j.p99_ttft_ms >= j.median_ttft_ms);
+    assert.deepEqual(j.errors, []);
+    const down = spawnSync(moeserveBin, ['bench', 'serve', '--url', 'http://127.0.0.1:1', '--num-prompts', '1'],
+                           { encoding: 'utf8', timeout: 60000 });
+    assert.equal(down.status, 1);
+  } finally {
+    assert.equal(await s.stop(), 0);
+  }
+});
