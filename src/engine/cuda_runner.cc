@@ -21,4 +21,13 @@ Expected<std::unique_ptr<CudaRunner>> CudaRunner::create(const model::ModelConfi
   return std::unique_ptr<CudaRunner>(new CudaRunner(std::move(made).value()));
 }
 
+Expected<std::vector<int32_t>> CudaRunner::forward_and_sample(const model::ForwardBatch& batch,
+                                                              std::span<const RowSampling> rows) {
+  std::vector<ops::cuda::SampleRow> device_rows;
+  device_rows.reserve(rows.size());
+  for (const RowSampling& r : rows)
+    device_rows.push_back({r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p, r.seed, r.step});
+  return model_->forward_sample(batch, device_rows);
+}
+
 }  // namespace moe::engine

@@ -25,6 +25,9 @@ class CudaRunner final : public ModelRunner {
                                                       const model::CudaModelOptions& options);
   int64_t vocab_size() const override { return model_->config().vocab_size; }
   Expected<Tensor> forward(const model::ForwardBatch& batch) override { return model_->forward(batch); }
+  bool samples_on_device() const override { return true; }
+  Expected<std::vector<int32_t>> forward_and_sample(const model::ForwardBatch& batch,
+                                                    std::span<const RowSampling> rows) override;
   int32_t num_pages() const { return model_->num_pages(); }
 
  private:

@@ -268,22 +268,38 @@ void Engine::step() {
     std::lock_guard lock(mutex_);
     metrics_.request_queue_time_seconds.observe(now - a.arrival_s);
   }
-  Expected<Tensor> result = internal_error("no forward pass");
-  try {
-    result = runner_->forward(scheduler_.build_batch(plan));
-  } catch (const std::exception& e) {  // the runner's libraries may throw: the module boundary
-    result = internal_error("{}", e.what());
+  // Sample on the runner's device unless a request wants logprobs (computed here from the logits).
+  const model::ForwardBatch batch = scheduler_.build_batch(plan);
+  bool on_device = runner_->samples_on_device();
+  std::vector<RowSampling> rows;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    if (!chunk.sample) continue;
+    const Active& a = active_.at(chunk.id);
+    on_device &= a.request.num_logprobs < 0;
+    rows.push_back({a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
   }
-  if (!result) {
-    log_error("engine: the forward pass failed: {}", result.status().to_string());
-    dead_ = true;
-    fail_all(internal_error("the forward pass failed: {}", result.status().message()));
-    return;
-  }
-  const Tensor& logits = *result;
   std::vector<int32_t> tokens;
   std::vector<std::optional<TokenLogprobs>> logprobs;
-  sample(plan, logits, tokens, logprobs);
+  Status status;
+  try {  // the runner's libraries may throw: the module boundary
+    if (on_device) {
+      auto sampled = runner_->forward_and_sample(batch, rows);
+      if (sampled) tokens = std::move(sampled).value(), logprobs.resize(tokens.size());
+      status = sampled.status();
+    } else {
+      auto logits = runner_->forward(batch);
+      if (logits) sample(plan, *logits, tokens, logprobs);
+      status = logits.status();
+    }
+  } catch (const std::exception& e) {
+    status = internal_error("{}", e.what());
+  }
+  if (!status.is_ok()) {
+    log_error("engine: the forward pass failed: {}", status.to_string());
+    dead_ = true;
+    fail_all(internal_error("the forward pass failed: {}", status.message()));
+    return;
+  }
   const std::vector<SequenceUpdate> updates = scheduler_.complete_step(plan, tokens);
   if (options_.check_invariants) scheduler_.check_invariants();
   const double done = monotonic_seconds();

@@ -89,19 +89,24 @@ Expected<std::vector<GenerationResult>> Generator::run(const std::vector<Generat
     const StepPlan plan = scheduler.schedule(0);
     CHECK(!plan.empty(), "nothing runnable although requests wait");
     const auto start = std::chrono::steady_clock::now();
-    MOE_ASSIGN_OR_RETURN(Tensor logits, runner.forward(scheduler.build_batch(plan)));
+    std::vector<RowSampling> rows;
+    for (const ScheduledChunk& chunk : plan.chunks)
+      if (chunk.sample)
+        rows.push_back({requests[chunk.id].sampling, seeds[chunk.id], static_cast<uint64_t>(results[chunk.id].token_ids.size())});
+    std::vector<int32_t> sampled;
+    if (runner.samples_on_device()) {
+      MOE_ASSIGN_OR_RETURN(sampled, runner.forward_and_sample(scheduler.build_batch(plan), rows));
+    } else {
+      MOE_ASSIGN_OR_RETURN(Tensor logits, runner.forward(scheduler.build_batch(plan)));
+      for (size_t r = 0; r < rows.size(); ++r) {
+        std::span<const float> row_logits(logits.data_as<float>() + r * vocab_size, static_cast<size_t>(vocab_size));
+        sampled.push_back(sample_token(row_logits, rows[r].params, rows[r].seed, rows[r].step));
+      }
+    }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     (plan.num_prefill_tokens > 0 ? stats_.prefill_seconds : stats_.decode_seconds) += seconds;
     stats_.num_prompt_tokens += plan.num_prefill_tokens;
     ++stats_.num_steps;
-    std::vector<int32_t> sampled;
-    int64_t row = 0;
-    for (const ScheduledChunk& chunk : plan.chunks) {
-      if (!chunk.sample) continue;
-      std::span<const float> row_logits(logits.data_as<float>() + row++ * vocab_size, static_cast<size_t>(vocab_size));
-      const auto step = static_cast<uint64_t>(results[chunk.id].token_ids.size());
-      sampled.push_back(sample_token(row_logits, requests[chunk.id].sampling, seeds[chunk.id], step));
-    }
     for (const SequenceUpdate& u : scheduler.complete_step(plan, sampled)) {
       results[u.id].token_ids.push_back(u.token);
       if (u.finish != FinishReason::kNone) results[u.id].finish_reason = finish_reason_name(u.finish);

@@ -2,6 +2,10 @@
 
 namespace moe::engine {
 
+Expected<std::vector<int32_t>> ModelRunner::forward_and_sample(const model::ForwardBatch&, std::span<const RowSampling>) {
+  return unimplemented("this model runner does not sample on its device");
+}
+
 Qwen3Runner::Qwen3Runner(const model::Qwen3MoeModel& model, ThreadPool& pool, const kv::KvCacheLayout& layout)
     : model_(model), pool_(pool), cache_(layout) {
   for (int l = 0; l < layout.num_layers; ++l) layers_.push_back(cache_.layer(l));

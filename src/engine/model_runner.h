@@ -6,10 +6,13 @@
 #pragma once
 
 #include <memory>
+#include <span>
+#include <vector>
 
 #include "core/status.h"
 #include "core/tensor.h"
 #include "core/thread_pool.h"
+#include "engine/sampler.h"
 #include "kv/kv_cache.h"
 #include "model/qwen3_moe.h"
 
@@ -22,6 +25,13 @@ class ModelRunner {
   // logits [batch.logits_rows.size(), vocab_size()] f32; an error (a device
   // failure) makes the engine fail every request and report itself unhealthy.
   virtual Expected<Tensor> forward(const model::ForwardBatch& batch) = 0;
+  // A runner that samples where its logits are (the GPU) returns the token
+  // of each logits row directly, drawing from the same distribution as
+  // sample_token (engine/sampler.h), and says so here; the engine then uses it
+  // for steps whose requests want no logprobs.
+  virtual bool samples_on_device() const { return false; }
+  virtual Expected<std::vector<int32_t>> forward_and_sample(const model::ForwardBatch& batch,
+                                                            std::span<const RowSampling> rows);
 };
 
 // The Qwen3-MoE CPU forward over its own paged KV cache.

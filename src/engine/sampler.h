@@ -29,6 +29,13 @@ struct SamplingParams {
   bool is_greedy() const { return temperature == 0.0f; }
 };
 
+// What one logits row needs to be sampled anywhere: the draw for (seed, step).
+struct RowSampling {
+  SamplingParams params;
+  uint64_t seed = 0;
+  uint64_t step = 0;
+};
+
 // Checks ranges; the message names the parameter (it reaches API users).
 Status validate_sampling(const SamplingParams& params);
 

@@ -247,3 +247,42 @@ INSTANTIATE_TEST_SUITE_P(StatusOrException, FailingForward, testing::Bool());
 
 }  // namespace
 }  // namespace moe::engine
+
+namespace moe::engine {
+namespace {
+
+// A runner that samples on its device is used for steps without logprobs;
+// a request that wants logprobs takes the logits path. Tokens are the
+// oracle's either way.
+TEST(Engine, DeviceSamplingRunnerIsUsedUnlessLogprobsAreWanted) {
+  auto runner = std::make_unique<FakeRunner>(kVocab, 4, 256);
+  runner->device_sampling = true;
+  FakeRunner* fake = runner.get();
+  Engine engine(std::move(runner), options());
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5};
+  for (int num_logprobs : {-1, 2}) {
+    EngineRequest r;
+    r.prompt = prompt;
+    r.max_tokens = 6;
+    r.sampling.temperature = 0;
+    r.ignore_eos = true;
+    r.num_logprobs = num_logprobs;
+    const int before = fake->num_device_samples.load();
+    std::promise<std::vector<int32_t>> done;
+    std::vector<int32_t> tokens;
+    auto id = engine.submit(r, [&](const EngineOutput& out) {
+      if (out.token >= 0) tokens.push_back(out.token);
+      if (out.finish != FinishReason::kNone) done.set_value(tokens);
+    });
+    ASSERT_TRUE(id.has_value());
+    EXPECT_EQ(done.get_future().get(), testing_fake::oracle_greedy(prompt, 6, kVocab));
+    if (num_logprobs < 0) {
+      EXPECT_GE(fake->num_device_samples.load() - before, 6);
+    } else {
+      EXPECT_EQ(fake->num_device_samples.load(), before);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moe::engine
