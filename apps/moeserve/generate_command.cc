@@ -1,4 +1,5 @@
 #include "apps/moeserve/generate_command.h"
+#include "apps/moeserve/device_options.h"
 
 #include <chrono>
 #include <cstdio>
@@ -37,9 +38,7 @@ struct GenerateArgs {
   std::string kv_dtype = "f32";
   int page_size = 16;
   int max_tokens_per_step = 0;
-  std::string device = "cpu";
-  double gpu_memory_utilization = 0.9;
-  bool enforce_eager = false;
+  DeviceArgs device;
 };
 
 Expected<std::vector<int32_t>> parse_ids(const std::string& text) {
@@ -77,13 +76,7 @@ Expected<model::ModelConfig> load_config(const GenerateArgs& args) {
 }
 
 Status run_generate(const GenerateArgs& args) {
-  if (args.device != "cpu" && args.device != "cuda")
-    return invalid_argument("--device must be cpu or cuda, got '{}'", args.device);
-#ifdef MOE_WITH_CUDA
-  if (args.device == "cuda") MOE_RETURN_IF_ERROR(engine::cuda_device_status());
-#else
-  if (args.device == "cuda") return unimplemented("--device cuda: this build has no CUDA backend (nvcc was not found)");
-#endif
+  MOE_RETURN_IF_ERROR(check_device(args.device));
   MOE_ASSIGN_OR_RETURN(model::ModelConfig config, load_config(args));
   if (args.num_layers > 0) {
     if (args.num_layers > config.num_layers)
@@ -127,7 +120,7 @@ Status run_generate(const GenerateArgs& args) {
   const auto load_start = std::chrono::steady_clock::now();
   std::optional<model::ModelWeights> weights;
   // On the GPU, dummy weights are generated there; real ones are read here first.
-  if (!(dummy && args.device == "cuda")) {
+  if (!(dummy && args.device.cuda())) {
     if (dummy) {
       weights.emplace(model::ModelWeights::dummy(config, 0, pool));
     } else {
@@ -142,7 +135,7 @@ Status run_generate(const GenerateArgs& args) {
   std::optional<model::Qwen3MoeModel> cpu_model;
   std::unique_ptr<engine::ModelRunner> runner;
   std::optional<engine::Generator> generator;
-  if (args.device == "cpu") {
+  if (!args.device.cuda()) {
     cpu_model.emplace(*weights);
     generator.emplace(*cpu_model, pool, options);
   } else {
@@ -152,8 +145,8 @@ Status run_generate(const GenerateArgs& args) {
     cuda.page_size = args.page_size;
     cuda.max_num_tokens = options.max_tokens_per_step;
     cuda.max_num_seqs = static_cast<int>(requests.size());
-    cuda.gpu_memory_utilization = args.gpu_memory_utilization;
-    cuda.use_cuda_graphs = !args.enforce_eager;
+    cuda.gpu_memory_utilization = args.device.gpu_memory_utilization;
+    cuda.use_cuda_graphs = !args.device.enforce_eager;
     MOE_ASSIGN_OR_RETURN(auto cuda_runner,
                          engine::CudaRunner::create(config, weights ? &*weights : nullptr, 0, cuda));
     const int32_t num_pages = cuda_runner->num_pages();
@@ -206,11 +199,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_option("--page-size", args->page_size, "Tokens per KV page");
   cmd->add_option("--max-tokens-per-step", args->max_tokens_per_step, "Prefill chunk budget per step (0 = unlimited)");
-  cmd->add_option("--device", args->device, "cpu or cuda (one GPU)")->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option("--gpu-memory-utilization", args->gpu_memory_utilization,
-                  "With --device cuda: share of the GPU's memory for weights, activations and the KV cache")
-      ->check(CLI::Range(0.05, 0.99));
-  cmd->add_flag("--enforce-eager", args->enforce_eager, "With --device cuda: no CUDA graphs for decode steps");
+  add_device_options(cmd, args->device);
   cmd->callback([args] {
     Status status = run_generate(*args);
     if (!status.is_ok()) {

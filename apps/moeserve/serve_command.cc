@@ -1,4 +1,5 @@
 #include "apps/moeserve/serve_command.h"
+#include "apps/moeserve/device_options.h"
 
 #include <algorithm>
 #include <csignal>
@@ -39,9 +40,7 @@ struct ServeArgs {
   int page_size = 16;
   std::string kv_dtype = "f32";
   bool no_prefix_caching = false;
-  std::string device = "cpu";
-  double gpu_memory_utilization = 0.9;
-  bool enforce_eager = false;
+  DeviceArgs device;
   int threads = 0;
   int http_threads = 2;
   std::string reasoning_parser;
@@ -133,7 +132,7 @@ void log_startup(const ServeArgs& args, const engine::SchedulerOptions& sched, c
   const int64_t kv_tokens = static_cast<int64_t>(sched.num_pages) * sched.page_size;
   log_info("config: model={} served as '{}', device={}, threads={}, max_num_seqs={}, max_model_len={}, "
            "max_num_batched_tokens={}, page_size={}, kv_dtype={}, prefix_caching={}, reasoning_parser={}",
-           args.model, args.served_model_name, args.device, num_threads, sched.max_num_seqs, sched.max_model_len,
+           args.model, args.served_model_name, args.device.device, num_threads, sched.max_num_seqs, sched.max_model_len,
            sched.max_num_batched_tokens, sched.page_size, args.kv_dtype, sched.enable_prefix_caching ? "on" : "off",
            args.reasoning_parser.empty() ? "none" : args.reasoning_parser);
   const engine::SamplingParams defaults = generation_defaults(args.model);
@@ -183,18 +182,12 @@ void prefetch_weights(const std::string& model_dir) {
 }
 
 Status run_serve(ServeArgs args) {
-  if (args.device != "cpu" && args.device != "cuda")
-    return invalid_argument("--device must be cpu or cuda, got '{}'", args.device);
-#ifdef MOE_WITH_CUDA
-  if (args.device == "cuda") MOE_RETURN_IF_ERROR(engine::cuda_device_status());
-#else
-  if (args.device == "cuda") return unimplemented("--device cuda: this build has no CUDA backend (nvcc was not found)");
-#endif
+  MOE_RETURN_IF_ERROR(check_device(args.device));
   if (args.model.empty()) args.model = find_default_model();
   if (args.page_size < 1 || args.page_size > 1024) return invalid_argument("--page-size must be in [1, 1024]");
   if (!args.reasoning_parser.empty() && args.reasoning_parser != "qwen3")
     return invalid_argument("--reasoning-parser: only qwen3 is supported, got '{}'", args.reasoning_parser);
-  if (args.device == "cuda") args.kv_dtype = "bf16";  // the GPU's KV pages are bf16
+  if (args.device.cuda()) args.kv_dtype = "bf16";  // the GPU's KV pages are bf16
   MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
   if (kv_dtype != DType::kF32 && kv_dtype != DType::kBF16) return invalid_argument("--kv-dtype must be f32 or bf16");
   MOE_ASSIGN_OR_RETURN(model::ModelConfig config, model::load_model_config(args.model));
@@ -229,15 +222,15 @@ Status run_serve(ServeArgs args) {
   MOE_ASSIGN_OR_RETURN(auto sched, scheduler_options(args, config, layout.page_bytes() * config.num_layers));
   std::unique_ptr<engine::ModelRunner> runner;
 #ifdef MOE_WITH_CUDA
-  if (args.device == "cuda") {
+  if (args.device.cuda()) {
     // The KV pool takes what --gpu-memory-utilization leaves after the weights.
     model::CudaModelOptions cuda;
     cuda.page_size = sched.page_size;
     cuda.max_num_tokens = std::max(sched.max_num_batched_tokens, sched.max_num_seqs);
     cuda.max_num_seqs = sched.max_num_seqs;
     cuda.max_model_len = sched.max_model_len;
-    cuda.gpu_memory_utilization = args.gpu_memory_utilization;
-    cuda.use_cuda_graphs = !args.enforce_eager;
+    cuda.gpu_memory_utilization = args.device.gpu_memory_utilization;
+    cuda.use_cuda_graphs = !args.device.enforce_eager;
     MOE_ASSIGN_OR_RETURN(auto cuda_runner, engine::CudaRunner::create(config, &weights, 0, cuda));
     sched.num_pages = cuda_runner->num_pages();
     runner = std::move(cuda_runner);
@@ -292,11 +285,7 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--page-size", args->page_size, "Tokens per KV page");
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_flag("--no-enable-prefix-caching", args->no_prefix_caching, "Turn prefix caching off");
-  cmd->add_option("--device", args->device, "cpu or cuda (one GPU)")->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option("--gpu-memory-utilization", args->gpu_memory_utilization,
-                  "With --device cuda: share of the GPU's memory for weights, activations and the KV cache")
-      ->check(CLI::Range(0.05, 0.99));
-  cmd->add_flag("--enforce-eager", args->enforce_eager, "With --device cuda: no CUDA graphs for decode steps");
+  add_device_options(cmd, args->device);
   cmd->add_option("--threads", args->threads, "CPU threads for the model (0 = all cores)");
   cmd->add_option("--http-threads", args->http_threads, "HTTP I/O threads")->check(CLI::Range(1, 64));
   cmd->add_option("--reasoning-parser", args->reasoning_parser, "qwen3: split <think> into reasoning_content");

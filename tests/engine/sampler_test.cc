@@ -25,13 +25,8 @@ TEST(Sampler, GreedyIsArgmaxWithLowestIdOnTies) {
 }
 
 TEST(Sampler, MatchesTheFilteredDistribution) {
-  const std::vector<float> logits = {1.0f, 2.5f, 0.3f, 2.4f, -1.0f, 1.9f, 0.0f, 3.0f};
-  std::vector<SamplingParams> cases(5);
-  cases[0].temperature = 1.0f;
-  cases[1].temperature = 0.7f, cases[1].top_k = 3;
-  cases[2].temperature = 1.3f, cases[2].top_p = 0.8f;
-  cases[3].temperature = 1.0f, cases[3].min_p = 0.3f;
-  cases[4].temperature = 0.9f, cases[4].top_k = 6, cases[4].top_p = 0.9f, cases[4].min_p = 0.1f;
+  const std::vector<float> logits = testing_oracle::standard_logits();
+  const std::vector<SamplingParams> cases = testing_oracle::standard_cases();
   constexpr int kDraws = 40000;
   for (size_t c = 0; c < cases.size(); ++c) {
     const auto probs = expected_distribution(logits, cases[c]);
@@ -39,9 +34,7 @@ TEST(Sampler, MatchesTheFilteredDistribution) {
     for (int i = 0; i < kDraws; ++i) ++counts[sample_token(logits, cases[c], 1234 + c, i)];
     int dof = 0;
     const double stat = chi_square(counts, probs, kDraws, &dof);
-    // 99.9th percentile of chi-square with <= 7 degrees of freedom is 24.3;
-    // the seeds are fixed, so this is deterministic, not flaky.
-    EXPECT_LT(stat, 24.3) << "case " << c << " dof " << dof;
+    EXPECT_LT(stat, testing_oracle::kChiSquare999) << "case " << c << " dof " << dof;
   }
 }
 

@@ -55,4 +55,20 @@ double chi_square(const std::vector<int>& counts, const std::vector<double>& pro
   return stat;
 }
 
+// Eight logits and five filter settings (plain, top-k, top-p, min-p, all
+// three) that every sampler is checked on.
+inline std::vector<float> standard_logits() { return {1.0f, 2.5f, 0.3f, 2.4f, -1.0f, 1.9f, 0.0f, 3.0f}; }
+inline std::vector<SamplingParams> standard_cases() {
+  std::vector<SamplingParams> cases(5);
+  cases[0].temperature = 1.0f;
+  cases[1].temperature = 0.7f, cases[1].top_k = 3;
+  cases[2].temperature = 1.3f, cases[2].top_p = 0.8f;
+  cases[3].temperature = 1.0f, cases[3].min_p = 0.3f;
+  cases[4].temperature = 0.9f, cases[4].top_k = 6, cases[4].top_p = 0.9f, cases[4].min_p = 0.1f;
+  return cases;
+}
+// The 99.9th percentile of chi-square with <= 7 degrees of freedom: with fixed
+// seeds a test against it is deterministic, not flaky.
+inline constexpr double kChiSquare999 = 24.3;
+
 }  // namespace moe::engine::testing_oracle

@@ -63,6 +63,19 @@ double relative_error(const float* ours, const std::vector<float>& ref) {
   return std::sqrt(diff / norm);
 }
 
+// One sequence's whole prompt as a batch over pages 0.., logits of its last token.
+ForwardBatch prompt_batch(const std::vector<int32_t>& ids, int page_size) {
+  ForwardBatch batch;
+  batch.token_ids = ids;
+  for (int i = 0; i < static_cast<int>(ids.size()); ++i) batch.positions.push_back(i);
+  batch.query_start = {0, static_cast<int32_t>(ids.size())};
+  const int pages = (static_cast<int>(ids.size()) + page_size - 1) / page_size;
+  for (int p = 0; p < pages; ++p) batch.page_table.push_back(p);
+  batch.max_pages_per_seq = pages;
+  batch.logits_rows = {static_cast<int32_t>(ids.size()) - 1};
+  return batch;
+}
+
 // Greedy generation on the GPU through the KV cache: one prefill, then decode steps.
 std::vector<int32_t> gpu_greedy(CudaQwen3MoeModel& model, const std::vector<int32_t>& prompt, int steps, int page_size) {
   const int total = static_cast<int>(prompt.size()) + steps;
@@ -110,15 +123,7 @@ TEST_P(CudaGoldenTest, LogitsAndGreedyMatchTransformers) {
   int compared = 0;
   for (const auto& prompt : golden["prompts"]) {
     const auto ids = prompt["ids"].get<std::vector<int32_t>>();
-    ForwardBatch batch;
-    batch.token_ids = ids;
-    for (int i = 0; i < static_cast<int>(ids.size()); ++i) batch.positions.push_back(i);
-    batch.query_start = {0, static_cast<int32_t>(ids.size())};
-    const int pages = (static_cast<int>(ids.size()) + 3) / 4;
-    for (int p = 0; p < pages; ++p) batch.page_table.push_back(p);
-    batch.max_pages_per_seq = pages;
-    batch.logits_rows = {static_cast<int32_t>(ids.size()) - 1};
-    auto logits = (*model)->forward(batch);
+    auto logits = (*model)->forward(prompt_batch(ids, 4));
     ASSERT_TRUE(logits.has_value()) << logits.status().to_string();
     const double err = relative_error(logits->data_as<float>(), prompt["last_logits"].get<std::vector<float>>());
     for (int64_t i = 0; i < logits->num_elements(); ++i) ASSERT_TRUE(std::isfinite(logits->data_as<float>()[i]));
@@ -329,14 +334,8 @@ TEST(CudaModel, BundledDemoModelMatchesCpuAndTransformers) {
   for (const char* kind : {"texts", "chats"}) {
     for (const auto& entry : golden[kind]) {
       const auto ids = entry["ids"].get<std::vector<int32_t>>();
-      ForwardBatch batch;
-      batch.token_ids = ids;
-      for (int i = 0; i < static_cast<int>(ids.size()); ++i) batch.positions.push_back(i);
-      batch.query_start = {0, static_cast<int32_t>(ids.size())};
-      const int pages = (static_cast<int>(ids.size()) + 15) / 16;
-      for (int p = 0; p < pages; ++p) batch.page_table.push_back(p);
-      batch.max_pages_per_seq = pages;
-      batch.logits_rows = {static_cast<int32_t>(ids.size()) - 1};
+      const ForwardBatch batch = prompt_batch(ids, 16);
+      const int pages = batch.max_pages_per_seq;
       kv::KvCache cache({config->num_layers, config->num_kv_heads, config->head_dim, 16, pages, DType::kF32});
       std::vector<ops::PagedKv> layers;
       for (int l = 0; l < config->num_layers; ++l) layers.push_back(cache.layer(l));

@@ -48,13 +48,8 @@ std::vector<int32_t> sample_on_gpu(const std::vector<float>& logits, int rows, c
 
 TEST(CudaSampling, MatchesTheFilteredDistribution) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const std::vector<float> logits = {1.0f, 2.5f, 0.3f, 2.4f, -1.0f, 1.9f, 0.0f, 3.0f};
-  std::vector<SamplingParams> cases(5);
-  cases[0].temperature = 1.0f;
-  cases[1].temperature = 0.7f, cases[1].top_k = 3;
-  cases[2].temperature = 1.3f, cases[2].top_p = 0.8f;
-  cases[3].temperature = 1.0f, cases[3].min_p = 0.3f;
-  cases[4].temperature = 0.9f, cases[4].top_k = 6, cases[4].top_p = 0.9f, cases[4].min_p = 0.1f;
+  const std::vector<float> logits = engine::testing_oracle::standard_logits();
+  const std::vector<SamplingParams> cases = engine::testing_oracle::standard_cases();
   constexpr int kDraws = 40000;
   for (size_t c = 0; c < cases.size(); ++c) {
     const auto probs = engine::testing_oracle::expected_distribution(logits, cases[c]);
@@ -66,7 +61,7 @@ TEST(CudaSampling, MatchesTheFilteredDistribution) {
     }
     int dof = 0;
     const double stat = engine::testing_oracle::chi_square(counts, probs, kDraws, &dof);
-    EXPECT_LT(stat, 24.3) << "case " << c << " dof " << dof;  // 99.9th percentile, <= 7 dof; fixed seeds
+    EXPECT_LT(stat, engine::testing_oracle::kChiSquare999) << "case " << c << " dof " << dof;
   }
 }
 
