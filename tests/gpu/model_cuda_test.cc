@@ -189,11 +189,6 @@ TEST(CudaModel, BatchedMatchesOneByOne) {
   }
 }
 
-}  // namespace
-}  // namespace moe::model
-
-namespace moe::model {
-namespace {
 
 // A dummy model with head_dim 128 and 16 q heads per kv head, so the
 // tensor-core attention kernels (prefill and decode) run inside the model:
@@ -244,11 +239,6 @@ TEST(CudaModel, TensorCoreAttentionPathMatchesCpu) {
   }
 }
 
-}  // namespace
-}  // namespace moe::model
-
-namespace moe::model {
-namespace {
 
 // Decode steps replayed as CUDA graphs (3 sequences padded to the bucket of 4,
 // the padding on the scratch page) against the same steps run eagerly.
@@ -304,11 +294,6 @@ TEST(CudaModel, GraphReplayMatchesEagerDecode) {
   }
 }
 
-}  // namespace
-}  // namespace moe::model
-
-namespace moe::model {
-namespace {
 
 // The bundled demo model (models/moeserve-demo): GPU logits against the CPU
 // reference, and GPU greedy tokens against its transformers goldens up to
