@@ -181,17 +181,29 @@ void bench_prefill_attention() {
                                        d_seq.data_as<int32_t>(), d_table.data_as<int32_t>(), out->data_as<bf16>(), T, Hq, Hkv,
                                        D, page, pages, 1.0f / std::sqrt(float(D))};
   const std::vector<int32_t> query_start = {0, T};
-  const std::vector<int32_t> groups = k::prefill_token_groups(query_start);
-  DeviceTensor d_groups = device_ints(groups);
-  const double ms = time_ms([&] {
-    k::mma_prefill_attention(params, d_groups.data_as<int32_t>(), static_cast<int>(groups.size()) - 1, nullptr);
-  });
-  const double decode_kernel_ms = time_ms([&] { k::mma_paged_attention(params, T - 1, nullptr, 0, nullptr); }, 1, 3);
-  check(cudaGetLastError(), "prefill attention");
   const double flops = 4.0 * Hq * D * (double(T) * (T + 1) / 2);
-  char extra[96];
-  std::snprintf(extra, sizeof extra, "%.1f TFLOP/s (one block per token: %.2f ms)", flops / (ms * 1e9), decode_kernel_ms);
-  report("prefill_attention", "6144 tokens, 64/4 heads, d128", ms, flops / 780e9, extra);
+  const std::vector<int32_t> mma_groups = k::prefill_token_groups(query_start, k::kMmaPrefillGroupTokens);
+  DeviceTensor d_mma_groups = device_ints(mma_groups);
+  const double mma_ms = time_ms([&] {
+    k::mma_prefill_attention(params, d_mma_groups.data_as<int32_t>(), static_cast<int>(mma_groups.size()) - 1, nullptr);
+  });
+  check(cudaGetLastError(), "mma prefill attention");
+  char extra[128];
+  if (k::hopper_kernels_available()) {
+    const std::vector<int32_t> groups = k::prefill_token_groups(query_start, k::wgmma_prefill_group_tokens(Hq, Hkv));
+    DeviceTensor d_groups = device_ints(groups);
+    const double ms = time_ms([&] {
+      k::wgmma_prefill_attention(params, d_groups.data_as<int32_t>(), static_cast<int>(groups.size()) - 1, nullptr);
+    });
+    check(cudaGetLastError(), "wgmma prefill attention");
+    std::snprintf(extra, sizeof extra, "%.1f TFLOP/s wgmma (mma.sync kernel: %.2f ms, %.1f TFLOP/s)",
+                  flops / (ms * 1e9), mma_ms, flops / (mma_ms * 1e9));
+    report("prefill_attention", "6144 tokens, 64/4 heads, d128", ms, flops / 780e9, extra);
+  } else {
+    std::snprintf(extra, sizeof extra, "%.1f TFLOP/s mma.sync (no sm_90 device: wgmma kernel not run)",
+                  flops / (mma_ms * 1e9));
+    report("prefill_attention", "6144 tokens, 64/4 heads, d128", mma_ms, flops / 780e9, extra);
+  }
 }
 
 // Whole decoder layers of dummy Qwen3-235B at decode batch sizes, context 2048.

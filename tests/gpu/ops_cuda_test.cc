@@ -124,7 +124,9 @@ TEST_F(CudaOps, AddRmsNorm) {
 TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
   struct Case { int q_heads, kv_heads, dim, page_size, prefix, new_tokens; };
   for (const Case& c : {Case{4, 2, 32, 4, 5, 7}, Case{64, 4, 128, 16, 1000, 1}, Case{64, 4, 128, 16, 40, 33},
-                        Case{4, 1, 16, 1, 0, 9}, Case{32, 4, 128, 4, 3000, 3}, Case{8, 2, 128, 16, 7, 1}}) {
+                        Case{4, 1, 16, 1, 0, 9}, Case{32, 4, 128, 4, 3000, 3}, Case{8, 2, 128, 16, 7, 1},
+                        Case{64, 4, 128, 16, 0, 300}, Case{16, 4, 128, 16, 130, 150}, Case{8, 8, 128, 16, 0, 260},
+                        Case{24, 2, 128, 8, 61, 70}}) {
     const int seq_len = c.prefix + c.new_tokens, pages = (seq_len + c.page_size - 1) / c.page_size;
     const int qkv_width = (c.q_heads + 2 * c.kv_heads) * c.dim;
     // The prefix K/V go straight into the pages; the new tokens come through qkv.
@@ -205,17 +207,28 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
         EXPECT_LT(scaled_error(as_floats(mma_out.download(), DType::kBF16), out.data_as<float>(), out.num_elements()), 2e-2)
             << "tensor-core attention (split " << split << "), " << c.q_heads << " heads, prefix " << c.prefix;
       }
-      // The prefill kernel (token groups sharing K/V chunks).
-      const std::vector<int32_t> groups = k::prefill_token_groups(query_start);
-      DeviceTensor d_groups = upload_vector(groups, DType::kI32);
-      Output prefill_out = Output::make(static_cast<size_t>(c.new_tokens) * c.q_heads * c.dim * sizeof(bf16));
-      k::PagedAttentionParams pp = params;
-      pp.out = prefill_out.get<bf16>();
-      ASSERT_EQ(k::mma_prefill_attention(pp, d_groups.data_as<int32_t>(), static_cast<int>(groups.size()) - 1, nullptr),
-                cudaSuccess);
-      EXPECT_LT(scaled_error(as_floats(prefill_out.download(), DType::kBF16), out.data_as<float>(), out.num_elements()), 2e-2)
-          << "tensor-core prefill attention, " << c.q_heads << " heads, prefix " << c.prefix << ", " << c.new_tokens
-          << " new tokens";
+      // The prefill kernels (token groups sharing K/V blocks): mma.sync everywhere, wgmma on sm_90.
+      struct PrefillKernel {
+        const char* name;
+        int group_tokens;
+        cudaError_t (*launch)(const k::PagedAttentionParams&, const int32_t*, int, cudaStream_t);
+      };
+      std::vector<PrefillKernel> kernels = {{"mma.sync", k::kMmaPrefillGroupTokens, k::mma_prefill_attention}};
+      if (k::hopper_kernels_available())
+        kernels.push_back({"wgmma", k::wgmma_prefill_group_tokens(c.q_heads, c.kv_heads), k::wgmma_prefill_attention});
+      for (const PrefillKernel& kernel : kernels) {
+        const std::vector<int32_t> groups = k::prefill_token_groups(query_start, kernel.group_tokens);
+        DeviceTensor d_groups = upload_vector(groups, DType::kI32);
+        Output prefill_out = Output::make(static_cast<size_t>(c.new_tokens) * c.q_heads * c.dim * sizeof(bf16));
+        k::PagedAttentionParams pp = params;
+        pp.out = prefill_out.get<bf16>();
+        ASSERT_EQ(kernel.launch(pp, d_groups.data_as<int32_t>(), static_cast<int>(groups.size()) - 1, nullptr), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << kernel.name;
+        EXPECT_LT(scaled_error(as_floats(prefill_out.download(), DType::kBF16), out.data_as<float>(), out.num_elements()),
+                  2e-2)
+            << kernel.name << " prefill attention, " << c.q_heads << "/" << c.kv_heads << " heads, prefix " << c.prefix
+            << ", " << c.new_tokens << " new tokens";
+      }
     }
   }
 }

@@ -258,7 +258,8 @@ Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, in
   // Prefill (any sequence with several new tokens) shares K/V chunks between a sequence's tokens.
   for (int seq = 0; seq < num_seqs; ++seq) shape.prefill |= batch.query_start[seq + 1] - batch.query_start[seq] > 1;
   if (shape.prefill) {
-    const std::vector<int32_t> groups = k::prefill_token_groups(batch.query_start);
+    const std::vector<int32_t> groups =
+        k::prefill_token_groups(batch.query_start, k::prefill_group_tokens(config().num_q_heads, config().num_kv_heads));
     shape.num_groups = static_cast<int>(groups.size()) - 1;
     MOE_RETURN_IF_ERROR(copy_in(s.attention_groups, groups));
   }
@@ -345,7 +346,7 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
                                             c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
                                             1.0f / std::sqrt(static_cast<float>(c.head_dim))};
     if (k::mma_attention_supported(attention) && prefill) {
-      MOE_LAUNCH(k::mma_prefill_attention(attention, s.attention_groups.data_as<int32_t>(), shape.num_groups, s.stream));
+      MOE_LAUNCH(k::prefill_attention(attention, s.attention_groups.data_as<int32_t>(), shape.num_groups, s.stream));
     } else if (k::mma_attention_supported(attention)) {
       MOE_LAUNCH(k::mma_paged_attention(attention, max_position, s.attention_workspace.data_as<float>(),
                                         s.attention_workspace.num_bytes(), s.stream));

@@ -308,7 +308,7 @@ __global__ void combine_splits_kernel(MmaAttentionParams args) {
 
 // Measured at 6k tokens on an H200: 16-position chunks 3.77 ms, 32 with two
 // blocks per SM 3.52, 64 with one block per SM 3.72; longest groups first: 3.31.
-constexpr int kPrefillWarps = 8, kPrefillChunk = 32;
+constexpr int kPrefillWarps = kMmaPrefillGroupTokens, kPrefillChunk = 32;
 constexpr int kPrefillStageBytes = 2 * kPrefillChunk * kRowBytes;  // K and V rows
 
 struct MmaPrefillParams {
@@ -431,12 +431,22 @@ cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position,
 
 namespace moe::ops::cuda {
 
-std::vector<int32_t> prefill_token_groups(std::span<const int32_t> query_start) {
+std::vector<int32_t> prefill_token_groups(std::span<const int32_t> query_start, int group_tokens) {
   std::vector<int32_t> starts;
   for (size_t seq = 0; seq + 1 < query_start.size(); ++seq)
-    for (int32_t t = query_start[seq]; t < query_start[seq + 1]; t += kPrefillWarps) starts.push_back(t);
+    for (int32_t t = query_start[seq]; t < query_start[seq + 1]; t += group_tokens) starts.push_back(t);
   starts.push_back(query_start.empty() ? 0 : query_start.back());
   return starts;
+}
+
+int prefill_group_tokens(int num_q_heads, int num_kv_heads) {
+  return hopper_kernels_available() ? wgmma_prefill_group_tokens(num_q_heads, num_kv_heads) : kMmaPrefillGroupTokens;
+}
+
+cudaError_t prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
+                              cudaStream_t stream) {
+  return hopper_kernels_available() ? wgmma_prefill_attention(p, group_start, num_groups, stream)
+                                    : mma_prefill_attention(p, group_start, num_groups, stream);
 }
 
 cudaError_t mma_prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,

@@ -83,12 +83,27 @@ size_t mma_attention_workspace_bytes(int num_tokens, int num_q_heads, int max_po
 cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position, float* workspace,
                                 size_t workspace_bytes, cudaStream_t stream);
 
-// Prefill on the tensor cores: groups of up to 8 consecutive tokens of one
-// sequence share each K/V chunk. group_start [num_groups + 1] comes from
-// prefill_token_groups(query_start) (host), uploaded by the caller.
-std::vector<int32_t> prefill_token_groups(std::span<const int32_t> query_start);
+// Prefill on the tensor cores: groups of consecutive tokens of one sequence
+// share each K/V block. group_start [num_groups + 1] comes from
+// prefill_token_groups(query_start, prefill_group_tokens(...)) (host),
+// uploaded by the caller. prefill_attention runs the wgmma kernel on sm_90
+// (attention_wgmma.cu: 128 query rows per block) and the mma.sync kernel
+// elsewhere (attention_mma.cu: 8 tokens per block); both need
+// mma_attention_supported(p).
+int prefill_group_tokens(int num_q_heads, int num_kv_heads);
+std::vector<int32_t> prefill_token_groups(std::span<const int32_t> query_start, int group_tokens);
+cudaError_t prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
+                              cudaStream_t stream);
+// The two kernels, for tests and benchmarks; each with its own group size.
+inline constexpr int kMmaPrefillGroupTokens = 8;
 cudaError_t mma_prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
                                   cudaStream_t stream);
+int wgmma_prefill_group_tokens(int num_q_heads, int num_kv_heads);
+// cudaErrorNotSupported unless hopper_kernels_available().
+cudaError_t wgmma_prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
+                                    cudaStream_t stream);
+// True on an sm_90 device (the wgmma kernels were compiled for sm_90a).
+bool hopper_kernels_available();
 
 // Router: softmax over experts, top-k (ties: lower expert first), optional renormalisation.
 struct RouteTopkParams {
