@@ -52,18 +52,19 @@ struct WgmmaPrefillParams {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Producer warp `warp` (0..3): rows 32 warp .. 32 warp + 31 of key block
-// `block` of K and V into a stage. Lane l first finds the element offset of
-// row 32 warp + l (-1 past `end`), then each instruction copies two rows (16
-// lanes x 16 bytes each) of K and of V.
-[[maybe_unused]] __device__ __forceinline__ void produce_kv_rows(const PagedAttentionParams& p, const int32_t* pages,
-                                                                 int kv_head, int block, int end, uint32_t k_tile,
-                                                                 uint32_t v_tile, int warp, int lane) {
+// Producer warp `warp` (0..3) copies rows 32 warp .. 32 warp + 31 of a key
+// block of K and V into a stage. Lane l holds the element offset of row
+// 32 warp + l (row_offset, -1 past the end); each instruction copies two
+// rows (16 lanes x 16 bytes each) of K and of V.
+[[maybe_unused]] __device__ __forceinline__ int64_t kv_row_offset(const PagedAttentionParams& p, const int32_t* pages,
+                                                                  int kv_head, int block, int end, int warp, int lane) {
   const int position = block * kKeys + warp * 32 + lane;
-  const int64_t row_offset =
-      position < end ? ((static_cast<int64_t>(pages[position / p.page_size]) * p.num_kv_heads + kv_head) * p.page_size +
-                        position % p.page_size) * kD
-                     : -1;
+  return position < end ? ((static_cast<int64_t>(pages[position / p.page_size]) * p.num_kv_heads + kv_head) *
+                               p.page_size + position % p.page_size) * kD
+                        : -1;
+}
+[[maybe_unused]] __device__ __forceinline__ void copy_kv_rows(const PagedAttentionParams& p, int64_t row_offset,
+                                                              uint32_t k_tile, uint32_t v_tile, int warp, int lane) {
   const int part = lane & 15;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
@@ -129,23 +130,32 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(WgmmaPrefill
     int step = 0, round = 0;  // key blocks and tiles loaded so far
     for (int index = blockIdx.x; index < num_tiles; index += gridDim.x, ++round) {
       const Tile tile = tile_at(args, index);
-      // Q rows: row r = (token t0 + r / group, head r % group); rows past the group are zeros.
-      if (round > 0) mbarrier_wait(q_empty, (round - 1) & 1);
-#pragma unroll
-      for (int i = 0; i < kRows * 16 / 128; ++i) {
-        const int piece = threadIdx.x + i * 128, row = piece >> 4, part = piece & 15;
-        const int t = tile.t0 + row / group;
-        const bool valid = row < args.group_tokens * group && t < tile.t1;
-        const int64_t offset =
-            valid ? (static_cast<int64_t>(t) * p.num_q_heads + tile.kv_head * group + row % group) * kD + part * 8 : 0;
-        cp_async_16(smem + (part >> 3) * kHalfTile + sw128_offset(row, part & 7), p.q + offset, valid);
-      }
-      mbarrier_arrive_cp_async(q_full);
+      // The page-table lookups of a block are made one block ahead, and the
+      // first keys of a tile load before its Q (which waits for the last
+      // tile's consumers), so neither latency lands on the consumers.
+      int64_t next_offset = kv_row_offset(p, tile.pages, tile.kv_head, 0, tile.end, warp_id, lane);
       for (int block = 0; block < tile.num_blocks; ++block, ++step) {
+        const int64_t offset = next_offset;
+        if (block + 1 < tile.num_blocks)
+          next_offset = kv_row_offset(p, tile.pages, tile.kv_head, block + 1, tile.end, warp_id, lane);
         const int stage = step % kStages;
         if (step >= kStages) mbarrier_wait(empty(stage), ((step / kStages) - 1) & 1);
-        produce_kv_rows(p, tile.pages, tile.kv_head, block, tile.end, k_tile(stage), v_tile(stage), warp_id, lane);
+        copy_kv_rows(p, offset, k_tile(stage), v_tile(stage), warp_id, lane);
         mbarrier_arrive_cp_async(full(stage));
+        if (block > 0) continue;
+        // Q rows: row r = (token t0 + r / group, head r % group); rows past the group are zeros.
+        if (round > 0) mbarrier_wait(q_empty, (round - 1) & 1);
+#pragma unroll
+        for (int i = 0; i < kRows * 16 / 128; ++i) {
+          const int piece = threadIdx.x + i * 128, row = piece >> 4, part = piece & 15;
+          const int t = tile.t0 + row / group;
+          const bool valid = row < args.group_tokens * group && t < tile.t1;
+          const int64_t q_offset =
+              valid ? (static_cast<int64_t>(t) * p.num_q_heads + tile.kv_head * group + row % group) * kD + part * 8
+                    : 0;
+          cp_async_16(smem + (part >> 3) * kHalfTile + sw128_offset(row, part & 7), p.q + q_offset, valid);
+        }
+        mbarrier_arrive_cp_async(q_full);
       }
     }
     cp_async_wait_group<0>();
