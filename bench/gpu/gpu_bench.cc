@@ -116,21 +116,29 @@ void bench_grouped_gemm(double copy_gbs) {
     DeviceTensor act = alloc(DType::kBF16, {T * topk, I}), rows = alloc(DType::kF32, {T * topk, H}), out = alloc(DType::kF32, {T, H});
     check(cudaMemset(weights.data(), 0, weights.num_bytes()), "memset");
     const int max_tiles = (T * topk + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
-    const double ms = time_ms([&] {
-      k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), sorted.data_as<int32_t>(),
-                      row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, nullptr);
-      k::grouped_gemm({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
-                       tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, nullptr);
-      k::grouped_gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-                       rows.data(), H, I, E, max_tiles, false}, nullptr);
-      k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(), out.data_as<float>(), T,
-                        topk, H}, nullptr);
-    });
-    check(cudaGetLastError(), "grouped gemm");
+    using Gemm = cudaError_t (*)(const k::GroupedGemmParams&, cudaStream_t);
+    auto time_layer = [&](Gemm gemm) {
+      return time_ms([&] {
+        k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                        sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, nullptr);
+        gemm({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
+              tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, nullptr);
+        gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+              rows.data(), H, I, E, max_tiles, false}, nullptr);
+        k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(), out.data_as<float>(),
+                          T, topk, H}, nullptr);
+      });
+    };
+    const double mma_ms = time_layer(k::mma_grouped_gemm);
+    check(cudaGetLastError(), "grouped gemm (WMMA)");
+    const bool hopper = k::hopper_kernels_available();
+    const double ms = hopper ? time_layer(k::wgmma_grouped_gemm) : mma_ms;
+    check(cudaGetLastError(), "grouped gemm (wgmma)");
     const double floor_ms = weight_bytes / (copy_gbs * 1e6);
-    char shape[96], extra[96];
+    char shape[96], extra[128];
     std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
-    std::snprintf(extra, sizeof extra, "%.0f GB/s of weights", weight_bytes / (ms * 1e6));
+    std::snprintf(extra, sizeof extra, "%.0f GB/s of weights, %s (WMMA kernel: %.3f ms)", weight_bytes / (ms * 1e6),
+                  hopper ? "wgmma" : "WMMA", mma_ms);
     report("moe_experts_decode", shape, ms, floor_ms, extra);
   }
 }

@@ -236,7 +236,7 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
 TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
   struct Case { int tokens, hidden, inter, experts, topk; bool renormalize; };
   for (const Case& c : {Case{13, 64, 32, 8, 2, true}, Case{5, 64, 48, 6, 3, false}, Case{16, 4096, 1536, 128, 8, true},
-                        Case{300, 256, 64, 16, 4, true}}) {
+                        Case{300, 256, 64, 16, 4, true}, Case{70, 328, 200, 12, 3, true}}) {
     Host x = random_bf16({c.tokens, c.hidden}, rng_);
     Host logits = random_bf16({c.tokens, c.experts}, rng_, 3.0f);
     const float w_scale = 1.0f / std::sqrt(static_cast<float>(c.hidden));
@@ -261,21 +261,27 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
                               row_of.get<int32_t>(), c.tokens, c.topk, c.experts, k::kGroupedGemmTileRows}, nullptr),
               cudaSuccess);
     const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + c.experts;
-    Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
-    Output rows = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(float));
-    Output out = Output::make(static_cast<size_t>(c.tokens) * c.hidden * sizeof(float));
-    ASSERT_EQ(k::grouped_gemm({d_x.data_as<bf16>(), sorted.get<int32_t>(), d_w13.data_as<bf16>(), offsets.get<int32_t>(),
-                               tiles.get<int32_t>(), act.get<void>(), c.inter, c.hidden, c.experts, max_tiles, true}, nullptr),
-              cudaSuccess);
-    ASSERT_EQ(k::grouped_gemm({act.get<bf16>(), nullptr, d_w2.data_as<bf16>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
-                               rows.get<void>(), c.hidden, c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess);
-    ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.get<float>(), out.get<float>(), c.tokens,
-                                c.topk, c.hidden}, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    act.download();
-    rows.download();
-    EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 2e-2)
-        << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden;
+    // Both grouped GEMM kernels: WMMA everywhere, wgmma + TMA on sm_90.
+    using Gemm = cudaError_t (*)(const k::GroupedGemmParams&, cudaStream_t);
+    std::vector<std::pair<const char*, Gemm>> gemms = {{"WMMA", k::mma_grouped_gemm}};
+    if (k::hopper_kernels_available()) gemms.emplace_back("wgmma", k::wgmma_grouped_gemm);
+    for (const auto& [name, gemm] : gemms) {
+      Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
+      Output rows = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(float));
+      Output out = Output::make(static_cast<size_t>(c.tokens) * c.hidden * sizeof(float));
+      ASSERT_EQ(gemm({d_x.data_as<bf16>(), sorted.get<int32_t>(), d_w13.data_as<bf16>(), offsets.get<int32_t>(),
+                      tiles.get<int32_t>(), act.get<void>(), c.inter, c.hidden, c.experts, max_tiles, true}, nullptr),
+                cudaSuccess) << name;
+      ASSERT_EQ(gemm({act.get<bf16>(), nullptr, d_w2.data_as<bf16>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
+                      rows.get<void>(), c.hidden, c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess) << name;
+      ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.get<float>(), out.get<float>(),
+                                  c.tokens, c.topk, c.hidden}, nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
+      act.download();
+      rows.download();
+      EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 2e-2)
+          << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden;
+    }
   }
 }
 

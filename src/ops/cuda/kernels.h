@@ -145,8 +145,13 @@ struct GroupedGemmParams {
   bool gate_up;
 };
 inline constexpr int kGroupedGemmTileRows = 64;
-// K must be a multiple of 8.
+// K must be a multiple of 8. grouped_gemm runs the wgmma kernel on sm_90
+// (grouped_gemm_wgmma.cu: TMA weight streaming, a persistent grid) and the
+// WMMA kernel elsewhere (moe.cu); both are exposed for tests and benchmarks,
+// the wgmma one returning cudaErrorNotSupported unless hopper_kernels_available().
 cudaError_t grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream);
+cudaError_t mma_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream);
+cudaError_t wgmma_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream);
 
 // out[t] = sum_j weights[t, j] * rows[row_of[t * k + j]] (f32).
 struct MoeUnpermuteParams {

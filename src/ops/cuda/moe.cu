@@ -8,8 +8,8 @@
 // 64x64 output tiles per CTA of 4 warps, K in steps of 32 through shared
 // memory. The gate/up variant computes the gate and up tiles of the same
 // columns together and applies SiLU-multiply in its epilogue. It is correct
-// for any token distribution; it is not yet the wgmma/TMA kernel that reaches
-// the bandwidth floor at decode sizes (see docs/performance.md).
+// for any token distribution and runs on any architecture; on Hopper the
+// wgmma/TMA kernel of grouped_gemm_wgmma.cu takes its place.
 #include <mma.h>
 
 #include <cfloat>
@@ -283,6 +283,10 @@ cudaError_t moe_permute(const MoePermuteParams& p, cudaStream_t stream) {
 }
 
 cudaError_t grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
+  return hopper_kernels_available() ? wgmma_grouped_gemm(p, stream) : mma_grouped_gemm(p, stream);
+}
+
+cudaError_t mma_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) {
   if (p.K % 8 != 0) return cudaErrorInvalidValue;
   if (p.max_tiles == 0) return cudaSuccess;
   const dim3 grid((p.N + kTileN - 1) / kTileN, p.max_tiles);
