@@ -64,6 +64,7 @@ struct CudaQwen3MoeModel::State {
   std::map<int64_t, cudaGraphExec_t> graphs;  // decode step per (bucket of tokens << 32 | page-table stride)
   int max_pages_per_seq = 0;               // the page-table stride graphs use
   size_t bytes = 0;
+  size_t weights_and_activations_bytes = 0;
 
   ~State() {
     for (auto& [bucket, exec] : graphs) cudaGraphExecDestroy(exec);
@@ -169,39 +170,90 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
       {&s->logit_rows, DType::kBF16, {T, H}},         {&s->logits, DType::kF32, {T, c.vocab_size}},
       {&s->greedy, DType::kI32, {T}},                 {&s->token_ids, DType::kI32, {T}},
       {&s->positions, DType::kI32, {T}},              {&s->token_seq, DType::kI32, {T}},
-      {&s->logits_rows, DType::kI32, {T}},           {&s->attention_workspace, DType::kF32, {4 << 20}},
+      {&s->logits_rows, DType::kI32, {T}},           {&s->attention_workspace, DType::kF32, {16 << 20}},
       {&s->attention_groups, DType::kI32, {T + 1}},
   };
   for (const auto& a : allocs) MOE_RETURN_IF_ERROR(track(*a.t, DeviceTensor::allocate(a.dtype, a.shape)));
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s->stream));
-  const size_t weights_and_activations = s->bytes;
-  // The KV pool: as many pages as options ask, or what the memory budget leaves.
-  const size_t page_bytes = static_cast<size_t>(c.num_layers) * 2 * c.num_kv_heads * options.page_size * c.head_dim * 2;
-  if (s->options.num_pages == 0) {
-    size_t free_bytes = 0, total_bytes = 0;
-    MOE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
-    const double budget = options.gpu_memory_utilization * static_cast<double>(total_bytes) -
-                          static_cast<double>(total_bytes - free_bytes);
-    s->options.num_pages = budget > 0 ? static_cast<int32_t>(std::min<double>(budget / page_bytes - 1, INT32_MAX - 1)) : 0;
-    if (s->options.num_pages < 1)
-      return resource_exhausted("no GPU memory left for the KV cache: weights and activations take {:.1f} GB of {:.1f} GB, "
-                                "--gpu-memory-utilization {} allows {:.1f} GB",
-                                weights_and_activations / 1e9, total_bytes / 1e9, options.gpu_memory_utilization,
-                                options.gpu_memory_utilization * total_bytes / 1e9);
-  }
-  // One page past the pool: the scratch page that padding tokens of graph replays use.
-  const Shape kv_shape{s->options.num_pages + 1, c.num_kv_heads, options.page_size, c.head_dim};
+  s->weights_and_activations_bytes = s->bytes;
   const int64_t max_model_len = options.max_model_len > 0 ? options.max_model_len : std::max<int64_t>(c.max_position_embeddings, 1);
   s->max_pages_per_seq = static_cast<int>((max_model_len + options.page_size - 1) / options.page_size);
-  for (auto& b : s->layers) {
-    MOE_RETURN_IF_ERROR(track(b.k_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
-    MOE_RETURN_IF_ERROR(track(b.v_pages, DeviceTensor::allocate(DType::kBF16, kv_shape)));
-  }
+  const bool size_from_memory = s->options.num_pages == 0;
+  // Sized from memory: a pool just large enough for a warm-up forward pass of
+  // max_num_tokens first, so what that pass allocates (cuBLASLt workspaces,
+  // kernel modules loaded on first launch) is counted before the real pool.
+  const int warmup_tokens = static_cast<int>(std::min<int64_t>(T, max_model_len));
+  const int32_t warmup_pages = (warmup_tokens + options.page_size - 1) / options.page_size;
+  auto model = std::unique_ptr<CudaQwen3MoeModel>(new CudaQwen3MoeModel(std::move(s)));
+  MOE_RETURN_IF_ERROR(model->allocate_kv_pool(size_from_memory ? warmup_pages : options.num_pages));
+  if (size_from_memory) MOE_RETURN_IF_ERROR(model->size_kv_pool_after_warm_up(warmup_tokens));
+  const State& st = *model->state_;
   log_info("CUDA model on device {}: {:.2f} GB of weights and activations, KV cache {} pages of {} tokens = {} tokens "
-           "({:.2f} GB)", options.device, weights_and_activations / 1e9, s->options.num_pages, options.page_size,
-           static_cast<int64_t>(s->options.num_pages) * options.page_size,
-           static_cast<double>(page_bytes) * s->options.num_pages / 1e9);
-  return std::unique_ptr<CudaQwen3MoeModel>(new CudaQwen3MoeModel(std::move(s)));
+           "({:.2f} GB)", options.device, st.weights_and_activations_bytes / 1e9, st.options.num_pages,
+           options.page_size, static_cast<int64_t>(st.options.num_pages) * options.page_size,
+           static_cast<double>(model->kv_page_bytes()) * st.options.num_pages / 1e9);
+  return model;
+}
+
+// Bytes of one page in every layer: K and V, bf16.
+size_t CudaQwen3MoeModel::kv_page_bytes() const {
+  const ModelConfig& c = config();
+  return static_cast<size_t>(c.num_layers) * 2 * c.num_kv_heads * state_->options.page_size * c.head_dim * 2;
+}
+
+// (Re)allocates every layer's K and V pages: num_pages + 1, the last being
+// the scratch page that padding tokens of graph replays use.
+Status CudaQwen3MoeModel::allocate_kv_pool(int32_t num_pages) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  for (auto& b : s.layers) {
+    s.bytes -= b.k_pages.num_bytes() + b.v_pages.num_bytes();
+    b.k_pages = DeviceTensor();
+    b.v_pages = DeviceTensor();
+  }
+  for (auto& [key, exec] : s.graphs) cudaGraphExecDestroy(exec);  // they captured the old pool's addresses
+  s.graphs.clear();
+  const Shape kv_shape{num_pages + 1, c.num_kv_heads, s.options.page_size, c.head_dim};
+  for (auto& b : s.layers) {
+    MOE_ASSIGN_OR_RETURN(b.k_pages, DeviceTensor::allocate(DType::kBF16, kv_shape));
+    MOE_ASSIGN_OR_RETURN(b.v_pages, DeviceTensor::allocate(DType::kBF16, kv_shape));
+    // Finite contents from the start: positions past a sequence's end are
+    // masked, but the tensor cores still multiply them by zero.
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(b.k_pages.data(), 0, b.k_pages.num_bytes(), s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(b.v_pages.data(), 0, b.v_pages.num_bytes(), s.stream));
+    s.bytes += b.k_pages.num_bytes() + b.v_pages.num_bytes();
+  }
+  s.options.num_pages = num_pages;
+  return cuda_status(cudaStreamSynchronize(s.stream), "KV pool allocation");
+}
+
+// Runs one prefill of `tokens` tokens through the warm-up pool, then gives
+// the pool what --gpu-memory-utilization leaves of the device's memory.
+Status CudaQwen3MoeModel::size_kv_pool_after_warm_up(int tokens) {
+  State& s = *state_;
+  ForwardBatch batch;
+  batch.token_ids.assign(tokens, 0);
+  for (int t = 0; t < tokens; ++t) batch.positions.push_back(t);
+  batch.query_start = {0, tokens};
+  batch.max_pages_per_seq = s.options.num_pages;
+  for (int32_t page = 0; page < s.options.num_pages; ++page) batch.page_table.push_back(page);
+  batch.logits_rows = {tokens - 1};
+  MOE_RETURN_IF_ERROR(forward_greedy(batch).status());
+  MOE_RETURN_IF_ERROR(allocate_kv_pool(0));  // keep only the scratch page while measuring
+  size_t free_bytes = 0, total_bytes = 0;
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const double budget = s.options.gpu_memory_utilization * static_cast<double>(total_bytes) -
+                        static_cast<double>(total_bytes - free_bytes);
+  const double pages = budget / static_cast<double>(kv_page_bytes());
+  if (pages < 1)
+    return resource_exhausted("no GPU memory left for the KV cache: this process holds {:.1f} GB of {:.1f} GB after a "
+                              "warm-up pass ({:.1f} GB of weights and activations), --gpu-memory-utilization {} allows "
+                              "{:.1f} GB",
+                              (total_bytes - free_bytes) / 1e9, total_bytes / 1e9, s.weights_and_activations_bytes / 1e9,
+                              s.options.gpu_memory_utilization, s.options.gpu_memory_utilization * total_bytes / 1e9);
+  log_info("CUDA warm-up pass of {} tokens: {:.2f} GB in use on the device afterwards", tokens,
+           (total_bytes - free_bytes) / 1e9);
+  return allocate_kv_pool(static_cast<int32_t>(std::min<double>(pages, INT32_MAX - 1)));
 }
 
 // What the kernels of one step need to know; its buffers are already on the device.

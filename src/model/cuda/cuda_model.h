@@ -26,7 +26,7 @@ namespace moe::model {
 struct CudaModelOptions {
   int device = 0;
   int page_size = 16;
-  int32_t num_pages = 0;       // KV pages per layer; 0: sized from gpu_memory_utilization
+  int32_t num_pages = 0;       // KV pages per layer; 0: sized from gpu_memory_utilization after a warm-up pass
   double gpu_memory_utilization = 0.9;  // share of the GPU's memory this process may hold in all
   int max_num_tokens = 256;    // tokens per forward (activation buffers)
   int max_num_seqs = 64;
@@ -68,6 +68,9 @@ class CudaQwen3MoeModel {
   explicit CudaQwen3MoeModel(std::unique_ptr<State> state);
   static Expected<std::unique_ptr<CudaQwen3MoeModel>> create_impl(const ModelConfig& config, const ModelWeights* weights,
                                                                   uint64_t seed, const CudaModelOptions& options);
+  Status allocate_kv_pool(int32_t num_pages);
+  Status size_kv_pool_after_warm_up(int tokens);
+  size_t kv_page_bytes() const;
   Status run(const ForwardBatch& batch);
   Expected<StepShape> upload_step(const ForwardBatch& batch, int padded_tokens);
   Status launch_step(const StepShape& shape);

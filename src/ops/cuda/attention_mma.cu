@@ -30,7 +30,7 @@ constexpr int kD = 128, kRows = 16, kChunk = 16, kWarps = 4;
 constexpr int kRowBytes = kD * 2 + 16;  // padded shared-memory row: conflict-free ldmatrix
 constexpr int kChunkBytes = kChunk * kRowBytes;
 constexpr int kWarpSmem = 2 /*stages*/ * 2 /*K, V*/ * kChunkBytes;
-constexpr int kSplitPositions = 512;
+constexpr int kMinSplitPositions = 64, kMaxSplits = 64;  // split-KV bounds
 
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -392,31 +392,66 @@ bool mma_attention_supported(const PagedAttentionParams& p) {
 }
 
 size_t mma_attention_workspace_bytes(int num_tokens, int num_q_heads, int max_position) {
-  const int splits = max_position / kSplitPositions + 1;
+  const int splits = std::min(kMaxSplits, max_position / kMinSplitPositions + 1);
   return static_cast<size_t>(num_tokens) * num_q_heads * splits * (kD + 2) * sizeof(float);
 }
+
+namespace {
+
+int decode_block_slots() {  // blocks of the decode kernel resident at once on the device
+  static const int blocks = [] {
+    int count = 0;
+    constexpr int kMergeBytes = kWarps * kRows * (kD + 2) * sizeof(float);
+    constexpr int kSmem = kWarps * kWarpSmem > kMergeBytes ? kWarps * kWarpSmem : kMergeBytes;
+    if (cudaFuncSetAttribute(mma_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, mma_attention_kernel, kWarps * 32, kSmem) != cudaSuccess)
+      return 1;
+    int device = 0, sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    return std::max(1, count * sms);
+  }();
+  return blocks;
+}
+
+// The number of splits of the visible positions: the grid runs in waves of
+// `slots` blocks, and a block's time is about its chunks per warp plus a
+// fixed cost (prologue, merge), so the estimate is waves x (chunks + 2), plus
+// one for the combine kernel when splitting. Measured on an H200 before this
+// model: splitting only until the grid reached 2 blocks per SM left the last
+// of two waves 30% full at batch 64 (65% of the bandwidth floor).
+int choose_splits(int num_blocks, int positions, int max_splits) {
+  const int slots = decode_block_slots();
+  int best = 1;
+  double best_cost = 1e30;
+  for (int splits = 1; splits <= max_splits; ++splits) {
+    const int split_len = ((positions + splits - 1) / splits + kChunk - 1) / kChunk * kChunk;
+    if (splits > 1 && (splits - 1) * split_len >= positions) break;  // the last split would be empty
+    const int chunks_per_warp = (split_len / kChunk + kWarps - 1) / kWarps;
+    const int waves = (num_blocks * splits + slots - 1) / slots;
+    const double cost = waves * (chunks_per_warp + 2.0) + (splits > 1 ? 1.0 : 0.0);
+    if (cost < best_cost) best_cost = cost, best = splits;
+  }
+  return best;
+}
+
+}  // namespace
 
 cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position, float* workspace,
                                 size_t workspace_bytes, cudaStream_t stream) {
   if (!mma_attention_supported(p)) return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
-  // Split long contexts only while the grid is too small to fill the GPU.
-  const int max_splits = max_position / kSplitPositions + 1;
-  const int blocks = p.num_tokens * p.num_kv_heads;
-  int splits = 1;
-  while (splits < max_splits && blocks * splits < 2 * 132) splits *= 2;  // ~2 blocks per SM of an H200
-  splits = std::min(splits, max_splits);
-  const int split_len = ((max_position + 1 + splits - 1) / splits + kChunk - 1) / kChunk * kChunk;
-  MmaAttentionParams args{p, splits, split_len, nullptr, nullptr};
-  if (splits > 1) {
-    const size_t entries = static_cast<size_t>(p.num_tokens) * p.num_q_heads * splits;
-    if (workspace == nullptr || workspace_bytes < entries * (kD + 2) * sizeof(float)) {
-      args.num_splits = 1;  // not enough workspace: one split per block, still correct
-      args.split_len = ((max_position + 1) + kChunk - 1) / kChunk * kChunk;
-    } else {
-      args.partial_o = workspace;
-      args.partial_ml = workspace + entries * kD;
-    }
+  const int positions = max_position + 1;
+  const size_t split_bytes = static_cast<size_t>(p.num_tokens) * p.num_q_heads * (kD + 2) * sizeof(float);
+  const int by_workspace = workspace == nullptr ? 1 : static_cast<int>(std::min<size_t>(workspace_bytes / split_bytes, kMaxSplits));
+  const int max_splits = std::max(1, std::min({by_workspace, kMaxSplits, max_position / kMinSplitPositions + 1}));
+  const int splits = choose_splits(p.num_tokens * p.num_kv_heads, positions, max_splits);
+  const int split_len = ((positions + splits - 1) / splits + kChunk - 1) / kChunk * kChunk;
+  MmaAttentionParams args{p, (positions + split_len - 1) / split_len, split_len, nullptr, nullptr};
+  if (args.num_splits > 1) {
+    const size_t entries = static_cast<size_t>(p.num_tokens) * p.num_q_heads * args.num_splits;
+    args.partial_o = workspace;
+    args.partial_ml = workspace + entries * kD;
   }
   constexpr int kMergeBytes = kWarps * kRows * (kD + 2) * sizeof(float);
   constexpr int kSmem = kWarps * kWarpSmem > kMergeBytes ? kWarps * kWarpSmem : kMergeBytes;
