@@ -43,21 +43,26 @@ void check(const Status& s) {
 }
 
 // Median milliseconds of `repeats` timed runs after `warmup` runs.
+// Median over `repeats` of the mean time of `inner` back-to-back calls, inner
+// chosen so a measurement spans about a millisecond: a lone call of a short
+// kernel would otherwise count the host's launch latency while the GPU idles.
 double time_ms(const std::function<void()>& body, int warmup = 3, int repeats = 20) {
   for (int i = 0; i < warmup; ++i) body();
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  std::vector<float> ms;
-  for (int i = 0; i < repeats; ++i) {
+  auto measure = [&](int inner) {
     cudaEventRecord(start);
-    body();
+    for (int i = 0; i < inner; ++i) body();
     cudaEventRecord(stop);
     check(cudaEventSynchronize(stop), "timing");
     float t = 0;
     cudaEventElapsedTime(&t, start, stop);
-    ms.push_back(t);
-  }
+    return static_cast<double>(t) / inner;
+  };
+  const int inner = std::clamp(static_cast<int>(1.0 / std::max(measure(1), 1e-3)), 1, 100);
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) ms.push_back(measure(inner));
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   std::sort(ms.begin(), ms.end());
