@@ -148,6 +148,67 @@ void bench_grouped_gemm(double copy_gbs) {
   }
 }
 
+// The same MoE layer with FP8 block-scaled experts (sm_90): activations
+// quantized per 1 x 128 on the GPU, E4M3 weights with 128 x 128 scales.
+// Floor: the FP8 weight bytes (plus their scales) read once.
+void bench_fp8_grouped_gemm(double copy_gbs) {
+  if (!k::hopper_kernels_available()) return;
+  const int E = 128, H = 4096, I = 1536, topk = 8;
+  auto alloc = [&](DType dt, Shape s) { auto t = DeviceTensor::allocate(dt, s); check(t.status()); return std::move(t).value(); };
+  // Random finite E4M3 weights: random bf16 rows quantized by the activation quantizer.
+  auto fp8_weights = [&](int64_t rows, int64_t cols, uint64_t seed) {
+    DeviceTensor values = alloc(DType::kF8E4M3, {rows, cols});
+    DeviceTensor row_scales = alloc(DType::kF32, {rows, cols / 128});
+    DeviceTensor source = random_bf16({rows, cols}, seed, 0.02f);
+    check(k::quantize_fp8_groups({source.data_as<bf16>(), values.data_as<uint8_t>(), row_scales.data_as<float>(),
+                                  static_cast<int>(rows), static_cast<int>(cols)}, nullptr), "quantize weights");
+    return values;
+  };
+  auto block_scales = [&](int64_t block_rows, int64_t block_cols) {
+    std::vector<float> host(static_cast<size_t>(E * block_rows * block_cols));
+    for (size_t i = 0; i < host.size(); ++i) host[i] = 1e-3f * (1.0f + static_cast<float>(i % 7));
+    auto t = DeviceTensor::upload(TensorView(host.data(), DType::kF32, {E, block_rows, block_cols}));
+    check(t.status());
+    return std::move(t).value();
+  };
+  DeviceTensor w13 = fp8_weights(int64_t{E} * 2 * I, H, 14), w2 = fp8_weights(int64_t{E} * H, I, 15);
+  DeviceTensor s13 = block_scales(2 * I / 128, H / 128), s2 = block_scales(H / 128, I / 128);
+  const double weight_bytes = 1.0 * E * 3.0 * H * I + s13.num_bytes() + s2.num_bytes();
+  for (int per_expert : {1, 8, 64}) {
+    const int T = per_expert * E / topk, pairs = T * topk;
+    std::vector<int32_t> ids(static_cast<size_t>(pairs));
+    for (int i = 0; i < pairs; ++i) ids[i] = i % E;
+    DeviceTensor d_ids = device_ints(ids), x = random_bf16({T, H}, 16);
+    DeviceTensor weights = alloc(DType::kF32, {T, topk}), offsets = alloc(DType::kI32, {E + 1}), tiles = alloc(DType::kI32, {E + 1});
+    DeviceTensor sorted = alloc(DType::kI32, {pairs}), row_of = alloc(DType::kI32, {pairs});
+    DeviceTensor x_q = alloc(DType::kF8E4M3, {T, H}), x_s = alloc(DType::kF32, {T, H / 128});
+    DeviceTensor act = alloc(DType::kBF16, {pairs, I}), act_q = alloc(DType::kF8E4M3, {pairs, I});
+    DeviceTensor act_s = alloc(DType::kF32, {pairs, I / 128});
+    DeviceTensor rows = alloc(DType::kF32, {pairs, H}), out = alloc(DType::kF32, {T, H});
+    check(cudaMemset(weights.data(), 0, weights.num_bytes()), "memset");
+    const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
+    const double ms = time_ms([&] {
+      k::quantize_fp8_groups({x.data_as<bf16>(), x_q.data_as<uint8_t>(), x_s.data_as<float>(), T, H}, nullptr);
+      k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                      sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, nullptr);
+      k::fp8_grouped_gemm({x_q.data_as<uint8_t>(), x_s.data_as<float>(), sorted.data_as<int32_t>(), w13.data_as<uint8_t>(),
+                           s13.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), act.data(), I, H,
+                           E, max_tiles, true}, nullptr);
+      k::quantize_fp8_groups({act.data_as<bf16>(), act_q.data_as<uint8_t>(), act_s.data_as<float>(), pairs, I}, nullptr);
+      k::fp8_grouped_gemm({act_q.data_as<uint8_t>(), act_s.data_as<float>(), nullptr, w2.data_as<uint8_t>(),
+                           s2.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(), H, I,
+                           E, max_tiles, false}, nullptr);
+      k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(), out.data_as<float>(),
+                        T, topk, H}, nullptr);
+    });
+    check(cudaGetLastError(), "fp8 grouped gemm");
+    char shape[96], extra[96];
+    std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
+    std::snprintf(extra, sizeof extra, "%.0f GB/s of FP8 weights + scales", weight_bytes / (ms * 1e6));
+    report("moe_experts_decode_fp8", shape, ms, weight_bytes / (copy_gbs * 1e6), extra);
+  }
+}
+
 // Decode attention: one new token per sequence over `context` cached tokens.
 void bench_decode_attention(double copy_gbs) {
   const int Hq = 64, Hkv = 4, D = 128, page = 16;
@@ -295,6 +356,7 @@ int main(int argc, char** argv) {
   const double copy_gbs = moe::copy_bandwidth_gbs();
   auto wanted = [&](const char* name) { return only.empty() || only == name; };
   if (wanted("moe")) moe::bench_grouped_gemm(copy_gbs);
+  if (wanted("moe") || wanted("moe_fp8")) moe::bench_fp8_grouped_gemm(copy_gbs);
   if (wanted("decode_attention")) moe::bench_decode_attention(copy_gbs);
   if (wanted("prefill_attention")) moe::bench_prefill_attention();
   if (wanted("model")) moe::bench_model(config_path, layers, copy_gbs);

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "ops/cuda/grouped_gemm.cuh"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/tensor_map.h"
 #include "ops/cuda/wgmma.cuh"
@@ -40,26 +41,10 @@ struct WgmmaGemmParams {
   int num_n_tiles;
 };
 
-struct Item {
-  int expert, row0, rows, n0;
-};
-
-// Item i: row tile i / num_n_tiles (its expert: the last e with
-// tile_offsets[e] <= tile), column tile i % num_n_tiles.
-[[maybe_unused]] __device__ __forceinline__ Item item_at(const WgmmaGemmParams& args, int index) {
+[[maybe_unused]] __device__ __forceinline__ GemmItem item_at(const WgmmaGemmParams& args, int index) {
   const GroupedGemmParams& p = args.p;
-  const int tile = index / args.num_n_tiles;
-  int lo = 0, hi = p.num_experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (p.tile_offsets[mid] <= tile) lo = mid; else hi = mid - 1;
-  }
-  Item item;
-  item.expert = lo;
-  item.row0 = p.expert_offsets[lo] + (tile - p.tile_offsets[lo]) * kM;
-  item.rows = min(kM, p.expert_offsets[lo + 1] - item.row0);
-  item.n0 = (index % args.num_n_tiles) * (p.gate_up ? kWeightRows / 2 : kWeightRows);
-  return item;
+  return grouped_gemm_item(p.expert_offsets, p.tile_offsets, p.num_experts, index, args.num_n_tiles,
+                           p.gate_up ? kWeightRows / 2 : kWeightRows);
 }
 
 template <bool kGateUp>
@@ -89,7 +74,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_grouped_gemm_kernel(const _
     // Producer warp. Lane l holds the source rows l and l + 32 of the item's A tile (null: past the tile).
     int step = 0;
     for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
-      const Item item = item_at(args, index);
+      const GemmItem item = item_at(args, index);
       const bf16* row_ptr[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -127,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_grouped_gemm_kernel(const _
   float acc[128];
   int step = 0;
   for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
-    const Item item = item_at(args, index);
+    const GemmItem item = item_at(args, index);
     for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
       const int stage = step % kStages;
       mbarrier_wait(full(stage), (step / kStages) & 1);
@@ -187,7 +172,7 @@ cudaError_t wgmma_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) 
   if (p.max_tiles == 0) return cudaSuccess;
   const uint64_t weight_rows = static_cast<uint64_t>(p.num_experts) * (p.gate_up ? 2 * p.N : p.N);
   CUtensorMap map;
-  cudaError_t error = make_bf16_tensor_map_2d(&map, p.w, weight_rows, p.K, static_cast<uint64_t>(p.K) * 2,
+  cudaError_t error = make_tensor_map_2d(&map, p.w, 2, weight_rows, p.K, static_cast<uint64_t>(p.K) * 2,
                                               kWeightRows / 2, kKStep);
   if (error != cudaSuccess) return error;
   const int columns_per_tile = p.gate_up ? kWeightRows / 2 : kWeightRows;

@@ -153,6 +153,35 @@ cudaError_t grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream);
 cudaError_t mma_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream);
 cudaError_t wgmma_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream);
 
+// FP8 block scaling (fp8-block, ops/quant.h): E4M3 activations with one f32
+// scale per row and 128 columns: out[r, c] = e4m3(in[r, c] / s), s =
+// max(amax of the group, 1e-10) / 448.
+struct QuantizeFp8Params {
+  const bf16* in;   // [rows, cols]
+  uint8_t* out;     // [rows, cols] E4M3
+  float* scales;    // [rows, ceil(cols / 128)]
+  int rows, cols;
+};
+cudaError_t quantize_fp8_groups(const QuantizeFp8Params& p, cudaStream_t stream);
+
+// The grouped GEMM of GroupedGemmParams with E4M3 weights (one f32 scale per
+// 128 x 128 block; gate_up's gate and up halves have their own block rows,
+// ceil(N / 128) each) and E4M3 activations (a_scales from
+// quantize_fp8_groups): sm_90 only (grouped_gemm_fp8.cu), K a multiple of 16.
+struct Fp8GroupedGemmParams {
+  const uint8_t* a;              // gate_up: x [num_tokens, K]; down: act [num_rows, K]
+  const float* a_scales;         // [.., ceil(K / 128)]
+  const int32_t* sorted_token;   // gate_up only
+  const uint8_t* w;              // [num_experts, N_total, K]
+  const float* w_scales;         // [num_experts, N_total blocks, ceil(K / 128)]
+  const int32_t* expert_offsets;
+  const int32_t* tile_offsets;
+  void* out;                     // gate_up: bf16 [num_rows, N]; down: f32 [num_rows, N]
+  int N, K, num_experts, max_tiles;
+  bool gate_up;
+};
+cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream);
+
 // out[t] = sum_j weights[t, j] * rows[row_of[t * k + j]] (f32).
 struct MoeUnpermuteParams {
   const float* rows;     // [num_tokens * k, hidden]
