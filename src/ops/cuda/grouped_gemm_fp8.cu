@@ -11,11 +11,13 @@
 // to 128 products.
 //
 // Algorithm: as grouped_gemm_wgmma.cu (persistent items of up to 64 permuted
-// rows x 128 weight rows: 64 gate + 64 up rows for gate_up, 128 output
-// columns for down; one producer warp, one consumer warpgroup), with K-steps
-// of 128 (one scale block, 128 bytes per row: the 128-byte swizzle), eight
-// stages. Per stage the producer also copies the tile's 64 activation scales
-// and its weight scales into shared memory.
+// rows x 256 weight rows, one producer warp), with K-steps of 128 (one scale
+// block, 128 bytes per row: the 128-byte swizzle), five stages, and two
+// consumer warpgroups of 128 weight rows each (gate_up: 64 gate + 64 up rows;
+// down: 128 output columns), so one's promotion runs under the other's MMAs
+// (ptxas serialises wgmma when a warpgroup reads one accumulator while another
+// of its MMAs is in flight). Per stage the producer also copies the tile's 64
+// activation scales and the weight scales into shared memory.
 //
 // Floor: FP8 halves the weight bytes: 2.4 GB per Qwen3-235B MoE layer, 0.57 ms
 // at 4.27 TB/s.
@@ -31,9 +33,9 @@
 namespace moe::ops::cuda {
 namespace {
 
-constexpr int kM = kGroupedGemmTileRows, kWeightRows = 128, kKStep = 128, kStages = 8;
-constexpr int kThreads = 256;  // warpgroup 0: the producer (warp 0); warpgroup 1: the consumer
-constexpr int kABytes = kM * 128, kBBytes = kWeightRows * 128, kScaleBytes = 1024;  // scales: 64 + 2 floats, padded
+constexpr int kM = kGroupedGemmTileRows, kWeightRows = 256, kKStep = 128, kStages = 5;
+constexpr int kThreads = 384;  // warpgroup 0: the producer (warp 0); warpgroups 1, 2: the consumers
+constexpr int kABytes = kM * 128, kBBytes = kWeightRows * 128, kScaleBytes = 1024;  // scales: 64 + 4 floats, padded
 constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes;
 constexpr int kBarrierBase = kStages * kStageBytes;
 constexpr int kSmemBytes = kBarrierBase + 2 * kStages * 8 + 1024;  // + alignment slack
@@ -58,14 +60,14 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
   const uint32_t smem = (smem_u32(smem_raw) + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
   auto a_tile = [&](int stage) { return smem + stage * kStageBytes; };
   auto b_tile = [&](int stage) { return a_tile(stage) + kABytes; };
-  auto scale_tile = [&](int stage) { return b_tile(stage) + kBBytes; };  // [64] activation, then [2] weight scales
+  auto scale_tile = [&](int stage) { return b_tile(stage) + kBBytes; };  // [64] activation, then [4] weight scales
   auto full = [&](int stage) { return smem + kBarrierBase + stage * 8; };
   auto empty = [&](int stage) { return smem + kBarrierBase + (kStages + stage) * 8; };
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full(s), 1 + 32);  // the expect-tx arrival + the producer lanes' cp.async arrivals
-      mbarrier_init(empty(s), 4);      // one per consumer warp
+      mbarrier_init(empty(s), 8);      // one per consumer warp
     }
   }
   __syncthreads();
@@ -83,20 +85,31 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
         const int r = lane + 32 * h;
         source[h] = r >= item.rows ? -1 : kGateUp ? p.sorted_token[item.row0 + r] : item.row0 + r;
       }
-      // Weight rows of the two 64-row boxes and their scale block rows.
+      // The four 64-row weight boxes: consumer c reads boxes 2c, 2c + 1 (gate_up:
+      // gate rows n0 + 64c.., up rows n0 + 64c..; down: rows n0 + 128c..), and
+      // the scale blocks of its columns < 64 and >= 64.
       const int rows_per_expert = kGateUp ? 2 * p.N : p.N;
-      const int y0 = item.expert * rows_per_expert + item.n0;
-      const int y1 = kGateUp ? y0 + p.N : y0 + kWeightRows / 2;
+      const int base = item.expert * rows_per_expert + item.n0;
       const int blocks_per_expert = kGateUp ? 2 * args.gate_block_rows : (p.N + 127) / 128;
-      const int64_t scale_row0 = static_cast<int64_t>(item.expert) * blocks_per_expert + item.n0 / 128;
-      const int64_t scale_row1 = kGateUp ? scale_row0 + args.gate_block_rows : scale_row0;
+      const int64_t first_block = static_cast<int64_t>(item.expert) * blocks_per_expert;
+      int64_t scale_row[4];
+      if (kGateUp) {
+        scale_row[0] = scale_row[2] = first_block + item.n0 / 128;
+        scale_row[1] = scale_row[3] = first_block + args.gate_block_rows + item.n0 / 128;
+      } else {
+        scale_row[0] = scale_row[1] = first_block + item.n0 / 128;
+        scale_row[2] = scale_row[3] = first_block + min(item.n0 / 128 + 1, blocks_per_expert - 1);
+      }
       for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
         const int stage = step % kStages;
         if (step >= kStages) mbarrier_wait(empty(stage), ((step / kStages) - 1) & 1);
         if (lane == 0) {
           mbarrier_arrive_expect_tx(full(stage), kBBytes);
-          tma_load_2d(b_tile(stage), &weights, ks * kKStep, y0, full(stage));
-          tma_load_2d(b_tile(stage) + kBBytes / 2, &weights, ks * kKStep, y1, full(stage));
+#pragma unroll
+          for (int box = 0; box < 4; ++box) {
+            const int y = kGateUp ? base + (box & 1) * p.N + (box >> 1) * 64 : base + box * 64;
+            tma_load_2d(b_tile(stage) + box * (kBBytes / 4), &weights, ks * kKStep, y, full(stage));
+          }
         }
 #pragma unroll
         for (int i = 0; i < kM * 8 / 32; ++i) {
@@ -113,10 +126,12 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
                        "l"(p.a_scales + (valid ? source[h] * args.scale_cols + ks : 0)), "r"(valid ? 4 : 0)
                        : "memory");
         }
-        if (lane < 2) {
-          const int64_t scale_row = lane == 0 ? scale_row0 : scale_row1;
+        if (lane < 4) {
           asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(scale_tile(stage) + (64 + lane) * 4),
-                       "l"(p.w_scales + scale_row * args.scale_cols + ks)
+                       "l"(p.w_scales + (lane == 0 ? scale_row[0] : lane == 1 ? scale_row[1] : lane == 2 ? scale_row[2]
+                                                                                                 : scale_row[3]) *
+                                                           args.scale_cols +
+                           ks)
                        : "memory");
         }
         mbarrier_arrive_cp_async(full(stage));
@@ -126,8 +141,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
     return;
   }
 
-  // Consumer warpgroup: rows 16 w + g (+ 8) of the tile, columns 8 i + 2 q (+ 1) of the 128.
-  const int warp = warp_id & 3, g = lane >> 2, q = lane & 3;
+  // Consumer warpgroup c: rows 16 w + g (+ 8) of the tile, columns 8 i + 2 q (+ 1) of its 128 weight rows.
+  const int consumer = (warp_id >> 2) - 1, warp = warp_id & 3, g = lane >> 2, q = lane & 3;
   float acc[64], part[64];
   int step = 0;
   for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
@@ -143,7 +158,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
 #pragma unroll
       for (int kk = 0; kk < kKStep / 32; ++kk)
         wgmma_m64n128k32_e4m3_ss(part, sw128_descriptor(a_tile(stage) + kk * 32, 16, 1024),
-                                 sw128_descriptor(b_tile(stage) + kk * 32, 16, 1024), kk > 0);
+                                 sw128_descriptor(b_tile(stage) + consumer * (kBBytes / 2) + kk * 32, 16, 1024),
+                                 kk > 0);
       wgmma_commit_group();
       wgmma_wait_group<0>();
       const float* scales = reinterpret_cast<const float*>(smem_raw + (scale_tile(stage) - smem_u32(smem_raw)));
@@ -151,8 +167,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float a_scale = scales[warp * 16 + g + 8 * h];
-        row_scale[h][0] = a_scale * scales[64];
-        row_scale[h][1] = a_scale * scales[65];
+        row_scale[h][0] = a_scale * scales[64 + 2 * consumer];
+        row_scale[h][1] = a_scale * scales[65 + 2 * consumer];
       }
       if (lane == 0) mbarrier_arrive(empty(stage));
 #pragma unroll
@@ -166,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
         bf16* out = static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const int n = item.n0 + 8 * i + 2 * q;
+          const int n = item.n0 + 64 * consumer + 8 * i + 2 * q;
           float v[2];
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
@@ -183,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
         float* out = static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N;
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
-          const int n = item.n0 + 8 * i + 2 * q;
+          const int n = item.n0 + 128 * consumer + 8 * i + 2 * q;
           if (n + 1 < p.N) {
             *reinterpret_cast<float2*>(out + n) = make_float2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]);
           } else if (n < p.N) {
@@ -238,7 +254,7 @@ cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream)
   if (p.max_tiles == 0) return cudaSuccess;
   const uint64_t weight_rows = static_cast<uint64_t>(p.num_experts) * (p.gate_up ? 2 * p.N : p.N);
   CUtensorMap map;
-  cudaError_t error = make_tensor_map_2d(&map, p.w, 1, weight_rows, p.K, static_cast<uint64_t>(p.K), kWeightRows / 2,
+  cudaError_t error = make_tensor_map_2d(&map, p.w, 1, weight_rows, p.K, static_cast<uint64_t>(p.K), kWeightRows / 4,
                                          kKStep);
   if (error != cudaSuccess) return error;
   const int columns_per_tile = p.gate_up ? kWeightRows / 2 : kWeightRows;
