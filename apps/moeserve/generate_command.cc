@@ -33,6 +33,7 @@ struct GenerateArgs {
   bool ignore_eos = false;
   std::string output = "text";
   std::string load_format = "auto";
+  std::string quantization = "auto";  // with dummy weights; auto: the config's format
   int num_layers = 0;
   int threads = 0;
   std::string kv_dtype = "f32";
@@ -88,6 +89,13 @@ Status run_generate(const GenerateArgs& args) {
     return invalid_argument("--load-format must be auto, safetensors or dummy, got '{}'", args.load_format);
   if (!dummy && args.num_layers > 0)
     return invalid_argument("--num-layers only applies with --load-format dummy");
+  const bool auto_format = args.quantization == "auto";
+  MOE_ASSIGN_OR_RETURN(const ops::QuantFormat dummy_format,
+                       auto_format ? Expected<ops::QuantFormat>(config.quantization.format)
+                                   : ops::quant_format_from_name(args.quantization));
+  if (!dummy && !auto_format)
+    return invalid_argument("--quantization only applies with --load-format dummy (a checkpoint's format is in its "
+                            "config.json)");
   MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
   if (kv_dtype != DType::kF32 && kv_dtype != DType::kBF16) return invalid_argument("--kv-dtype must be f32 or bf16");
   if (args.page_size < 1 || args.page_size > 1024) return invalid_argument("--page-size must be in [1, 1024]");
@@ -122,7 +130,7 @@ Status run_generate(const GenerateArgs& args) {
   // On the GPU, dummy weights are generated there; real ones are read here first.
   if (!(dummy && args.device.cuda())) {
     if (dummy) {
-      weights.emplace(model::ModelWeights::dummy(config, 0, pool));
+      weights.emplace(model::ModelWeights::dummy(config, 0, pool, dummy_format));
     } else {
       MOE_ASSIGN_OR_RETURN(auto loaded, model::ModelWeights::load(args.model, config, pool));
       weights.emplace(std::move(loaded));
@@ -147,6 +155,7 @@ Status run_generate(const GenerateArgs& args) {
     cuda.max_num_seqs = static_cast<int>(requests.size());
     cuda.gpu_memory_utilization = args.device.gpu_memory_utilization;
     cuda.use_cuda_graphs = !args.device.enforce_eager;
+    cuda.dummy_expert_format = dummy_format;  // used by dummy weights only
     MOE_ASSIGN_OR_RETURN(auto cuda_runner,
                          engine::CudaRunner::create(config, weights ? &*weights : nullptr, 0, cuda));
     const int32_t num_pages = cuda_runner->num_pages();
@@ -195,6 +204,9 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--load-format", args->load_format, "auto, safetensors or dummy (random weights)")
       ->check(CLI::IsMember({"auto", "safetensors", "dummy"}));
   cmd->add_option("--num-layers", args->num_layers, "With dummy weights: use only the first N layers");
+  cmd->add_option("--quantization", args->quantization,
+                  "With dummy weights: auto (the config's quantization_config), none, fp8-block, mxfp8, nvfp4 or mxfp4")
+      ->check(CLI::IsMember({"auto", "none", "fp8-block", "mxfp8", "nvfp4", "mxfp4"}));
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all cores)");
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_option("--page-size", args->page_size, "Tokens per KV page");

@@ -4,6 +4,7 @@
 
 #include "apps/moeserve/bench_command.h"
 #include "apps/moeserve/generate_command.h"
+#include "apps/moeserve/quantize_command.h"
 #include "apps/moeserve/serve_command.h"
 #include "apps/moeserve/tokenize_command.h"
 
@@ -15,6 +16,7 @@ int main(int argc, char** argv) {
   moe::apps::add_bench_command(app);
   moe::apps::add_tokenize_commands(app);
   try {
+  moe::apps::add_quantize_command(app);
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {
     return e.get_exit_code();  // the command failed and logged why

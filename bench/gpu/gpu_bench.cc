@@ -281,7 +281,7 @@ void bench_prefill_attention() {
 }
 
 // Whole decoder layers of dummy Qwen3-235B at decode batch sizes, context 2048.
-void bench_model(const std::string& config_path, int num_layers, double copy_gbs) {
+void bench_model(const std::string& config_path, int num_layers, double copy_gbs, ops::QuantFormat experts) {
   std::ifstream in(config_path);
   std::string text((std::istreambuf_iterator<char>(in)), {});
   auto config = model::parse_model_config(text);
@@ -298,6 +298,7 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
       options.max_num_tokens = batch;
       options.max_num_seqs = batch;
       options.use_cuda_graphs = graphs;
+      options.dummy_expert_format = experts;
       auto m = model::CudaQwen3MoeModel::create_dummy(*config, 1, options);
       check(m.status());
       check((*m)->fill_kv_random(5));
@@ -321,8 +322,12 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
       (graphs ? step_ms : eager_ms) = ms[2 + (ms.size() - 2) / 2];
     }
     const model::ModelConfig& c = *config;
-    const double layer_weights = 2.0 * (double(c.q_size() + 2 * c.kv_size()) * c.hidden_size + double(c.hidden_size) * c.q_size() +
-                                        double(c.num_experts) * 3 * c.hidden_size * c.moe_intermediate_size);
+    // Expert bytes: bf16, or E4M3 plus one f32 scale per 128 x 128 block.
+    const double expert_elements = double(c.num_experts) * 3 * c.hidden_size * c.moe_intermediate_size;
+    const double expert_bytes = experts == ops::QuantFormat::kFp8Block ? expert_elements * (1.0 + 4.0 / (128 * 128))
+                                                                        : 2.0 * expert_elements;
+    const double layer_weights = 2.0 * (double(c.q_size() + 2 * c.kv_size()) * c.hidden_size +
+                                        double(c.hidden_size) * c.q_size()) + expert_bytes;
     const double kv = 2.0 * batch * context * c.num_kv_heads * c.head_dim * 2;
     const double head_bytes = 2.0 * 2 * c.vocab_size * c.hidden_size;
     const double floor_ms = (num_layers * (layer_weights + kv) + head_bytes) / (copy_gbs * 1e6);
@@ -331,7 +336,7 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
     const double per_layer = (step_ms - head_bytes / (copy_gbs * 1e6)) / num_layers;
     std::snprintf(extra, sizeof extra, "CUDA graph (eager %.2f ms); ~%.2f ms/layer; x94 ~ %.0f ms/step = %.0f tok/s (extrapolated)",
                   eager_ms, per_layer, per_layer * 94, batch * 1000.0 / (per_layer * 94));
-    report("decode_step", shape, step_ms, floor_ms, extra);
+    report(experts == ops::QuantFormat::kFp8Block ? "decode_step_fp8" : "decode_step", shape, step_ms, floor_ms, extra);
   }
 }
 
@@ -359,7 +364,9 @@ int main(int argc, char** argv) {
   if (wanted("moe") || wanted("moe_fp8")) moe::bench_fp8_grouped_gemm(copy_gbs);
   if (wanted("decode_attention")) moe::bench_decode_attention(copy_gbs);
   if (wanted("prefill_attention")) moe::bench_prefill_attention();
-  if (wanted("model")) moe::bench_model(config_path, layers, copy_gbs);
+  if (wanted("model")) moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kNone);
+  if ((wanted("model") || wanted("model_fp8")) && moe::ops::cuda::hopper_kernels_available())
+    moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kFp8Block);
   if (moe::json_out) std::fclose(moe::json_out);
   return 0;
 }

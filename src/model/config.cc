@@ -130,6 +130,25 @@ Status parse_quantization(const json& j, ModelConfig& config) {
   config.quantization.method = it->value("quant_method", std::string());
   config.quantization.activation_scheme = it->value("activation_scheme", std::string());
   MOE_ASSIGN_OR_RETURN(config.quantization.weight_block_size, int_list(*it, "weight_block_size"));
+  QuantizationConfig& q = config.quantization;
+  const std::vector<int>& block = q.weight_block_size;
+  if (q.method == "fp8") {
+    if (block != std::vector<int>{128, 128})
+      return unimplemented("config.json: quant_method 'fp8' is supported with weight_block_size [128, 128] only, got [{}]",
+                           fmt::join(block.begin(), block.end(), ", "));
+    q.format = ops::QuantFormat::kFp8Block;
+  } else if (q.method == "mxfp8" || q.method == "nvfp4" || q.method == "mxfp4") {
+    q.format = *ops::quant_format_from_name(q.method);
+    const std::vector<int> expected = {1, ops::quant_format_spec(q.format).block_cols};
+    if (!block.empty() && block != expected)
+      return invalid_argument("config.json: quant_method '{}' has weight_block_size [{}]; it must be [{}]", q.method,
+                              fmt::join(block.begin(), block.end(), ", "), fmt::join(expected.begin(), expected.end(), ", "));
+  } else {
+    return unimplemented("config.json: quant_method '{}' is not supported (fp8 with 128x128 blocks, mxfp8, nvfp4, mxfp4)",
+                         q.method);
+  }
+  if (!q.activation_scheme.empty() && q.activation_scheme != "dynamic" && q.activation_scheme != "none")
+    return unimplemented("config.json: activation_scheme '{}' is not supported (dynamic)", q.activation_scheme);
   return Status::ok();
 }
 

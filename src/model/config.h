@@ -14,14 +14,20 @@
 
 #include "core/dtype.h"
 #include "core/status.h"
+#include "ops/quant.h"
 #include "ops/rope.h"
 
 namespace moe::model {
 
+// config.json's "quantization_config" (docs/quantization.md). quant_method
+// "fp8" with weight_block_size [128, 128] is the official Qwen3 FP8 format
+// (fp8-block); "mxfp8", "nvfp4" and "mxfp4" are ours, written by
+// `moeserve quantize`.
 struct QuantizationConfig {
-  std::string method;                // "fp8", ... (empty: none)
-  std::vector<int> weight_block_size;  // e.g. {128, 128}
-  std::string activation_scheme;     // "dynamic"
+  std::string method;                // "fp8", "mxfp8", "nvfp4", "mxfp4" (empty: none)
+  std::vector<int> weight_block_size;  // e.g. {128, 128}; {1, 32} for mx, {1, 16} for nvfp4
+  std::string activation_scheme;     // "dynamic" (fp8-block, mxfp8) or "none" (weight-only fp4)
+  ops::QuantFormat format = ops::QuantFormat::kNone;  // derived from the above
 };
 
 struct ModelConfig {

@@ -6,10 +6,22 @@
 #include "ops/linear.h"
 #include "ops/moe.h"
 #include "ops/norm.h"
+#include "ops/quant.h"
 
 namespace moe::model {
 
 using namespace moe::ops;
+
+namespace {
+// out = x w^T with the projection's quantized form when it has one.
+void project(ThreadPool& pool, TensorView x, TensorView w, const QuantizedTensor& w_quant, TensorView out) {
+  if (w_quant.empty()) {
+    cpu::linear(pool, x, w, out);
+  } else {
+    cpu::quantized_linear(pool, x, w_quant, out);
+  }
+}
+}  // namespace
 
 Qwen3MoeModel::Qwen3MoeModel(const ModelWeights& weights)
     : weights_(weights), rope_(make_rope_table(weights.config().rope)) {}
@@ -22,9 +34,9 @@ void Qwen3MoeModel::attention_block(ThreadPool& pool, int layer, const ForwardBa
   Tensor q(DType::kF32, {n, c.num_q_heads, c.head_dim});
   Tensor k(DType::kF32, {n, c.num_kv_heads, c.head_dim});
   Tensor v(DType::kF32, {n, c.num_kv_heads, c.head_dim});
-  cpu::linear(pool, x, w.q_proj, q.view().reshaped({n, c.q_size()}));
-  cpu::linear(pool, x, w.k_proj, k.view().reshaped({n, c.kv_size()}));
-  cpu::linear(pool, x, w.v_proj, v.view().reshaped({n, c.kv_size()}));
+  project(pool, x, w.q_proj, w.q_proj_quant, q.view().reshaped({n, c.q_size()}));
+  project(pool, x, w.k_proj, w.k_proj_quant, k.view().reshaped({n, c.kv_size()}));
+  project(pool, x, w.v_proj, w.v_proj_quant, v.view().reshaped({n, c.kv_size()}));
   auto per_head = [&](const Tensor& t) { return t.view().reshaped({t.num_elements() / c.head_dim, c.head_dim}); };
   cpu::rms_norm(pool, per_head(q), w.q_norm, c.rms_norm_eps, per_head(q));
   cpu::rms_norm(pool, per_head(k), w.k_norm, c.rms_norm_eps, per_head(k));
@@ -35,14 +47,18 @@ void Qwen3MoeModel::attention_block(ThreadPool& pool, int layer, const ForwardBa
   cpu::write_kv(pool, k, v, attention, kv);
   Tensor attended(DType::kF32, {n, c.q_size()});
   cpu::paged_attention(pool, q, attention, kv, 1.0f / std::sqrt(static_cast<float>(c.head_dim)), attended);
-  cpu::linear(pool, attended, w.o_proj, out);
+  project(pool, attended, w.o_proj, w.o_proj_quant, out);
 }
 
 void Qwen3MoeModel::mlp_block(ThreadPool& pool, int layer, TensorView x, TensorView out) const {
   const ModelConfig& c = config();
   const LayerWeights& w = weights_.layer(layer);
   if (!w.is_moe) {
-    cpu::swiglu_mlp(pool, x, w.w13, w.w2, out);
+    if (w.w13_quant.empty()) {
+      cpu::swiglu_mlp(pool, x, w.w13, w.w2, out);
+    } else {
+      cpu::swiglu_mlp(pool, x, w.w13_quant, w.w2_quant, out);
+    }
     return;
   }
   const int64_t n = x.dim(0), k = c.num_experts_per_tok;
@@ -51,7 +67,11 @@ void Qwen3MoeModel::mlp_block(ThreadPool& pool, int layer, TensorView x, TensorV
   Tensor expert_ids(DType::kI32, {n, k});
   Tensor expert_weights(DType::kF32, {n, k});
   cpu::route_topk(pool, router_logits, static_cast<int>(k), c.norm_topk_prob, expert_ids, expert_weights);
-  cpu::moe_experts(pool, x, expert_ids, expert_weights, w.w13, w.w2, out);
+  if (w.w13_quant.empty()) {
+    cpu::moe_experts(pool, x, expert_ids, expert_weights, w.w13, w.w2, out);
+  } else {
+    cpu::moe_experts(pool, x, expert_ids, expert_weights, w.w13_quant, w.w2_quant, out);
+  }
 }
 
 Tensor Qwen3MoeModel::forward(ThreadPool& pool, const ForwardBatch& batch, std::span<const PagedKv> kv_layers) const {

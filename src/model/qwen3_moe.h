@@ -8,7 +8,8 @@
 //   x  = rms_norm(h, post_attention_norm)
 //   h += moe(x) or mlp(x)
 // then logits = rms_norm(h, final_norm) lm_head^T for the requested rows.
-// Activations are f32; weights stay in their checkpoint dtype.
+// Activations are f32; weights stay in their checkpoint dtype (quantized
+// projections go through ops/quant.h quantized_linear, see docs/quantization.md).
 //
 // The model is immutable after construction; forward() may be called from one
 // thread at a time per KV cache (it writes the batch's KV entries).

@@ -17,10 +17,12 @@
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 #include "model/config.h"
+#include "model/quant_weights.h"
 
 namespace moe::model {
 
 class SafetensorsCheckpoint;
+class TensorFetcher;
 
 struct LayerWeights {
   TensorView input_norm;           // [hidden]
@@ -35,6 +37,10 @@ struct LayerWeights {
   TensorView router;  // MoE: [num_experts, hidden]
   TensorView w13;     // MoE: [num_experts, 2 * moe_inter, hidden]; dense: [2 * inter, hidden]
   TensorView w2;      // MoE: [num_experts, hidden, moe_inter];     dense: [hidden, inter]
+  // Quantized models (ModelWeights::quant_format()): the projections stored in
+  // that format, same shapes as above; the plain view of a quantized
+  // projection is empty. Attention projections may stay plain (bf16).
+  ops::QuantizedTensor q_proj_quant, k_proj_quant, v_proj_quant, o_proj_quant, w13_quant, w2_quant;
 };
 
 enum class LoadFormat { kAuto, kSafetensors, kDummy };
@@ -63,16 +69,28 @@ class ModelWeights {
   // float dtype; a tensor the model does not use is an error too.
   static Expected<ModelWeights> load(const std::string& model_dir, const ModelConfig& config, ThreadPool& pool);
   // Random weights (uniform in +-1/sqrt(fan_in), norms near 1) in config.dtype.
-  static ModelWeights dummy(const ModelConfig& config, uint64_t seed, ThreadPool& pool);
+  // With a quantization format, the projections (experts, dense MLPs and
+  // attention) are random values of the same ranges quantized to it.
+  static ModelWeights dummy(const ModelConfig& config, uint64_t seed, ThreadPool& pool,
+                            ops::QuantFormat quantization = ops::QuantFormat::kNone);
+  // The format of the quantized projections (kNone: none).
+  ops::QuantFormat quant_format() const { return quant_format_; }
 
  private:
   explicit ModelWeights(ModelConfig config);
   TensorView own(Tensor tensor);
+  ops::QuantizedTensor own(OwnedQuantized quantized);
+  Status load_layer(TensorFetcher& fetch, int layer);
+  Status load_projection(TensorFetcher& fetch, const std::string& name, Shape shape, TensorView& plain,
+                         ops::QuantizedTensor& quant);
+  Status load_quantized_mlp(TensorFetcher& fetch, int layer, LayerWeights& lw);
 
   ModelConfig config_;
   TensorView embed_tokens_, final_norm_, lm_head_;
   std::vector<LayerWeights> layers_;
   std::vector<Tensor> owned_;
+  std::vector<OwnedQuantized> owned_quantized_;
+  ops::QuantFormat quant_format_ = ops::QuantFormat::kNone;
   std::unique_ptr<SafetensorsCheckpoint> checkpoint_;
 };
 

@@ -21,6 +21,7 @@
 
 #include "core/tensor.h"
 #include "core/thread_pool.h"
+#include "ops/quant.h"
 
 namespace moe::ops::cpu {
 
@@ -31,5 +32,13 @@ void swiglu_mlp(ThreadPool& pool, TensorView x, TensorView w13, TensorView w2, T
 
 void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorView weights, TensorView w13,
                  TensorView w2, TensorView out);
+
+// The same with quantized weights (ops/quant.h): w13 [(num_experts,) 2 * inter, hidden]
+// and w2 [(num_experts,) hidden, inter] in one format; each projection is a
+// quantized_linear (activations quantized as that format's GPU kernel does).
+void swiglu_mlp(ThreadPool& pool, TensorView x, const QuantizedTensor& w13, const QuantizedTensor& w2,
+                TensorView out);
+void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorView weights,
+                 const QuantizedTensor& w13, const QuantizedTensor& w2, TensorView out);
 
 }  // namespace moe::ops::cpu

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -239,6 +240,50 @@ TEST(CudaModel, TensorCoreAttentionPathMatchesCpu) {
   }
 }
 
+
+// FP8 experts (fp8-block) on the GPU against the CPU's quantized model on the
+// same weights: the experts through the FP8 grouped GEMM, the attention
+// projections dequantized to bf16 with their inputs quantized per 1 x 128 as
+// the CPU does. Looser than kLogitTolerance: the GPU quantizes bf16
+// activations, the CPU f32 ones, and a value near an E4M3 rounding boundary
+// can land on either side (1/16 relative).
+TEST(CudaModel, Fp8ExpertsMatchTheCpuQuantizedModel) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!ops::cuda::hopper_kernels_available()) GTEST_SKIP() << "FP8 experts need an sm_90 device";
+  auto config = parse_model_config(std::string(R"({
+    "model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "num_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": true, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "max_position_embeddings": 4096})"));
+  ASSERT_TRUE(config.has_value()) << config.status().to_string();
+  ThreadPool pool;
+  ModelWeights weights = ModelWeights::dummy(*config, 5, pool, ops::QuantFormat::kFp8Block);
+  Qwen3MoeModel cpu(weights);
+  CudaModelOptions options;
+  options.page_size = 16;
+  options.num_pages = 64;
+  options.max_num_tokens = 256;
+  auto gpu = CudaQwen3MoeModel::create(weights, options);
+  ASSERT_TRUE(gpu.has_value()) << gpu.status().to_string();
+  kv::KvCache cache({config->num_layers, 2, 128, 16, 64, DType::kF32});
+  std::vector<ops::PagedKv> layers;
+  for (int l = 0; l < config->num_layers; ++l) layers.push_back(cache.layer(l));
+  ForwardBatch batch;
+  for (int i = 0; i < 200; ++i) batch.token_ids.push_back((i * 53) % 1000), batch.positions.push_back(i);
+  batch.query_start = {0, 200};
+  for (int p = 0; p < 16; ++p) batch.page_table.push_back(p);
+  batch.max_pages_per_seq = 16;
+  batch.logits_rows = {0, 99, 199};
+  Tensor cpu_logits = cpu.forward(pool, batch, layers);
+  auto gpu_logits = (*gpu)->forward(batch);
+  ASSERT_TRUE(gpu_logits.has_value()) << gpu_logits.status().to_string();
+  for (size_t r = 0; r < batch.logits_rows.size(); ++r) {
+    std::vector<float> ref(cpu_logits.data_as<float>() + r * 1000, cpu_logits.data_as<float>() + (r + 1) * 1000);
+    const double error = relative_error(gpu_logits->data_as<float>() + r * 1000, ref);
+    std::printf("fp8 experts: row %zu relative logit error %.4f\n", r, error);
+    EXPECT_LT(error, 8e-2) << "row " << r;
+  }
+}
 
 // Decode steps replayed as CUDA graphs (3 sequences padded to the bucket of 4,
 // the padding on the scratch page) against the same steps run eagerly.

@@ -17,6 +17,7 @@
 #include "ops/cuda/kernels.h"
 #include "ops/moe.h"
 #include "ops/norm.h"
+#include "ops/quant.h"
 #include "ops/rope.h"
 
 namespace moe::ops {
@@ -282,6 +283,71 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
       EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 2e-2)
           << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden;
     }
+  }
+}
+
+// FP8 block scaling: quantized x and act (quantize_fp8_groups), E4M3 experts
+// with 128 x 128 weight scales, against the CPU's quantized MoE (which
+// quantizes the activations the same way). Qwen3-235B's expert shapes with 8
+// experts: quantizing all 128 on the host takes minutes.
+TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
+  if (!k::hopper_kernels_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs an sm_90 device";
+  struct Case { int tokens, hidden, inter, experts, topk; };
+  for (const Case& c : {Case{16, 4096, 1536, 8, 4}, Case{300, 256, 128, 16, 4}, Case{37, 384, 192, 6, 2}}) {
+    Host x = random_bf16({c.tokens, c.hidden}, rng_);
+    Host logits = random_bf16({c.tokens, c.experts}, rng_, 3.0f);
+    // Quantized expert weights (fp8-block; w13's gate and up halves have their own block rows).
+    auto quantized = [&](int64_t rows, int64_t cols, int64_t period, float scale) {
+      struct Q { Tensor values, scales; QuantizedTensor view; };
+      Q q;
+      const Shape per = quant_scale_shape(QuantFormat::kFp8Block, rows, cols, period);
+      q.values = Tensor(DType::kF8E4M3, {int64_t{c.experts}, rows, cols});
+      q.scales = Tensor(DType::kF32, {int64_t{c.experts}, per[0], per[1]});
+      q.view = QuantizedTensor{QuantFormat::kFp8Block, q.values.view(), q.scales.view(), TensorView(), period};
+      for (int e = 0; e < c.experts; ++e) {
+        Host w = random_bf16({rows, cols}, rng_, scale);
+        quantize_matrix(w.f32.data_as<float>(), q.view.slice0(e));
+      }
+      return q;
+    };
+    auto q13 = quantized(2 * c.inter, c.hidden, c.inter, 1.0f / std::sqrt(static_cast<float>(c.hidden)));
+    auto q2 = quantized(c.hidden, c.inter, 0, 1.0f / std::sqrt(static_cast<float>(c.inter)));
+    Tensor ids(DType::kI32, {c.tokens, c.topk}), weights(DType::kF32, {c.tokens, c.topk}), ref(DType::kF32, {c.tokens, c.hidden});
+    cpu::route_topk(pool_, logits.f32, c.topk, true, ids, weights);
+    cpu::moe_experts(pool_, x.f32, ids, weights, q13.view, q2.view, ref);
+
+    const int pairs = c.tokens * c.topk;
+    DeviceTensor d_x = upload(x.bf16), d_ids = upload(ids), d_weights = upload(weights);
+    DeviceTensor d_w13 = upload(q13.values), d_s13 = upload(q13.scales), d_w2 = upload(q2.values), d_s2 = upload(q2.scales);
+    const int hidden_groups = (c.hidden + 127) / 128, inter_groups = (c.inter + 127) / 128;
+    Output x_q = Output::make(static_cast<size_t>(c.tokens) * c.hidden), x_s = Output::make(c.tokens * hidden_groups * 4);
+    Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
+    Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
+    Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
+    Output act_q = Output::make(static_cast<size_t>(pairs) * c.inter), act_s = Output::make(pairs * inter_groups * 4);
+    Output rows = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(float));
+    Output out = Output::make(static_cast<size_t>(c.tokens) * c.hidden * sizeof(float));
+    const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + c.experts;
+    ASSERT_EQ(k::quantize_fp8_groups({d_x.data_as<bf16>(), x_q.get<uint8_t>(), x_s.get<float>(), c.tokens, c.hidden},
+                                     nullptr), cudaSuccess);
+    ASSERT_EQ(k::moe_permute({d_ids.data_as<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), sorted.get<int32_t>(),
+                              row_of.get<int32_t>(), c.tokens, c.topk, c.experts, k::kGroupedGemmTileRows}, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(k::fp8_grouped_gemm({x_q.get<uint8_t>(), x_s.get<float>(), sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
+                                   d_s13.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), act.get<void>(),
+                                   c.inter, c.hidden, c.experts, max_tiles, true}, nullptr), cudaSuccess);
+    ASSERT_EQ(k::quantize_fp8_groups({act.get<bf16>(), act_q.get<uint8_t>(), act_s.get<float>(), pairs, c.inter}, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(k::fp8_grouped_gemm({act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
+                                   d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(),
+                                   c.hidden, c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess);
+    ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.data_as<float>(), out.get<float>(),
+                                c.tokens, c.topk, c.hidden}, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    x_q.download();
+    act_q.download();
+    EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 3e-2)
+        << "fp8: " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden << ", inter " << c.inter;
   }
 }
 

@@ -86,15 +86,18 @@ TEST_F(WeightsTest, IntegerWeightsAreRefused) {
   EXPECT_NE(s.message().find("'model.norm.weight' has dtype i32"), std::string::npos) << s.message();
 }
 
-TEST_F(WeightsTest, QuantizedCheckpointIsRefusedClearly) {
+TEST_F(WeightsTest, QuantizedConfigWithBf16WeightsIsRefusedClearly) {
   std::ifstream in(dir_ / "config.json");
   std::string text((std::istreambuf_iterator<char>(in)), {});
   in.close();
   text.insert(text.rfind('}'), R"(, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]})");
   std::ofstream(dir_ / "config.json") << text;
+  // The config says fp8, so every MLP projection must be F8_E4M3 with its scales.
   Status s = load_modified();
-  EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
-  EXPECT_NE(s.message().find("fp8"), std::string::npos);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("'model.layers.0.mlp.experts.0.gate_proj.weight' has dtype BF16, expected F8_E4M3"),
+            std::string::npos)
+      << s.message();
 }
 
 TEST(Weights, DummyHasTheConfigShapes) {

@@ -39,9 +39,46 @@ Expected<DeviceTensor> upload_bf16(std::initializer_list<TensorView> parts) {
 
 struct LayerBuffers {
   DeviceTensor input_norm, post_attention_norm, qkv_proj, o_proj, q_norm, k_norm, router, w13, w2;
+  DeviceTensor w13_scales, w2_scales;  // FP8 experts: 128 x 128 block scales (ops/quant.h, fp8-block)
   DeviceTensor k_pages, v_pages;
   bool is_moe = false;
+  // fp8-block projections run dequantized in bf16 take inputs quantized and
+  // dequantized per 1 x 128 first, as the CPU reference computes them.
+  bool fake_quant_attention = false, fake_quant_mlp = false;
 };
+
+// A projection the model runs in bf16: the checkpoint's plain tensor, or its
+// quantized one dequantized here (kept alive in `keep`).
+TensorView plain_or_dequantized(TensorView plain, const ops::QuantizedTensor& quant, std::vector<Tensor>& keep) {
+  if (quant.empty()) return plain;
+  Tensor out(DType::kF32, quant.values.shape());
+  const int64_t rows = quant.rows(), cols = quant.cols();
+  const int64_t matrices = quant.rank() == 3 ? quant.values.dim(0) : 1;
+  for (int64_t g = 0; g < matrices; ++g)
+    ops::dequantize_rows(quant.rank() == 3 ? quant.slice0(g) : quant, 0, rows, out.data_as<float>() + g * rows * cols);
+  keep.push_back(std::move(out));
+  return keep.back().view();
+}
+
+// Dummy FP8 experts [rows, cols] with block scales [scale_shape]: E4M3 values
+// from random bf16 quantized by the activation quantizer, and block scales
+// that bring them back to about +-magnitude.
+Status dummy_fp8_experts(DeviceTensor& values, DeviceTensor& scales, int64_t rows, int64_t cols, Shape scale_shape,
+                         float magnitude, uint64_t seed, cudaStream_t stream) {
+  MOE_ASSIGN_OR_RETURN(values, DeviceTensor::allocate(DType::kF8E4M3, {rows, cols}));
+  {
+    MOE_ASSIGN_OR_RETURN(DeviceTensor source, DeviceTensor::allocate(DType::kBF16, {rows, cols}));
+    MOE_ASSIGN_OR_RETURN(DeviceTensor row_scales, DeviceTensor::allocate(DType::kF32, {rows, (cols + 127) / 128}));
+    MOE_CUDA_RETURN_IF_ERROR(k::fill_random({source.data_as<bf16>(), rows * cols, seed, 0.0f, 1.0f}, stream));
+    MOE_CUDA_RETURN_IF_ERROR(k::quantize_fp8_groups({source.data_as<bf16>(), values.data_as<uint8_t>(),
+                                                     row_scales.data_as<float>(), static_cast<int>(rows),
+                                                     static_cast<int>(cols)}, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  }
+  std::vector<float> host(static_cast<size_t>(scale_shape.num_elements()), magnitude / 448.0f);
+  MOE_ASSIGN_OR_RETURN(scales, DeviceTensor::upload(TensorView(host.data(), DType::kF32, scale_shape)));
+  return Status::ok();
+}
 
 }  // namespace
 
@@ -60,6 +97,8 @@ struct CudaQwen3MoeModel::State {
   DeviceTensor token_ids, positions, token_seq, page_table, logits_rows;
   DeviceTensor attention_workspace;  // split-KV partials of the tensor-core attention
   DeviceTensor attention_groups;     // prefill token groups
+  bool fp8_experts = false;          // MoE experts in FP8 (fp8-block), activations quantized per 1 x 128
+  DeviceTensor x_fp8, x_scales, act_fp8, act_scales;
   DeviceTensor sample_rows;          // per-row sampling parameters
   std::map<int64_t, cudaGraphExec_t> graphs;  // decode step per (bucket of tokens << 32 | page-table stride)
   int max_pages_per_seq = 0;               // the page-table stride graphs use
@@ -127,18 +166,57 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   s->attention_factor = rope.attention_factor;
   MOE_RETURN_IF_ERROR(track(s->inv_freq, DeviceTensor::upload(TensorView(const_cast<float*>(rope.inv_freq.data()),
                                                                          DType::kF32, {c.head_dim / 2}))));
+  // Experts in FP8: a checkpoint in fp8-block keeps them so (other formats are
+  // dequantized to bf16 here), dummy weights when options ask.
+  const ops::QuantFormat expert_format = weights ? weights->quant_format() : options.dummy_expert_format;
+  if (!weights && expert_format != ops::QuantFormat::kNone && expert_format != ops::QuantFormat::kFp8Block)
+    return unimplemented("dummy {} experts on the GPU: only fp8-block has GPU kernels yet",
+                         ops::quant_format_name(expert_format));
+  if (expert_format == ops::QuantFormat::kMxfp8)
+    return unimplemented("mxfp8 weights on the GPU: the CUDA backend has no MXFP8 kernels yet (fp8-block, nvfp4 and "
+                         "mxfp4 checkpoints run; use --device cpu)");
+  s->fp8_experts = expert_format == ops::QuantFormat::kFp8Block;
+  if (s->fp8_experts && !k::hopper_kernels_available())
+    return unimplemented("FP8 experts need an sm_90 GPU (the FP8 grouped GEMM is a wgmma kernel)");
+  auto fp8_experts = [&](LayerBuffers& b, const LayerWeights* w, int64_t experts, int64_t inter, float up_magnitude,
+                         float down_magnitude, uint64_t layer_seed) -> Status {
+    const int64_t hidden_blocks = (hidden + 127) / 128, inter_blocks = (inter + 127) / 128;
+    if (w != nullptr) {
+      MOE_ASSIGN_OR_RETURN(b.w13, DeviceTensor::upload(w->w13_quant.values));
+      MOE_ASSIGN_OR_RETURN(b.w13_scales, DeviceTensor::upload(w->w13_quant.scales));
+      MOE_ASSIGN_OR_RETURN(b.w2, DeviceTensor::upload(w->w2_quant.values));
+      MOE_ASSIGN_OR_RETURN(b.w2_scales, DeviceTensor::upload(w->w2_quant.scales));
+    } else {
+      MOE_RETURN_IF_ERROR(dummy_fp8_experts(b.w13, b.w13_scales, experts * 2 * inter, hidden,
+                                            {experts, 2 * inter_blocks, hidden_blocks}, up_magnitude, layer_seed,
+                                            s->stream));
+      MOE_RETURN_IF_ERROR(dummy_fp8_experts(b.w2, b.w2_scales, experts * hidden, inter,
+                                            {experts, hidden_blocks, inter_blocks}, down_magnitude, layer_seed + 1,
+                                            s->stream));
+    }
+    s->bytes += b.w13.num_bytes() + b.w13_scales.num_bytes() + b.w2.num_bytes() + b.w2_scales.num_bytes();
+    return Status::ok();
+  };
   const int64_t qkv_rows = c.q_size() + 2 * c.kv_size();
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights* w = weights ? &weights->layer(l) : nullptr;
+    std::vector<Tensor> dequantized;  // quantized projections the GPU runs in bf16, for this layer's upload
     auto part = [&](TensorView LayerWeights::*member) { return w ? w->*member : TensorView(); };
+    auto projection = [&](TensorView LayerWeights::*plain, ops::QuantizedTensor LayerWeights::*quant) {
+      return w ? plain_or_dequantized(w->*plain, w->*quant, dequantized) : TensorView();
+    };
     LayerBuffers b;
     b.is_moe = c.layer_is_moe(l);
+    b.fake_quant_attention = w && expert_format == ops::QuantFormat::kFp8Block && !w->q_proj_quant.empty();
+    b.fake_quant_mlp = w && expert_format == ops::QuantFormat::kFp8Block && !b.is_moe && !w->w13_quant.empty();
     MOE_RETURN_IF_ERROR(weight(b.input_norm, {part(&LayerWeights::input_norm)}, {hidden}, 1.0f, 0.1f));
     MOE_RETURN_IF_ERROR(weight(b.post_attention_norm, {part(&LayerWeights::post_attention_norm)}, {hidden}, 1.0f, 0.1f));
-    MOE_RETURN_IF_ERROR(weight(b.qkv_proj, {part(&LayerWeights::q_proj), part(&LayerWeights::k_proj),
-                                            part(&LayerWeights::v_proj)}, {qkv_rows, hidden}, 0.0f, hidden_scale));
-    MOE_RETURN_IF_ERROR(weight(b.o_proj, {part(&LayerWeights::o_proj)}, {hidden, c.q_size()}, 0.0f,
-                               1.0f / std::sqrt(static_cast<float>(c.q_size()))));
+    MOE_RETURN_IF_ERROR(weight(b.qkv_proj, {projection(&LayerWeights::q_proj, &LayerWeights::q_proj_quant),
+                                            projection(&LayerWeights::k_proj, &LayerWeights::k_proj_quant),
+                                            projection(&LayerWeights::v_proj, &LayerWeights::v_proj_quant)},
+                               {qkv_rows, hidden}, 0.0f, hidden_scale));
+    MOE_RETURN_IF_ERROR(weight(b.o_proj, {projection(&LayerWeights::o_proj, &LayerWeights::o_proj_quant)},
+                               {hidden, c.q_size()}, 0.0f, 1.0f / std::sqrt(static_cast<float>(c.q_size()))));
     MOE_RETURN_IF_ERROR(weight(b.q_norm, {part(&LayerWeights::q_norm)}, {c.head_dim}, 1.0f, 0.1f));
     MOE_RETURN_IF_ERROR(weight(b.k_norm, {part(&LayerWeights::k_norm)}, {c.head_dim}, 1.0f, 0.1f));
     const int64_t inter = b.is_moe ? c.moe_intermediate_size : c.intermediate_size;
@@ -146,17 +224,26 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
     if (b.is_moe) {
       const int64_t experts = c.num_experts;
       MOE_RETURN_IF_ERROR(weight(b.router, {part(&LayerWeights::router)}, {experts, hidden}, 0.0f, hidden_scale));
-      MOE_RETURN_IF_ERROR(weight(b.w13, {part(&LayerWeights::w13)}, {experts, 2 * inter, hidden}, 0.0f, hidden_scale));
-      MOE_RETURN_IF_ERROR(weight(b.w2, {part(&LayerWeights::w2)}, {experts, hidden, inter}, 0.0f, down_scale));
+      if (s->fp8_experts) {
+        MOE_RETURN_IF_ERROR(fp8_experts(b, w, experts, inter, hidden_scale, down_scale, seed * 1000003 + ++stream_id));
+      } else {
+        MOE_RETURN_IF_ERROR(weight(b.w13, {projection(&LayerWeights::w13, &LayerWeights::w13_quant)},
+                                   {experts, 2 * inter, hidden}, 0.0f, hidden_scale));
+        MOE_RETURN_IF_ERROR(weight(b.w2, {projection(&LayerWeights::w2, &LayerWeights::w2_quant)},
+                                   {experts, hidden, inter}, 0.0f, down_scale));
+      }
     } else {
-      MOE_RETURN_IF_ERROR(weight(b.w13, {part(&LayerWeights::w13)}, {2 * inter, hidden}, 0.0f, hidden_scale));
-      MOE_RETURN_IF_ERROR(weight(b.w2, {part(&LayerWeights::w2)}, {hidden, inter}, 0.0f, down_scale));
+      MOE_RETURN_IF_ERROR(weight(b.w13, {projection(&LayerWeights::w13, &LayerWeights::w13_quant)},
+                                 {2 * inter, hidden}, 0.0f, hidden_scale));
+      MOE_RETURN_IF_ERROR(weight(b.w2, {projection(&LayerWeights::w2, &LayerWeights::w2_quant)}, {hidden, inter},
+                                 0.0f, down_scale));
     }
     s->layers.push_back(std::move(b));
   }
   const int64_t T = options.max_num_tokens, H = c.hidden_size, kk = std::max(1, c.num_experts_per_tok);
   const int64_t moe_inter = std::max<int64_t>(c.moe_intermediate_size, 1), inter = std::max<int64_t>(c.intermediate_size, 1);
   const int64_t qkv_width = c.q_size() + 2 * c.kv_size(), E = std::max(1, c.num_experts);
+  const int64_t fp8_width = std::max<int64_t>({H, c.q_size(), inter});  // inputs quantized per 1 x 128
   struct Alloc { DeviceTensor* t; DType dtype; Shape shape; };
   const Alloc allocs[] = {
       {&s->residual, DType::kF32, {T, H}},           {&s->normed, DType::kBF16, {T, H}},
@@ -172,6 +259,8 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
       {&s->positions, DType::kI32, {T}},              {&s->token_seq, DType::kI32, {T}},
       {&s->logits_rows, DType::kI32, {T}},           {&s->attention_workspace, DType::kF32, {16 << 20}},
       {&s->attention_groups, DType::kI32, {T + 1}},
+      {&s->x_fp8, DType::kF8E4M3, {T, fp8_width}},  {&s->x_scales, DType::kF32, {T, (fp8_width + 127) / 128}},
+      {&s->act_fp8, DType::kF8E4M3, {T * kk, moe_inter}}, {&s->act_scales, DType::kF32, {T * kk, (moe_inter + 127) / 128}},
   };
   for (const auto& a : allocs) MOE_RETURN_IF_ERROR(track(*a.t, DeviceTensor::allocate(a.dtype, a.shape)));
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s->stream));
@@ -376,6 +465,30 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
   const int max_position = shape.max_position;
   const bool prefill = shape.prefill;
 #define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
+  // In place: x [T, cols] bf16 -> bf16(e4m3(x / s) * s) per 1 x 128 group.
+  auto fake_quantize = [&](DeviceTensor& x, int cols) -> Status {
+    MOE_LAUNCH(k::quantize_fp8_groups({x.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), nullptr, T, cols,
+                                       x.data_as<bf16>()}, s.stream));
+    return Status::ok();
+  };
+  // FP8 experts: activations quantized per 1 x 128, block-scaled grouped GEMMs.
+  auto fp8_experts_step = [&](const LayerBuffers& b, int max_tiles) -> Status {
+    const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
+    MOE_LAUNCH(k::quantize_fp8_groups({s.normed.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(),
+                                       T, H}, s.stream));
+    MOE_LAUNCH(k::fp8_grouped_gemm({s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(),
+                                    s.sorted_token.data_as<int32_t>(), b.w13.data_as<uint8_t>(),
+                                    b.w13_scales.data_as<float>(), s.expert_offsets.data_as<int32_t>(),
+                                    s.tile_offsets.data_as<int32_t>(), s.act.data(), inter, H, E, max_tiles, true},
+                                   s.stream));
+    MOE_LAUNCH(k::quantize_fp8_groups({s.act.data_as<bf16>(), s.act_fp8.data_as<uint8_t>(),
+                                       s.act_scales.data_as<float>(), T * topk, inter}, s.stream));
+    MOE_LAUNCH(k::fp8_grouped_gemm({s.act_fp8.data_as<uint8_t>(), s.act_scales.data_as<float>(), nullptr,
+                                    b.w2.data_as<uint8_t>(), b.w2_scales.data_as<float>(),
+                                    s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(),
+                                    s.expert_rows.data(), H, inter, E, max_tiles, false}, s.stream));
+    return Status::ok();
+  };
   MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
                            static_cast<int>(c.vocab_size)}, s.stream));
   MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.layers[0].input_norm.data_as<bf16>(),
@@ -384,6 +497,7 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
   for (int l = 0; l < c.num_layers; ++l) {
     LayerBuffers& b = s.layers[l];
     // Attention.
+    if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.qkv_proj.data_as<bf16>(), s.qkv.data(), DType::kBF16,
                                        T, qkv_width, H, s.stream));
     MOE_LAUNCH(k::qk_norm_rope_kv({s.qkv.data_as<bf16>(), b.q_norm.data_as<bf16>(), b.k_norm.data_as<bf16>(),
@@ -405,6 +519,7 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
     } else {
       MOE_LAUNCH(k::paged_attention(attention, s.stream));
     }
+    if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.attended, static_cast<int>(c.q_size())));
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(), DType::kF32,
                                        T, H, c.q_size(), s.stream));
     MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(),
@@ -421,19 +536,25 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
                                  s.tile_offsets.data_as<int32_t>(), s.sorted_token.data_as<int32_t>(),
                                  s.row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, s.stream));
       const int max_tiles = (T * topk + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
-      MOE_LAUNCH(k::grouped_gemm({s.normed.data_as<bf16>(), s.sorted_token.data_as<int32_t>(), b.w13.data_as<bf16>(),
-                                  s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), s.act.data(),
-                                  inter, H, E, max_tiles, true}, s.stream));
-      MOE_LAUNCH(k::grouped_gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(), s.expert_offsets.data_as<int32_t>(),
-                                  s.tile_offsets.data_as<int32_t>(), s.expert_rows.data(), H, inter, E, max_tiles, false},
-                                 s.stream));
+      if (s.fp8_experts) {
+        MOE_RETURN_IF_ERROR(fp8_experts_step(b, max_tiles));
+      } else {
+        MOE_LAUNCH(k::grouped_gemm({s.normed.data_as<bf16>(), s.sorted_token.data_as<int32_t>(), b.w13.data_as<bf16>(),
+                                    s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), s.act.data(),
+                                    inter, H, E, max_tiles, true}, s.stream));
+        MOE_LAUNCH(k::grouped_gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(),
+                                    s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(),
+                                    s.expert_rows.data(), H, inter, E, max_tiles, false}, s.stream));
+      }
       MOE_LAUNCH(k::moe_unpermute({s.expert_rows.data_as<float>(), s.row_of.data_as<int32_t>(),
                                    s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H}, s.stream));
     } else {
       const int inter = static_cast<int>(c.intermediate_size);
+      if (b.fake_quant_mlp) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
       MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.w13.data_as<bf16>(), s.gate_up.data(), DType::kBF16,
                                          T, 2 * inter, H, s.stream));
       MOE_LAUNCH(k::silu_mul({s.gate_up.data_as<bf16>(), s.act.data_as<bf16>(), T, inter}, s.stream));
+      if (b.fake_quant_mlp) MOE_RETURN_IF_ERROR(fake_quantize(s.act, inter));
       MOE_RETURN_IF_ERROR(s.gemm->matmul(s.act.data_as<bf16>(), b.w2.data_as<bf16>(), s.delta.data(), DType::kF32, T, H,
                                          inter, s.stream));
     }

@@ -20,6 +20,7 @@
 #include "model/qwen3_moe.h"
 #include "model/weights.h"
 #include "ops/cuda/kernels.h"
+#include "ops/quant.h"
 
 namespace moe::model {
 
@@ -32,6 +33,10 @@ struct CudaModelOptions {
   int max_num_seqs = 64;
   int64_t max_model_len = 0;   // longest sequence (page-table stride of graph replays); 0: max_position_embeddings
   bool use_cuda_graphs = true; // decode steps replay captured graphs (vLLM's --enforce-eager turns this off)
+  // Dummy weights only: the experts' format, kNone (bf16) or kFp8Block. Loaded
+  // weights keep fp8-block experts in FP8 and run other quantized projections
+  // dequantized to bf16.
+  ops::QuantFormat dummy_expert_format = ops::QuantFormat::kNone;
 };
 
 struct StepShape;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <vector>
 
@@ -39,12 +40,16 @@ void route_topk(ThreadPool& pool, TensorView router_logits, int k, bool renormal
   });
 }
 
-void swiglu_mlp(ThreadPool& pool, TensorView x, TensorView w13, TensorView w2, TensorView out) {
-  const int64_t num_tokens = x.dim(0), hidden = x.dim(1), inter = w2.dim(1);
-  CHECK(w13.rank() == 2 && w13.dim(0) == 2 * inter && w13.dim(1) == hidden && w2.dim(0) == hidden,
-        "swiglu_mlp: w13 {} w2 {} for hidden {}", w13.shape().to_string(), w2.shape().to_string(), hidden);
+namespace {
+
+using Projection = std::function<void(TensorView in, TensorView out)>;
+
+// silu(gate) * up over the fused [num_tokens, 2 * inter] projection.
+void swiglu_impl(TensorView x, int64_t inter, const Projection& project13, const Projection& project2,
+                 TensorView out) {
+  const int64_t num_tokens = x.dim(0);
   Tensor gate_up(DType::kF32, {num_tokens, 2 * inter});
-  linear(pool, x, w13, gate_up);
+  project13(x, gate_up);
   Tensor activated(DType::kF32, {num_tokens, inter});
   for (int64_t t = 0; t < num_tokens; ++t) {
     const float* gu = gate_up.data_as<float>() + t * 2 * inter;
@@ -54,15 +59,38 @@ void swiglu_mlp(ThreadPool& pool, TensorView x, TensorView w13, TensorView w2, T
       a[i] = g / (1.0f + std::exp(-g)) * gu[inter + i];
     }
   }
-  linear(pool, activated, w2, out);
+  project2(activated, out);
 }
 
-void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorView weights, TensorView w13,
-                 TensorView w2, TensorView out) {
+}  // namespace
+
+void swiglu_mlp(ThreadPool& pool, TensorView x, TensorView w13, TensorView w2, TensorView out) {
+  const int64_t hidden = x.dim(1), inter = w2.dim(1);
+  CHECK(w13.rank() == 2 && w13.dim(0) == 2 * inter && w13.dim(1) == hidden && w2.dim(0) == hidden,
+        "swiglu_mlp: w13 {} w2 {} for hidden {}", w13.shape().to_string(), w2.shape().to_string(), hidden);
+  swiglu_impl(
+      x, inter, [&](TensorView in, TensorView o) { linear(pool, in, w13, o); },
+      [&](TensorView in, TensorView o) { linear(pool, in, w2, o); }, out);
+}
+
+void swiglu_mlp(ThreadPool& pool, TensorView x, const QuantizedTensor& w13, const QuantizedTensor& w2,
+                TensorView out) {
+  const int64_t hidden = x.dim(1), inter = w2.cols();
+  CHECK(w13.rank() == 2 && w2.rank() == 2 && w13.rows() == 2 * inter && w13.cols() == hidden && w2.rows() == hidden,
+        "swiglu_mlp: quantized w13 {} w2 {} for hidden {}", w13.values.shape().to_string(),
+        w2.values.shape().to_string(), hidden);
+  swiglu_impl(
+      x, inter, [&](TensorView in, TensorView o) { quantized_linear(pool, in, w13, o); },
+      [&](TensorView in, TensorView o) { quantized_linear(pool, in, w2, o); }, out);
+}
+
+namespace {
+
+using ExpertMlp = std::function<void(int64_t expert, TensorView in, TensorView out)>;
+
+void moe_experts_impl(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorView weights, int64_t num_experts,
+                      const ExpertMlp& run_expert, TensorView out) {
   const int64_t num_tokens = x.dim(0), hidden = x.dim(1), k = expert_ids.dim(1);
-  const int64_t num_experts = w13.dim(0);
-  CHECK(w13.rank() == 3 && w2.rank() == 3 && w2.dim(0) == num_experts && w2.dim(1) == hidden,
-        "moe_experts: w13 {} w2 {}", w13.shape().to_string(), w2.shape().to_string());
   CHECK(out.shape() == x.shape() && out.dtype() == DType::kF32, "moe_experts: out {}", out.shape().to_string());
   // Permute: the (token, slot) pairs of each expert, in token order.
   std::vector<std::vector<int64_t>> routed(static_cast<size_t>(num_experts));
@@ -83,7 +111,7 @@ void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorVi
     for (int64_t i = 0; i < n; ++i)
       std::copy_n(x.data_as<float>() + (slots[i] / k) * hidden, hidden, gathered.data_as<float>() + i * hidden);
     Tensor expert_out(DType::kF32, {n, hidden});
-    swiglu_mlp(pool, gathered, w13.slice0(e), w2.slice0(e), expert_out);
+    run_expert(e, gathered, expert_out);
     for (int64_t i = 0; i < n; ++i)
       std::copy_n(expert_out.data_as<float>() + i * hidden, hidden, slot_out.data_as<float>() + slots[i] * hidden);
   }
@@ -99,6 +127,28 @@ void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorVi
       }
     }
   });
+}
+
+}  // namespace
+
+void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorView weights, TensorView w13,
+                 TensorView w2, TensorView out) {
+  const int64_t hidden = x.dim(1), num_experts = w13.dim(0);
+  CHECK(w13.rank() == 3 && w2.rank() == 3 && w2.dim(0) == num_experts && w2.dim(1) == hidden,
+        "moe_experts: w13 {} w2 {}", w13.shape().to_string(), w2.shape().to_string());
+  moe_experts_impl(
+      pool, x, expert_ids, weights, num_experts,
+      [&](int64_t e, TensorView in, TensorView o) { swiglu_mlp(pool, in, w13.slice0(e), w2.slice0(e), o); }, out);
+}
+
+void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorView weights,
+                 const QuantizedTensor& w13, const QuantizedTensor& w2, TensorView out) {
+  const int64_t hidden = x.dim(1), num_experts = w13.values.dim(0);
+  CHECK(w13.rank() == 3 && w2.rank() == 3 && w2.values.dim(0) == num_experts && w2.rows() == hidden,
+        "moe_experts: quantized w13 {} w2 {}", w13.values.shape().to_string(), w2.values.shape().to_string());
+  moe_experts_impl(
+      pool, x, expert_ids, weights, num_experts,
+      [&](int64_t e, TensorView in, TensorView o) { swiglu_mlp(pool, in, w13.slice0(e), w2.slice0(e), o); }, out);
 }
 
 }  // namespace moe::ops::cpu

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cuda_bf16.h>
 
 #include "ops/cuda/kernels.h"
 
@@ -30,6 +31,49 @@ __device__ __forceinline__ GemmItem grouped_gemm_item(const int32_t* expert_offs
   item.rows = min(kGroupedGemmTileRows, expert_offsets[lo + 1] - item.row0);
   item.n0 = (index % num_n_tiles) * columns_per_tile;
   return item;
+}
+
+// Epilogues for one accumulator row half h (0: row g, 1: row g + 8) of a
+// consumer thread with lane quad position q, in the wgmma accumulator layout
+// (acc[4 i + 2 h + j] is column 8 i + 2 q + j). Columns n_base + ... past N
+// are dropped.
+//
+// gate_up: kChunks chunks of gate columns, then kChunks of the matching up
+// columns; out_row[n] = bf16(silu(gate) * up).
+template <int kChunks, int kSize>
+__device__ __forceinline__ void store_silu_mul_row(bf16* out_row, const float (&acc)[kSize], int n_base, int N, int h,
+                                                   int q) {
+  static_assert(kSize == 8 * kChunks, "gate and up chunks fill the accumulator");
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int n = n_base + 8 * i + 2 * q;
+    float v[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float gate = acc[4 * i + 2 * h + j], up = acc[4 * (i + kChunks) + 2 * h + j];
+      v[j] = gate / (1.0f + __expf(-gate)) * up;
+    }
+    if (n + 1 < N) {
+      *reinterpret_cast<__nv_bfloat162*>(out_row + n) = __floats2bfloat162_rn(v[0], v[1]);
+    } else if (n < N) {
+      out_row[n] = __float2bfloat16(v[0]);
+    }
+  }
+}
+
+// down: out_row[n] = acc (f32), kSize / 4 chunks of 8 columns.
+template <int kSize>
+__device__ __forceinline__ void store_f32_row(float* out_row, const float (&acc)[kSize], int n_base, int N, int h,
+                                              int q) {
+#pragma unroll
+  for (int i = 0; i < kSize / 4; ++i) {
+    const int n = n_base + 8 * i + 2 * q;
+    if (n + 1 < N) {
+      *reinterpret_cast<float2*>(out_row + n) = make_float2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]);
+    } else if (n < N) {
+      out_row[n] = acc[4 * i + 2 * h];
+    }
+  }
 }
 
 }  // namespace moe::ops::cuda

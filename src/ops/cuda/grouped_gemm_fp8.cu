@@ -179,33 +179,11 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
       const int r = warp * 16 + g + 8 * h;
       if (r >= item.rows) continue;
       if constexpr (kGateUp) {
-        bf16* out = static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int n = item.n0 + 64 * consumer + 8 * i + 2 * q;
-          float v[2];
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const float gate = acc[4 * i + 2 * h + j], up = acc[4 * (i + 8) + 2 * h + j];
-            v[j] = gate / (1.0f + __expf(-gate)) * up;
-          }
-          if (n + 1 < p.N) {
-            *reinterpret_cast<__nv_bfloat162*>(out + n) = __floats2bfloat162_rn(v[0], v[1]);
-          } else if (n < p.N) {
-            out[n] = __float2bfloat16(v[0]);
-          }
-        }
+        store_silu_mul_row<8>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
+                              item.n0 + 64 * consumer, p.N, h, q);
       } else {
-        float* out = static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const int n = item.n0 + 128 * consumer + 8 * i + 2 * q;
-          if (n + 1 < p.N) {
-            *reinterpret_cast<float2*>(out + n) = make_float2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]);
-          } else if (n < p.N) {
-            out[n] = acc[4 * i + 2 * h];
-          }
-        }
+        store_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
+                      item.n0 + 128 * consumer, p.N, h, q);
       }
     }
   }
@@ -236,7 +214,17 @@ __global__ void quantize_fp8_groups_kernel(QuantizeFp8Params p) {
       p.out[base + lane * 4 + j] =
           static_cast<uint8_t>(__nv_cvt_float_to_fp8(v[j] / scale, __NV_SATFINITE, __NV_E4M3));
   }
-  if (lane == 0) p.scales[static_cast<int64_t>(row) * groups + group] = scale;
+  if (lane == 0 && p.scales != nullptr) p.scales[static_cast<int64_t>(row) * groups + group] = scale;
+  if (p.dequantized != nullptr) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int col = group * kGroup + lane * 4 + j;
+      if (col < p.cols) {
+        const float q = __half2float(__half(__nv_cvt_fp8_to_halfraw(p.out[base + lane * 4 + j], __NV_E4M3)));
+        p.dequantized[base + lane * 4 + j] = __float2bfloat16(q * scale);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -131,33 +131,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_grouped_gemm_kernel(const _
       const int r = warp * 16 + g + 8 * h;
       if (r >= item.rows) continue;
       if constexpr (kGateUp) {
-        bf16* out = static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const int n = item.n0 + 8 * i + 2 * q;
-          float v[2];
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const float gate = acc[4 * i + 2 * h + j], up = acc[4 * (i + 16) + 2 * h + j];
-            v[j] = gate / (1.0f + __expf(-gate)) * up;
-          }
-          if (n + 1 < p.N) {
-            *reinterpret_cast<__nv_bfloat162*>(out + n) = __floats2bfloat162_rn(v[0], v[1]);
-          } else if (n < p.N) {
-            out[n] = __float2bfloat16(v[0]);
-          }
-        }
+        store_silu_mul_row<16>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc, item.n0,
+                               p.N, h, q);
       } else {
-        float* out = static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          const int n = item.n0 + 8 * i + 2 * q;
-          if (n + 1 < p.N) {
-            *reinterpret_cast<float2*>(out + n) = make_float2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1]);
-          } else if (n < p.N) {
-            out[n] = acc[4 * i + 2 * h];
-          }
-        }
+        store_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc, item.n0, p.N, h, q);
       }
     }
   }

@@ -159,8 +159,9 @@ cudaError_t wgmma_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream);
 struct QuantizeFp8Params {
   const bf16* in;   // [rows, cols]
   uint8_t* out;     // [rows, cols] E4M3
-  float* scales;    // [rows, ceil(cols / 128)]
+  float* scales;    // [rows, ceil(cols / 128)] or nullptr
   int rows, cols;
+  bf16* dequantized = nullptr;  // optional [rows, cols]: bf16(out * scale), may be `in` (in place)
 };
 cudaError_t quantize_fp8_groups(const QuantizeFp8Params& p, cudaStream_t stream);
 
