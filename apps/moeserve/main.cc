@@ -13,10 +13,11 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   moe::apps::add_generate_command(app);
   moe::apps::add_serve_command(app);
+  moe::apps::add_disagg_commands(app);
   moe::apps::add_bench_command(app);
   moe::apps::add_tokenize_commands(app);
-  try {
   moe::apps::add_quantize_command(app);
+  try {
     app.parse(argc, argv);
   } catch (const CLI::RuntimeError& e) {
     return e.get_exit_code();  // the command failed and logged why

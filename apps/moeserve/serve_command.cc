@@ -25,33 +25,7 @@
 #include "tokenizer/tokenizer.h"
 
 namespace moe::apps {
-namespace {
 
-struct ServeArgs {
-  std::string model;
-  std::string served_model_name;
-  std::string host = "127.0.0.1";
-  int port = 8000;
-  std::string api_key;
-  int max_num_seqs = 64;
-  int max_model_len = 0;  // 0: min(the model's max_position_embeddings, 4096)
-  int max_num_batched_tokens = 512;
-  double kv_cache_gb = 1.0;
-  int page_size = 16;
-  std::string kv_dtype = "f32";
-  bool no_prefix_caching = false;
-  DeviceArgs device;
-  int threads = 0;
-  int http_threads = 2;
-  std::string reasoning_parser;
-  size_t max_body_bytes = size_t{1} << 20;
-  double read_timeout_s = 15;
-  double request_timeout_s = 600;
-  int max_waiting = 1024;
-  size_t max_connections = 1024;
-  int max_n = 16;
-  int max_logprobs = 20;
-};
 
 // Sampling defaults from DIR/generation_config.json (temperature, top_p,
 // top_k, min_p), as vLLM applies them; OpenAI's defaults when absent.
@@ -126,7 +100,7 @@ server::HttpServerOptions http_options(const ServeArgs& args) {
 }
 
 // The effective configuration, the sampling defaults and the KV capacity.
-void log_startup(const ServeArgs& args, const engine::SchedulerOptions& sched, const kv::KvCacheLayout& layout,
+static void log_startup(const ServeArgs& args, const engine::SchedulerOptions& sched, const kv::KvCacheLayout& layout,
                  int num_threads) {
   const auto num_layers = static_cast<size_t>(layout.num_layers);
   const int64_t kv_tokens = static_cast<int64_t>(sched.num_pages) * sched.page_size;
@@ -146,7 +120,7 @@ void log_startup(const ServeArgs& args, const engine::SchedulerOptions& sched, c
 // Reads the checkpoint files once, showing progress (a bar on a terminal,
 // a line per 10% otherwise), so the loader that follows maps them from the
 // page cache: on a large model the disk read is what takes the time.
-void prefetch_weights(const std::string& model_dir) {
+static void prefetch_weights(const std::string& model_dir) {
   namespace fs = std::filesystem;
   std::vector<fs::path> files;
   uintmax_t total = 0;
@@ -182,6 +156,7 @@ void prefetch_weights(const std::string& model_dir) {
 }
 
 Status run_serve(ServeArgs args) {
+  if (args.disagg) return run_cluster(std::move(args));
   MOE_RETURN_IF_ERROR(check_device(args.device));
   if (args.model.empty()) args.model = find_default_model();
   if (args.page_size < 1 || args.page_size > 1024) return invalid_argument("--page-size must be in [1, 1024]");
@@ -247,9 +222,19 @@ Status run_serve(ServeArgs args) {
 
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   server::HttpServer http;  // declared first: destroyed after everything that may hold a connection
-  if (!runner) runner = std::make_unique<engine::Qwen3Runner>(model, pool, layout);
+  const kv::KvCache* kv_cache = nullptr;  // the CPU runner's, for the disaggregated roles
+  if (!runner) {
+    auto cpu_runner = std::make_unique<engine::Qwen3Runner>(model, pool, layout);
+    kv_cache = &cpu_runner->cache();
+    runner = std::move(cpu_runner);
+  }
   engine::Engine engine(std::move(runner), engine_options);
-  server::OpenAiApi api(engine, tok ? &*tok : nullptr, api_options(args, sched));
+  if (args.role != "colocated") {
+    if (!kv_cache) return invalid_argument("the {} role runs on the CPU backend only for now", args.role);
+    return run_instance(args, engine, *kv_cache, http, signals);
+  }
+  server::EngineBackend backend(engine);
+  server::OpenAiApi api(backend, tok ? &*tok : nullptr, api_options(args, sched));
   MOE_RETURN_IF_ERROR(http.start(http_options(args), [&api](server::HttpRequest r, std::shared_ptr<server::HttpExchange> e) {
     api.handle(std::move(r), std::move(e));
   }));
@@ -265,13 +250,10 @@ Status run_serve(ServeArgs args) {
   return Status::ok();
 }
 
-}  // namespace
-
 std::string default_model_dir() { return find_default_model(); }
 
-void add_serve_command(CLI::App& app) {
-  auto args = std::make_shared<ServeArgs>();
-  CLI::App* cmd = app.add_subcommand("serve", "Serve the OpenAI-compatible HTTP API (default model: the bundled demo)");
+void add_engine_options(CLI::App* cmd, ServeArgs& a) {
+  ServeArgs* args = &a;
   cmd->add_option("--model", args->model, "Model directory (default: the bundled demo model)");
   cmd->add_option("--served-model-name", args->served_model_name, "Model name in the API (default: the directory name)");
   cmd->add_option("--host", args->host, "Address to bind (default 127.0.0.1)");
@@ -297,6 +279,13 @@ void add_serve_command(CLI::App& app) {
       ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--max-n", args->max_n, "Largest n (choices per request)")->check(CLI::Range(1, 1024));
   cmd->add_option("--max-logprobs", args->max_logprobs, "Largest logprobs / top_logprobs")->check(CLI::Range(0, 1000));
+}
+
+void add_serve_command(CLI::App& app) {
+  auto args = std::make_shared<ServeArgs>();
+  CLI::App* cmd = app.add_subcommand("serve", "Serve the OpenAI-compatible HTTP API (default model: the bundled demo)");
+  add_engine_options(cmd, *args);
+  add_cluster_options(cmd, *args);
   cmd->callback([args] {
     Status status = run_serve(*args);
     if (!status.is_ok()) {

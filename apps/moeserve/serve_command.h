@@ -1,12 +1,85 @@
 // `moeserve serve`: the OpenAI-compatible server on one process (colocated
-// prefill and decode). With no --model it serves the bundled demo model.
+// prefill and decode), or with --disagg a local cluster (router + prefill and
+// decode instances, apps/moeserve/disagg_command.h). With no --model it serves
+// the bundled demo model.
+//
+// The engine flags and start-up are shared with the disaggregated roles
+// (`moeserve prefill`, `moeserve decode`): run_serve() with args.role set runs
+// the engine behind that role's internal endpoint instead of the API.
 #pragma once
+
+#include <csignal>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
+#include "apps/moeserve/device_options.h"
+#include "core/status.h"
+#include "engine/engine.h"
+#include "engine/sampler.h"
+#include "kv/kv_cache.h"
+#include "model/config.h"
+#include "server/http_server.h"
+#include "server/openai_api.h"
+
 namespace moe::apps {
+
+struct ServeArgs {
+  std::string model;
+  std::string served_model_name;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string api_key;
+  int max_num_seqs = 64;
+  int max_model_len = 0;  // 0: min(the model's max_position_embeddings, 4096)
+  int max_num_batched_tokens = 512;
+  double kv_cache_gb = 1.0;
+  int page_size = 16;
+  std::string kv_dtype = "f32";
+  bool no_prefix_caching = false;
+  DeviceArgs device;
+  int threads = 0;
+  int http_threads = 2;
+  std::string reasoning_parser;
+  size_t max_body_bytes = size_t{1} << 20;
+  double read_timeout_s = 15;
+  double request_timeout_s = 600;
+  int max_waiting = 1024;
+  size_t max_connections = 1024;
+  int max_n = 16;
+  int max_logprobs = 20;
+  // Disaggregated serving (docs/disagg.md).
+  std::string role = "colocated";  // or "prefill", "decode"
+  bool disagg = false;             // serve --disagg: a local cluster
+  int prefill_instances = 1, decode_instances = 1;
+  int decode_batch_threshold = 32;
+  int max_prefill_retries = 2;
+  double lease_s = 0;  // decode reservations' lease (0: 60 s, or the decode instance's when sent by the router)
+  std::string transfer_host = "127.0.0.1";  // the TransferEngine listener of an instance
+  int transfer_port = 0;
+  std::string router_url;  // an instance registers itself there when set
+  double fault_abort_ack_delay_s = 0;  // prefill: fault injection (tests)
+};
+
 void add_serve_command(CLI::App& app);
+// The flags of the engine (serve, prefill, decode).
+void add_engine_options(CLI::App* cmd, ServeArgs& args);
+Status run_serve(ServeArgs args);
 // The bundled demo model's directory (models/moeserve-demo in the source tree,
 // or next to the installed binary).
 std::string default_model_dir();
+std::string find_default_model();
+engine::SamplingParams generation_defaults(const std::string& model_dir);
+Expected<engine::SchedulerOptions> scheduler_options(const ServeArgs& args, const model::ModelConfig& config,
+                                                     size_t page_bytes_all_layers);
+server::ApiOptions api_options(const ServeArgs& args, const engine::SchedulerOptions& sched);
+server::HttpServerOptions http_options(const ServeArgs& args);
+
+// apps/moeserve/disagg_command.cc
+void add_cluster_options(CLI::App* cmd, ServeArgs& args);
+void add_disagg_commands(CLI::App& app);  // prefill, decode, router
+Status run_cluster(ServeArgs args);
+// Runs a prefill or decode instance's control endpoint over `engine` until SIGINT/SIGTERM.
+Status run_instance(const ServeArgs& args, engine::Engine& engine, const kv::KvCache& cache, server::HttpServer& http,
+                    const sigset_t& signals);
 }  // namespace moe::apps

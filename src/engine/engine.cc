@@ -81,10 +81,16 @@ Expected<uint64_t> Engine::submit(EngineRequest request, OutputCallback on_outpu
                             request.max_tokens, options_.scheduler.max_model_len);
   MOE_RETURN_IF_ERROR(validate_sampling(request.sampling));
   if (request.num_logprobs > vocab_size_) return invalid_argument("logprobs must be at most {}", vocab_size_);
-  if (dead_.load()) return unavailable("the engine has failed");
+  if (request.kv_export && !runner_->supports_layer_hook())
+    return invalid_argument("this model runner cannot export KV layer by layer");
   Active active;
   active.request = std::move(request);
   active.on_output = std::move(on_output);
+  return enqueue(std::move(active));
+}
+
+Expected<uint64_t> Engine::enqueue(Active active) {
+  if (dead_.load()) return unavailable("the engine has failed");
   active.arrival_s = monotonic_seconds();
   uint64_t id = 0;
   {
@@ -98,6 +104,45 @@ Expected<uint64_t> Engine::submit(EngineRequest request, OutputCallback on_outpu
   }
   wake_.notify_one();
   return id;
+}
+
+Expected<uint64_t> Engine::submit_prefilled(EngineRequest request, std::vector<int32_t> pages, int32_t first_token,
+                                            OutputCallback on_output) {
+  if (request.prompt.empty()) return invalid_argument("the prompt is empty");
+  for (int32_t id : request.prompt)
+    if (id < 0 || id >= vocab_size_) return invalid_argument("token id {} is outside the vocabulary [0, {})", id, vocab_size_);
+  if (first_token < 0 || first_token >= vocab_size_)
+    return invalid_argument("first token {} is outside the vocabulary [0, {})", first_token, vocab_size_);
+  if (request.max_tokens < 1) return invalid_argument("max_tokens must be at least 1, got {}", request.max_tokens);
+  MOE_RETURN_IF_ERROR(validate_sampling(request.sampling));
+  if (request.kv_export) return invalid_argument("a prefilled request exports no KV");
+  Active active;
+  active.request = std::move(request);
+  active.on_output = std::move(on_output);
+  active.prefilled_pages = std::move(pages);
+  active.first_token = first_token;
+  active.num_output_tokens = 1;
+  return enqueue(std::move(active));
+}
+
+void Engine::reserve(int32_t num_tokens, std::function<void(Expected<std::vector<int32_t>>)> done) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!stop_) {
+      commands_.push_back([this, num_tokens, done] { done(scheduler_.reserve_pages(num_tokens)); });
+      wake_.notify_one();
+      return;
+    }
+  }
+  done(unavailable("the engine is shutting down"));
+}
+
+void Engine::release(std::vector<int32_t> pages) {
+  {
+    std::lock_guard lock(mutex_);
+    commands_.push_back([this, pages = std::move(pages)] { scheduler_.release_reserved(pages); });
+  }
+  wake_.notify_one();
 }
 
 void Engine::cancel(uint64_t id) {
@@ -129,6 +174,12 @@ void Engine::finish(uint64_t id, EngineOutput out) {
     if (a.first_token_s >= 0 && a.num_output_tokens > 1)
       metrics_.time_per_output_token_seconds.observe((now - a.first_token_s) / (a.num_output_tokens - 1));
   }
+  if (a.request.kv_export) {  // the transfer may still read the pages
+    std::vector<int32_t> held = scheduler_.take_held_pages(id);
+    a.request.kv_export->on_finished([this, held = std::move(held)]() mutable {
+      if (!held.empty()) release(std::move(held));
+    });
+  }
   OutputCallback callback = std::move(a.on_output);
   active_.erase(it);
   deliver(callback, out);
@@ -137,35 +188,53 @@ void Engine::finish(uint64_t id, EngineOutput out) {
 void Engine::drain_queues() {
   std::vector<std::pair<uint64_t, Active>> incoming;
   std::vector<uint64_t> cancels;
+  std::vector<std::function<void()>> commands;
   {
     std::lock_guard lock(mutex_);
     incoming.swap(incoming_);
     cancels.swap(cancels_);
+    commands.swap(commands_);
   }
-  for (auto& [id, active] : incoming) {
-    SequenceSpec spec;
-    spec.id = id;
-    spec.prompt = active.request.prompt;
-    spec.max_tokens = active.request.max_tokens;
-    spec.eos_token_ids = options_.eos_token_ids;
-    spec.stop_token_ids = active.request.stop_token_ids;
-    spec.ignore_eos = active.request.ignore_eos;
-    if (active.request.timeout_s > 0) spec.deadline_s = active.arrival_s + active.request.timeout_s;
-    const auto& sampling = active.request.sampling;
-    active.seed = sampling.seed ? *sampling.seed : seed_source_();
-    Status status = scheduler_.add(std::move(spec));
-    auto [it, inserted] = active_.emplace(id, std::move(active));
-    CHECK(inserted, "request id {} twice", id);
-    if (!status.is_ok()) {
-      EngineOutput out;
-      out.error = status;
-      finish(id, std::move(out));
-    }
-  }
+  for (auto& command : commands) command();
+  for (auto& [id, active] : incoming) admit(id, std::move(active));
   for (uint64_t id : cancels) {
     if (!scheduler_.abort(id)) continue;
     EngineOutput out;
     out.finish = FinishReason::kAbort;
+    finish(id, std::move(out));
+  }
+}
+
+void Engine::admit(uint64_t id, Active active) {
+  SequenceSpec spec;
+  spec.id = id;
+  spec.prompt = active.request.prompt;
+  spec.max_tokens = active.request.max_tokens;
+  spec.eos_token_ids = options_.eos_token_ids;
+  spec.stop_token_ids = active.request.stop_token_ids;
+  spec.ignore_eos = active.request.ignore_eos;
+  spec.hold_pages = active.request.kv_export != nullptr;
+  if (active.request.timeout_s > 0) spec.deadline_s = active.arrival_s + active.request.timeout_s;
+  const auto& sampling = active.request.sampling;
+  active.seed = sampling.seed ? *sampling.seed : seed_source_();
+  const bool prefilled = active.first_token >= 0;
+  std::vector<int32_t> pages = std::move(active.prefilled_pages);
+  const int32_t first_token = active.first_token;
+  if (prefilled) active.first_token_s = active.arrival_s;
+  auto [it, inserted] = active_.emplace(id, std::move(active));
+  CHECK(inserted, "request id {} twice", id);
+  EngineOutput out;
+  if (!prefilled) {
+    out.error = scheduler_.add(std::move(spec));
+    if (!out.error.is_ok()) finish(id, std::move(out));
+    return;
+  }
+  auto update = scheduler_.add_prefilled(std::move(spec), std::move(pages), first_token);
+  if (!update) {
+    out.error = update.status();
+    finish(id, std::move(out));
+  } else if (update->finish != FinishReason::kNone) {
+    out.finish = update->finish;  // the first token ended it: nothing more to add
     finish(id, std::move(out));
   }
 }
@@ -186,7 +255,9 @@ void Engine::loop() {
   while (true) {
     {
       std::unique_lock lock(mutex_);
-      wake_.wait(lock, [&] { return stop_ || !incoming_.empty() || !cancels_.empty() || scheduler_.has_work(); });
+      wake_.wait(lock, [&] {
+        return stop_ || !incoming_.empty() || !cancels_.empty() || !commands_.empty() || scheduler_.has_work();
+      });
       if (stop_) break;
     }
     drain_queues();
@@ -252,6 +323,65 @@ void Engine::log_throughput(double now) {
   logged_generation_tokens_ = generated;
 }
 
+// The per-layer hook of a step with KV-exporting requests (empty when none):
+// each such chunk hands over its positions not exported yet, which include
+// a prefix-cache hit on its first chunk.
+std::function<void(int)> Engine::export_hook(const StepPlan& plan) {
+  std::vector<const ScheduledChunk*> chunks;
+  for (const ScheduledChunk& chunk : plan.chunks)
+    if (active_.at(chunk.id).request.kv_export) chunks.push_back(&chunk);
+  if (chunks.empty()) return {};
+  return [this, chunks = std::move(chunks)](int layer) {
+    for (const ScheduledChunk* chunk : chunks) {
+      const Active& a = active_.at(chunk->id);
+      const int32_t end = chunk->start + chunk->num_tokens;
+      if (end <= a.num_exported_tokens) continue;
+      a.request.kv_export->on_layer_written(layer, a.num_exported_tokens, end - a.num_exported_tokens,
+                                            scheduler_.pages_of(chunk->id));
+    }
+  };
+}
+
+void Engine::after_export(const StepPlan& plan) {
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    Active& a = active_.at(chunk.id);
+    if (a.request.kv_export) a.num_exported_tokens = std::max(a.num_exported_tokens, chunk.start + chunk.num_tokens);
+  }
+}
+
+// The step's forward pass and sampling: on the runner's device unless a
+// request wants logprobs (computed here from the logits).
+Status Engine::run_forward(const StepPlan& plan, std::vector<int32_t>& tokens,
+                           std::vector<std::optional<TokenLogprobs>>& logprobs) {
+  const model::ForwardBatch batch = scheduler_.build_batch(plan);
+  bool on_device = runner_->samples_on_device();
+  std::vector<RowSampling> rows;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    if (!chunk.sample) continue;
+    const Active& a = active_.at(chunk.id);
+    on_device &= a.request.num_logprobs < 0;
+    rows.push_back({a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
+  }
+  Status status;
+  runner_->set_layer_hook(export_hook(plan));
+  try {  // the runner's libraries may throw: the module boundary
+    if (on_device) {
+      auto sampled = runner_->forward_and_sample(batch, rows);
+      if (sampled) tokens = std::move(sampled).value(), logprobs.resize(tokens.size());
+      status = sampled.status();
+    } else {
+      auto logits = runner_->forward(batch);
+      if (logits) sample(plan, *logits, tokens, logprobs);
+      status = logits.status();
+    }
+  } catch (const std::exception& e) {
+    status = internal_error("{}", e.what());
+  }
+  runner_->set_layer_hook({});
+  after_export(plan);
+  return status;
+}
+
 void Engine::step() {
   const double now = monotonic_seconds();
   StepPlan plan = scheduler_.schedule(now);
@@ -268,32 +398,10 @@ void Engine::step() {
     std::lock_guard lock(mutex_);
     metrics_.request_queue_time_seconds.observe(now - a.arrival_s);
   }
-  // Sample on the runner's device unless a request wants logprobs (computed here from the logits).
-  const model::ForwardBatch batch = scheduler_.build_batch(plan);
-  bool on_device = runner_->samples_on_device();
-  std::vector<RowSampling> rows;
-  for (const ScheduledChunk& chunk : plan.chunks) {
-    if (!chunk.sample) continue;
-    const Active& a = active_.at(chunk.id);
-    on_device &= a.request.num_logprobs < 0;
-    rows.push_back({a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
-  }
   std::vector<int32_t> tokens;
   std::vector<std::optional<TokenLogprobs>> logprobs;
-  Status status;
-  try {  // the runner's libraries may throw: the module boundary
-    if (on_device) {
-      auto sampled = runner_->forward_and_sample(batch, rows);
-      if (sampled) tokens = std::move(sampled).value(), logprobs.resize(tokens.size());
-      status = sampled.status();
-    } else {
-      auto logits = runner_->forward(batch);
-      if (logits) sample(plan, *logits, tokens, logprobs);
-      status = logits.status();
-    }
-  } catch (const std::exception& e) {
-    status = internal_error("{}", e.what());
-  }
+  const double forward_start = monotonic_seconds();
+  const Status status = run_forward(plan, tokens, logprobs);
   if (!status.is_ok()) {
     log_error("engine: the forward pass failed: {}", status.to_string());
     dead_ = true;
@@ -308,6 +416,7 @@ void Engine::step() {
     metrics_.prompt_tokens_total += plan.num_prefill_tokens;
     metrics_.generation_tokens_total += static_cast<int64_t>(updates.size());
     ++metrics_.num_steps_total;
+    metrics_.busy_seconds_total += done - forward_start;
   }
   log_throughput(done);
   for (size_t i = 0; i < updates.size(); ++i) {

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <span>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -30,6 +31,21 @@
 
 namespace moe::engine {
 
+// Receives a prefill's KV as the forward pass writes it, layer by layer
+// (disaggregated prefill, docs/disagg.md): positions [start, start +
+// num_tokens) of `layer` are in `pages` (the sequence's pages, position p in
+// pages[p / page_size]). Called on the engine thread inside the forward pass:
+// it must only queue work (transfers), never block.
+class KvExportSink {
+ public:
+  virtual ~KvExportSink() = default;
+  virtual void on_layer_written(int layer, int32_t start, int32_t num_tokens, std::span<const int32_t> pages) = 0;
+  // The request finished; its pages stay untouched until the sink calls
+  // `release_pages` (exactly once, from any thread) when its transfers no
+  // longer read them. Called on the engine thread, before the final output.
+  virtual void on_finished(std::function<void()> release_pages) { release_pages(); }
+};
+
 struct EngineRequest {
   std::vector<int32_t> prompt;
   int max_tokens = 16;
@@ -38,6 +54,9 @@ struct EngineRequest {
   std::vector<int32_t> stop_token_ids;  // in addition to the model's eos ids
   int num_logprobs = -1;                // -1: none; k >= 0: the sampled token's logprob and the top k
   double timeout_s = 0;                 // 0: no deadline
+  // Set: every layer's KV of the prompt is handed to it as it is written
+  // (needs a runner with layer hooks; the prefix-cached part included).
+  std::shared_ptr<KvExportSink> kv_export;
 };
 
 struct TokenLogprobs {
@@ -78,6 +97,19 @@ class Engine {
 
   // Validates and queues a request; the id names it for cancel().
   Expected<uint64_t> submit(EngineRequest request, OutputCallback on_output);
+  // Disaggregated decode (docs/disagg.md). reserve() holds pages for
+  // `num_tokens` outside any request and answers on the engine thread (the
+  // page ids, or kResourceExhausted); release() gives them back;
+  // submit_prefilled() starts a request whose prompt KV is in `pages` (from a
+  // reservation) and whose first output token, `first_token`, was sampled
+  // elsewhere: it decodes from there. Its outputs start with the second token
+  // (or a final output with token -1 when the first one already ended it).
+  // If it is refused at submission or on the engine thread, the pages stay
+  // reserved: the caller releases them.
+  void reserve(int32_t num_tokens, std::function<void(Expected<std::vector<int32_t>>)> done);
+  void release(std::vector<int32_t> pages);
+  Expected<uint64_t> submit_prefilled(EngineRequest request, std::vector<int32_t> pages, int32_t first_token,
+                                      OutputCallback on_output);
   // Ends the request with finish kAbort as soon as the loop sees it, freeing
   // its pages; a no-op for an unknown or finished id.
   void cancel(uint64_t id);
@@ -96,7 +128,16 @@ class Engine {
     uint64_t seed = 0;
     double arrival_s = 0, first_scheduled_s = -1, first_token_s = -1;
     int num_output_tokens = 0;
+    std::vector<int32_t> prefilled_pages;  // submit_prefilled(): the reservation
+    int32_t first_token = -1;              // submit_prefilled(): sampled by the prefill instance
+    int32_t num_exported_tokens = 0;       // request.kv_export: positions handed over
   };
+  Expected<uint64_t> enqueue(Active active);
+  void admit(uint64_t id, Active active);
+  std::function<void(int)> export_hook(const StepPlan& plan);
+  void after_export(const StepPlan& plan);
+  Status run_forward(const StepPlan& plan, std::vector<int32_t>& tokens,
+                     std::vector<std::optional<TokenLogprobs>>& logprobs);
   void loop();
   void drain_queues();
   void step();
@@ -120,6 +161,7 @@ class Engine {
   std::condition_variable wake_;
   std::vector<std::pair<uint64_t, Active>> incoming_;
   std::vector<uint64_t> cancels_;
+  std::vector<std::function<void()>> commands_;  // run on the engine thread (reserve, release)
   uint64_t next_id_ = 1;
   int num_queued_ = 0;  // incoming + waiting in the scheduler
   bool stop_ = false;

@@ -35,6 +35,7 @@ struct EngineMetrics {
   int64_t prefix_cache_hits_total = 0;     // tokens found
   int64_t request_success_total[4] = {};   // by FinishReason: none(unused), stop, length, abort
   int64_t num_steps_total = 0;
+  double busy_seconds_total = 0;  // time in forward passes (capacity = prompt tokens / busy time)
   // Histograms, seconds.
   Histogram time_to_first_token_seconds;
   Histogram time_per_output_token_seconds;

@@ -11,6 +11,6 @@ Qwen3Runner::Qwen3Runner(const model::Qwen3MoeModel& model, ThreadPool& pool, co
   for (int l = 0; l < layout.num_layers; ++l) layers_.push_back(cache_.layer(l));
 }
 
-Expected<Tensor> Qwen3Runner::forward(const model::ForwardBatch& batch) { return model_.forward(pool_, batch, layers_); }
+Expected<Tensor> Qwen3Runner::forward(const model::ForwardBatch& batch) { return model_.forward(pool_, batch, layers_, hook_); }
 
 }  // namespace moe::engine

@@ -5,6 +5,7 @@
 // forward() is called by the engine thread only.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -32,6 +33,11 @@ class ModelRunner {
   virtual bool samples_on_device() const { return false; }
   virtual Expected<std::vector<int32_t>> forward_and_sample(const model::ForwardBatch& batch,
                                                             std::span<const RowSampling> rows);
+  // Disaggregated prefill: a runner that supports it calls `hook(layer)` in
+  // the next forward passes once that layer's KV for the whole batch is in its
+  // cache (empty: no hook). The others ignore it and say so here.
+  virtual bool supports_layer_hook() const { return false; }
+  virtual void set_layer_hook(std::function<void(int layer)> hook) { (void)hook; }
 };
 
 // The Qwen3-MoE CPU forward over its own paged KV cache.
@@ -40,9 +46,12 @@ class Qwen3Runner final : public ModelRunner {
   Qwen3Runner(const model::Qwen3MoeModel& model, ThreadPool& pool, const kv::KvCacheLayout& layout);
   int64_t vocab_size() const override { return model_.config().vocab_size; }
   Expected<Tensor> forward(const model::ForwardBatch& batch) override;
+  bool supports_layer_hook() const override { return true; }
+  void set_layer_hook(std::function<void(int layer)> hook) override { hook_ = std::move(hook); }
   const kv::KvCache& cache() const { return cache_; }
 
  private:
+  std::function<void(int)> hook_;
   const model::Qwen3MoeModel& model_;
   ThreadPool& pool_;
   kv::KvCache cache_;

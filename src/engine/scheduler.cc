@@ -42,7 +42,12 @@ Status Scheduler::add(SequenceSpec spec) {
 }
 
 void Scheduler::finish(Sequence& seq) {
-  cache_.release(seq.pages);
+  if (seq.spec.hold_pages && !seq.pages.empty()) {
+    num_reserved_pages_ += static_cast<int32_t>(seq.pages.size());
+    held_pages_[seq.spec.id] = std::move(seq.pages);
+  } else {
+    cache_.release(seq.pages);
+  }
   if (seq.running) running_.erase(std::find(running_.begin(), running_.end(), &seq));
   else waiting_.erase(std::find(waiting_.begin(), waiting_.end(), &seq));
   seqs_.erase(seq.spec.id);
@@ -192,16 +197,78 @@ std::vector<SequenceUpdate> Scheduler::complete_step(const StepPlan& plan, std::
     SequenceUpdate u{spec.id, token};
     u.num_prompt_tokens = static_cast<int>(spec.prompt.size());
     u.num_output_tokens = static_cast<int>(seq.tokens.size() - spec.prompt.size());
-    const bool eos = !spec.ignore_eos && std::count(spec.eos_token_ids.begin(), spec.eos_token_ids.end(), token);
-    const bool stop = std::count(spec.stop_token_ids.begin(), spec.stop_token_ids.end(), token) > 0;
-    if (eos || stop) u.finish = FinishReason::kStop;
-    else if (u.num_output_tokens >= spec.max_tokens || static_cast<int>(seq.tokens.size()) >= options_.max_model_len)
-      u.finish = FinishReason::kLength;
+    u.finish = finish_reason_after(seq, token);
     if (u.finish != FinishReason::kNone) finish(seq);
     updates.push_back(u);
   }
   CHECK(next_sample == sampled.size(), "{} sampled tokens for {} sampling chunks", sampled.size(), next_sample);
   return updates;
+}
+
+// Called once `token` is appended to `seq.tokens`.
+FinishReason Scheduler::finish_reason_after(const Sequence& seq, int32_t token) const {
+  const auto& spec = seq.spec;
+  const bool eos = !spec.ignore_eos && std::count(spec.eos_token_ids.begin(), spec.eos_token_ids.end(), token);
+  const bool stop = std::count(spec.stop_token_ids.begin(), spec.stop_token_ids.end(), token) > 0;
+  if (eos || stop) return FinishReason::kStop;
+  const auto num_output = static_cast<int>(seq.tokens.size() - spec.prompt.size());
+  if (num_output >= spec.max_tokens || static_cast<int>(seq.tokens.size()) >= options_.max_model_len)
+    return FinishReason::kLength;
+  return FinishReason::kNone;
+}
+
+std::vector<int32_t> Scheduler::take_held_pages(uint64_t id) {
+  auto it = held_pages_.find(id);
+  if (it == held_pages_.end()) return {};
+  std::vector<int32_t> pages = std::move(it->second);
+  held_pages_.erase(it);
+  return pages;
+}
+
+Expected<std::vector<int32_t>> Scheduler::reserve_pages(int32_t num_tokens) {
+  if (num_tokens < 1 || num_tokens > options_.max_model_len)
+    return invalid_argument("cannot reserve KV for {} tokens (max_model_len {})", num_tokens, options_.max_model_len);
+  auto pages = cache_.allocate(pages_for(num_tokens));
+  if (!pages) return resource_exhausted("no KV pages for {} tokens ({} available)", num_tokens, cache_.num_available());
+  num_reserved_pages_ += static_cast<int32_t>(pages->size());
+  return pages;
+}
+
+void Scheduler::release_reserved(std::span<const int32_t> pages) {
+  CHECK(static_cast<int32_t>(pages.size()) <= num_reserved_pages_, "releasing {} pages, {} reserved", pages.size(),
+        num_reserved_pages_);
+  num_reserved_pages_ -= static_cast<int32_t>(pages.size());
+  cache_.release(pages);
+}
+
+Expected<SequenceUpdate> Scheduler::add_prefilled(SequenceSpec spec, std::vector<int32_t> pages, int32_t first_token) {
+  const auto num_prompt = static_cast<int32_t>(spec.prompt.size());
+  if (spec.prompt.empty() || spec.max_tokens < 1 || num_prompt + spec.max_tokens > options_.max_model_len)
+    return invalid_argument("prompt ({} tokens) + max_tokens ({}) is over max_model_len {}", num_prompt, spec.max_tokens,
+                            options_.max_model_len);
+  if (static_cast<int64_t>(pages.size()) * options_.page_size < num_prompt)
+    return invalid_argument("{} pages cannot hold a prompt of {} tokens", pages.size(), num_prompt);
+  if (seqs_.count(spec.id)) return invalid_argument("sequence id {} is in use", spec.id);
+  CHECK(static_cast<int32_t>(pages.size()) <= num_reserved_pages_, "prefilled pages were not reserved");
+  num_reserved_pages_ -= static_cast<int32_t>(pages.size());
+  auto seq = std::make_unique<Sequence>();
+  seq->tokens = spec.prompt;
+  seq->tokens.push_back(first_token);
+  seq->num_computed = num_prompt;
+  seq->pages = std::move(pages);
+  seq->arrival = next_arrival_++;
+  seq->running = true;
+  seq->counted = true;
+  seq->spec = std::move(spec);
+  Sequence& ref = *seq;
+  seqs_.emplace(ref.spec.id, std::move(seq));
+  running_.push_back(&ref);
+  SequenceUpdate u{ref.spec.id, first_token};
+  u.num_prompt_tokens = num_prompt;
+  u.num_output_tokens = 1;
+  u.finish = finish_reason_after(ref, first_token);
+  if (u.finish != FinishReason::kNone) finish(ref);
+  return u;
 }
 
 model::ForwardBatch Scheduler::build_batch(const StepPlan& plan) const {
@@ -234,6 +301,7 @@ void Scheduler::check_invariants() const {
     referenced += static_cast<int64_t>(seq->pages.size());
   }
   for (const Sequence* seq : waiting_) CHECK(!seq->running && seq->pages.empty(), "waiting sequence holds pages");
+  referenced += num_reserved_pages_;
   CHECK(running_.size() + waiting_.size() == seqs_.size(), "every sequence is running or waiting");
   // Shared pages are counted once per holder, so holders >= pages in use.
   CHECK(referenced >= cache_.num_used(), "{} page references < {} pages in use", referenced, cache_.num_used());

@@ -25,6 +25,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "core/status.h"
@@ -53,6 +54,10 @@ struct SequenceSpec {
   std::vector<int32_t> stop_token_ids;  // always honoured
   bool ignore_eos = false;
   double deadline_s = 0;  // in the caller's clock; 0: none
+  // When it finishes, its pages are held (counted as reserved) instead of
+  // freed, until take_held_pages() + release_reserved(): a disaggregated
+  // prefill's KV is still being read by the transfer.
+  bool hold_pages = false;
 };
 
 // One sequence's share of a step.
@@ -115,6 +120,26 @@ class Scheduler {
   // CHECKs the page bookkeeping (run after every step in debug builds).
   void check_invariants() const;
 
+  // Disaggregated decode (docs/disagg.md). Pages for `num_tokens` held outside
+  // any sequence while a prefill instance writes their KV; kResourceExhausted
+  // (nothing taken) when too few are available.
+  Expected<std::vector<int32_t>> reserve_pages(int32_t num_tokens);
+  // Returns reserved pages that were not handed to add_prefilled().
+  void release_reserved(std::span<const int32_t> pages);
+  int32_t num_reserved_pages() const { return num_reserved_pages_; }
+  // Adds a running sequence whose prompt KV is already in `pages` (taken from
+  // a reservation, covering the whole prompt) and whose first token was sampled
+  // by the prefill instance. Its next step decodes from that token. The
+  // returned update's finish is set when the first token already ends it (the
+  // pages are then released). kInvalidArgument for a spec add() would refuse
+  // or too few pages; the pages stay reserved then.
+  Expected<SequenceUpdate> add_prefilled(SequenceSpec spec, std::vector<int32_t> pages, int32_t first_token);
+  // The pages a finished hold_pages sequence left held (empty if none); the
+  // caller frees them with release_reserved() once nothing reads them.
+  std::vector<int32_t> take_held_pages(uint64_t id);
+  // The pages of a known sequence, in position order.
+  const std::vector<int32_t>& pages_of(uint64_t id) const { return seqs_.at(id)->pages; }
+
  private:
   struct Sequence {
     SequenceSpec spec;
@@ -136,6 +161,7 @@ class Scheduler {
   bool try_admit(Sequence& seq, int& budget, StepPlan& plan);
   void publish_full_pages(Sequence& seq);
   void add_chunk(Sequence& seq, int32_t take, StepPlan& plan);
+  FinishReason finish_reason_after(const Sequence& seq, int32_t token) const;
 
   SchedulerOptions options_;
   kv::PrefixCache cache_;
@@ -144,6 +170,8 @@ class Scheduler {
   std::deque<Sequence*> waiting_;   // arrival order
   uint64_t next_arrival_ = 0;
   int64_t prefix_query_tokens_ = 0, prefix_hit_tokens_ = 0, num_preemptions_ = 0;
+  int32_t num_reserved_pages_ = 0;
+  std::map<uint64_t, std::vector<int32_t>> held_pages_;  // finished hold_pages sequences
 };
 
 }  // namespace moe::engine

@@ -74,7 +74,8 @@ void Qwen3MoeModel::mlp_block(ThreadPool& pool, int layer, TensorView x, TensorV
   }
 }
 
-Tensor Qwen3MoeModel::forward(ThreadPool& pool, const ForwardBatch& batch, std::span<const PagedKv> kv_layers) const {
+Tensor Qwen3MoeModel::forward(ThreadPool& pool, const ForwardBatch& batch, std::span<const PagedKv> kv_layers,
+                              const std::function<void(int layer)>& on_layer_kv) const {
   const ModelConfig& c = config();
   const int64_t n = batch.num_tokens(), hidden = c.hidden_size;
   CHECK(static_cast<int>(kv_layers.size()) == c.num_layers, "{} KV layers for {} model layers", kv_layers.size(),
@@ -89,6 +90,7 @@ Tensor Qwen3MoeModel::forward(ThreadPool& pool, const ForwardBatch& batch, std::
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = weights_.layer(l);
     attention_block(pool, l, batch, kv_layers[l], normed, delta);
+    if (on_layer_kv) on_layer_kv(l);
     cpu::add_rms_norm(pool, residual, delta, w.post_attention_norm, c.rms_norm_eps, normed);
     mlp_block(pool, l, normed, delta);
     const TensorView next_norm = l + 1 < c.num_layers ? weights_.layer(l + 1).input_norm : weights_.final_norm();

@@ -15,6 +15,7 @@
 // thread at a time per KV cache (it writes the batch's KV entries).
 #pragma once
 
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -44,8 +45,11 @@ class Qwen3MoeModel {
   const ModelConfig& config() const { return weights_.config(); }
 
   // Runs the batch, writing its K/V into `kv_layers` (one PagedKv per layer),
-  // and returns logits [logits_rows.size(), vocab] f32.
-  Tensor forward(ThreadPool& pool, const ForwardBatch& batch, std::span<const ops::PagedKv> kv_layers) const;
+  // and returns logits [logits_rows.size(), vocab] f32. `on_layer_kv`, when
+  // set, runs after each layer's K/V is written (disaggregated prefill streams
+  // it out while the next layers compute).
+  Tensor forward(ThreadPool& pool, const ForwardBatch& batch, std::span<const ops::PagedKv> kv_layers,
+                 const std::function<void(int layer)>& on_layer_kv = {}) const;
 
  private:
   void attention_block(ThreadPool& pool, int layer, const ForwardBatch& batch, const ops::PagedKv& kv,

@@ -68,7 +68,7 @@ std::pair<std::string, std::string> ReasoningSplitter::finish() {
   return {"", rest};
 }
 
-CompletionRun::CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exchange, engine::Engine& engine)
+CompletionRun::CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exchange, GenerationBackend& engine)
     : config_(std::move(config)), exchange_(std::move(exchange)), engine_(engine) {
   choices_.resize(static_cast<size_t>(config_.params.n));
   for (auto& c : choices_)
@@ -82,7 +82,8 @@ std::optional<ApiError> CompletionRun::start(const engine::EngineRequest& base) 
     engine::EngineRequest request = base;
     if (request.sampling.seed) request.sampling.seed = *request.sampling.seed + i;
     auto self = shared_from_this();
-    auto id = engine_.submit(std::move(request), [self, i](const engine::EngineOutput& out) { self->on_output(i, out); });
+    auto id = engine_.submit(
+        std::move(request), [self, i](const engine::EngineOutput& out) { self->on_output(i, out); }, config_.request_id);
     if (!id) {
       failed_ = true;
       for (size_t k = 0; k < i; ++k) engine_.cancel(choices_[k].engine_id);

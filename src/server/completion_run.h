@@ -2,7 +2,7 @@
 // requests (choices), their incremental detokenization, stop strings, the
 // qwen3 reasoning split, and the response (one JSON body, or SSE chunks).
 //
-// Threads: start() on an I/O thread; on_output() on the engine thread;
+// Threads: start() on an I/O thread; on_output() on the backend's thread;
 // cancel() from any thread. All state is guarded by one mutex.
 #pragma once
 
@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
+#include "server/generation_backend.h"
 #include "server/http_server.h"
 #include "server/openai_protocol.h"
 #include "tokenizer/detokenizer.h"
@@ -47,11 +48,12 @@ struct RunConfig {
   bool reasoning_qwen3 = false;
   const tokenizer::Tokenizer* tokenizer = nullptr;
   HeaderList headers;  // added to the response (X-Request-Id)
+  std::string request_id;  // propagated to the backend
 };
 
 class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
  public:
-  CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exchange, engine::Engine& engine);
+  CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exchange, GenerationBackend& engine);
 
   // Submits one engine request per choice (`base` with per-choice seeds). On
   // failure nothing stays queued and the error is returned for the caller to send.
@@ -91,7 +93,7 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
 
   RunConfig config_;
   std::shared_ptr<HttpExchange> exchange_;
-  engine::Engine& engine_;
+  GenerationBackend& engine_;
   std::mutex mutex_;
   std::vector<Choice> choices_;
   size_t num_done_ = 0;

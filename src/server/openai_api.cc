@@ -34,7 +34,7 @@ std::string sanitize_request_id(const std::string& id) {
 
 }  // namespace
 
-OpenAiApi::OpenAiApi(engine::Engine& engine, const tokenizer::Tokenizer* tokenizer, ApiOptions options)
+OpenAiApi::OpenAiApi(GenerationBackend& engine, const tokenizer::Tokenizer* tokenizer, ApiOptions options)
     : engine_(engine), tokenizer_(tokenizer), options_(std::move(options)) {
   created_s_ = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   next_request_ = (static_cast<uint64_t>(std::random_device{}()) << 20) | 1;  // ids differ across restarts
@@ -61,7 +61,7 @@ void OpenAiApi::handle(HttpRequest request, std::shared_ptr<HttpExchange> exchan
   const std::string& path = request.path;
   const bool is_post = request.method == "POST";
   if (path == "/health") return reply({engine_.healthy() ? 200 : 503, "text/plain", "", {}});
-  if (path == "/metrics") return reply({200, "text/plain; version=0.0.4", render_metrics(engine_.metrics(), options_.model_name), {}});
+  if (path == "/metrics") return reply({200, "text/plain; version=0.0.4", engine_.metrics_text(options_.model_name), {}});
   const bool known = path == "/v1/models" || path == "/v1/completions" || path == "/v1/chat/completions" ||
                      path == "/tokenize" || path == "/detokenize";
   if (!known) return reply(not_found(path));
@@ -76,6 +76,10 @@ void OpenAiApi::handle(HttpRequest request, std::shared_ptr<HttpExchange> exchan
   if (!engine_.healthy())
     return reply({503, "application/json", error_json("the engine has failed", "service_unavailable"), {}});
   handle_completion(request, exchange, path == "/v1/chat/completions", request_id);
+}
+
+std::string EngineBackend::metrics_text(const std::string& model_name) const {
+  return render_metrics(engine_.metrics(), model_name);
 }
 
 HttpResponse OpenAiApi::handle_models() const {
@@ -169,6 +173,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   config.reasoning_qwen3 = chat && options_.reasoning_parser_qwen3;
   config.tokenizer = tokenizer_;
   config.headers = id_header;
+  config.request_id = request_id;
   auto run = std::make_shared<CompletionRun>(std::move(config), exchange, engine_);
   if (auto e = run->start(base)) return reply_error(*e);
   exchange->on_close([run] { run->cancel(); });

@@ -1,4 +1,5 @@
-// The OpenAI-compatible HTTP API over the engine: /v1/completions,
+// The OpenAI-compatible HTTP API over a generation backend (the colocated
+// engine, or the disaggregated router): /v1/completions,
 // /v1/chat/completions (streaming and not), /v1/models, /tokenize,
 // /detokenize, /health, /metrics.
 //
@@ -19,6 +20,7 @@
 #include <string>
 
 #include "engine/engine.h"
+#include "server/generation_backend.h"
 #include "server/http_server.h"
 #include "server/openai_protocol.h"
 #include "tokenizer/chat_template.h"
@@ -37,7 +39,7 @@ struct ApiOptions {
 class OpenAiApi {
  public:
   // `tokenizer` may be null (a model without one): then only token-id prompts work.
-  OpenAiApi(engine::Engine& engine, const tokenizer::Tokenizer* tokenizer, ApiOptions options);
+  OpenAiApi(GenerationBackend& engine, const tokenizer::Tokenizer* tokenizer, ApiOptions options);
 
   void handle(HttpRequest request, std::shared_ptr<HttpExchange> exchange);
 
@@ -54,7 +56,7 @@ class OpenAiApi {
   HttpResponse handle_models() const;
   bool authorized(const HttpRequest& request) const;
 
-  engine::Engine& engine_;
+  GenerationBackend& engine_;
   const tokenizer::Tokenizer* tokenizer_;
   std::optional<tokenizer::ChatTemplate> chat_template_;
   std::string chat_template_error_;

@@ -1,0 +1,402 @@
+#include "server/disagg_protocol.h"
+
+#include <set>
+
+namespace moe::server::disagg {
+
+using nlohmann::json;
+
+namespace {
+
+// Reads the fields of one JSON object with type and range checks; the first
+// problem is kept and names the field.
+class Reader {
+ public:
+  Reader(const json& j, std::string what, std::set<std::string> allowed) : j_(j), what_(std::move(what)) {
+    if (!j.is_object()) {
+      fail("{} must be a JSON object", what_);
+      return;
+    }
+    for (const auto& [key, value] : j.items())
+      if (!allowed.count(key)) {
+        fail("{}: unknown field '{}'", what_, key.substr(0, 64));
+        return;
+      }
+  }
+  template <typename... Args>
+  void fail(fmt::format_string<Args...> format, Args&&... args) {
+    if (status_.is_ok()) status_ = invalid_argument(format, std::forward<Args>(args)...);
+  }
+  const json* field(const char* name, bool required) {
+    if (!status_.is_ok()) return nullptr;
+    auto it = j_.find(name);
+    if (it == j_.end() || it->is_null()) {
+      if (required) fail("{}: '{}' is required", what_, name);
+      return nullptr;
+    }
+    return &*it;
+  }
+  int64_t integer(const char* name, int64_t lo, int64_t hi, bool required = true, int64_t fallback = 0) {
+    const json* v = field(name, required);
+    if (!v) return fallback;
+    if (!v->is_number_integer()) return fail("{}: '{}' must be an integer", what_, name), fallback;
+    const bool is_unsigned = v->is_number_unsigned();
+    if (is_unsigned && v->get<uint64_t>() > static_cast<uint64_t>(hi))
+      return fail("{}: '{}' is out of range", what_, name), fallback;
+    const int64_t x = is_unsigned ? static_cast<int64_t>(v->get<uint64_t>()) : v->get<int64_t>();
+    if (x < lo || x > hi) return fail("{}: '{}' must be in [{}, {}]", what_, name, lo, hi), fallback;
+    return x;
+  }
+  double number(const char* name, double lo, double hi, bool required = true, double fallback = 0) {
+    const json* v = field(name, required);
+    if (!v) return fallback;
+    if (!v->is_number()) return fail("{}: '{}' must be a number", what_, name), fallback;
+    const double x = v->get<double>();
+    if (!(x >= lo && x <= hi)) return fail("{}: '{}' must be in [{}, {}]", what_, name, lo, hi), fallback;
+    return x;
+  }
+  bool boolean(const char* name, bool fallback = false) {
+    const json* v = field(name, false);
+    if (!v) return fallback;
+    if (!v->is_boolean()) return fail("{}: '{}' must be a boolean", what_, name), fallback;
+    return v->get<bool>();
+  }
+  std::string string(const char* name, size_t max_len, bool required = true) {
+    const json* v = field(name, required);
+    if (!v) return {};
+    if (!v->is_string()) return fail("{}: '{}' must be a string", what_, name), std::string();
+    if (v->get_ref<const std::string&>().size() > max_len)
+      return fail("{}: '{}' is too long", what_, name), std::string();
+    return v->get<std::string>();
+  }
+  std::vector<int32_t> ints(const char* name, size_t max_len, int64_t lo, int64_t hi, bool required = true) {
+    std::vector<int32_t> out;
+    const json* v = field(name, required);
+    if (!v) return out;
+    if (!v->is_array()) return fail("{}: '{}' must be an array", what_, name), out;
+    if (v->size() > max_len) return fail("{}: '{}' has over {} entries", what_, name, max_len), out;
+    out.reserve(v->size());
+    for (const auto& x : *v) {
+      if (!x.is_number_integer() || x.get<int64_t>() < lo || x.get<int64_t>() > hi)
+        return fail("{}: '{}' must hold integers in [{}, {}]", what_, name, lo, hi), std::vector<int32_t>();
+      out.push_back(static_cast<int32_t>(x.get<int64_t>()));
+    }
+    return out;
+  }
+  const json* object(const char* name, bool required = true) {
+    const json* v = field(name, required);
+    if (v && !v->is_object()) return fail("{}: '{}' must be an object", what_, name), nullptr;
+    return v;
+  }
+  void merge(const Status& s) {
+    if (status_.is_ok() && !s.is_ok()) status_ = s;
+  }
+  const Status& status() const { return status_; }
+
+ private:
+  const json& j_;
+  std::string what_;
+  Status status_;
+};
+
+Expected<json> parse_body(const std::string& body, const char* what) {
+  if (body.size() > kMaxInternalBodyBytes)
+    return out_of_range("{}: the body is over {} bytes", what, kMaxInternalBodyBytes);
+  json j = json::parse(body, nullptr, false);
+  if (j.is_discarded()) return invalid_argument("{}: the body is not valid JSON", what);
+  return j;
+}
+
+constexpr int64_t kMaxTokenId = (int64_t{1} << 31) - 1;
+
+GenerationSpec read_spec(Reader& r) {
+  GenerationSpec s;
+  s.request_id = r.string("request_id", 128);
+  s.prompt = r.ints("prompt", kMaxPromptTokens, 0, kMaxTokenId);
+  if (r.status().is_ok() && s.prompt.empty()) r.fail("'prompt' is empty");
+  s.max_tokens = static_cast<int>(r.integer("max_tokens", 1, kMaxPromptTokens));
+  s.sampling.temperature = static_cast<float>(r.number("temperature", 0, 1e6));
+  s.sampling.top_p = static_cast<float>(r.number("top_p", 1e-9, 1));
+  s.sampling.top_k = static_cast<int>(r.integer("top_k", 0, kMaxTokenId));
+  s.sampling.min_p = static_cast<float>(r.number("min_p", 0, 1));
+  const json* seed = r.field("seed", true);
+  if (seed && !seed->is_number_unsigned() && !(seed->is_number_integer() && seed->get<int64_t>() >= 0))
+    r.fail("'seed' must be a non-negative integer");
+  else if (seed)
+    s.sampling.seed = seed->get<uint64_t>();
+  s.ignore_eos = r.boolean("ignore_eos");
+  s.stop_token_ids = r.ints("stop_token_ids", 1024, 0, kMaxTokenId, false);
+  s.num_logprobs = static_cast<int>(r.integer("num_logprobs", -1, 1 << 20, false, -1));
+  s.timeout_s = r.number("timeout_s", 0, 1e7, false, 0);
+  return s;
+}
+
+const std::set<std::string> kSpecFields = {"request_id", "prompt",         "max_tokens",   "temperature",
+                                           "top_p",      "top_k",          "min_p",        "seed",
+                                           "ignore_eos", "stop_token_ids", "num_logprobs", "timeout_s"};
+
+std::set<std::string> with_spec(std::set<std::string> more) {
+  more.insert(kSpecFields.begin(), kSpecFields.end());
+  return more;
+}
+
+json logprobs_json(const engine::TokenLogprobs& lp) {
+  json top = json::array();
+  for (const auto& [id, p] : lp.top) top.push_back({id, p});
+  return {{"token", lp.token}, {"logprob", lp.logprob}, {"top", top}};
+}
+
+Expected<engine::TokenLogprobs> parse_logprobs(const json& j) {
+  if (!j.is_object() || !j.contains("token") || !j["token"].is_number_integer() || !j.contains("logprob") ||
+      !j["logprob"].is_number() || !j.contains("top") || !j["top"].is_array() || j["top"].size() > 4096)
+    return invalid_argument("'logprobs' is malformed");
+  engine::TokenLogprobs lp;
+  lp.token = j["token"].get<int32_t>();
+  lp.logprob = j["logprob"].get<float>();
+  for (const auto& e : j["top"]) {
+    if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() || !e[1].is_number())
+      return invalid_argument("'logprobs.top' is malformed");
+    lp.top.emplace_back(e[0].get<int32_t>(), e[1].get<float>());
+  }
+  return lp;
+}
+
+}  // namespace
+
+StatusCode status_code_from_name(const std::string& name) {
+  for (int c = 0; c <= static_cast<int>(StatusCode::kInternal); ++c)
+    if (name == status_code_name(static_cast<StatusCode>(c))) return static_cast<StatusCode>(c);
+  return StatusCode::kInternal;
+}
+
+json to_json(const GenerationSpec& s) {
+  json j = {{"request_id", s.request_id},     {"prompt", s.prompt},
+            {"max_tokens", s.max_tokens},     {"temperature", s.sampling.temperature},
+            {"top_p", s.sampling.top_p},      {"top_k", s.sampling.top_k},
+            {"min_p", s.sampling.min_p},      {"seed", s.sampling.seed.value_or(0)},
+            {"ignore_eos", s.ignore_eos},     {"stop_token_ids", s.stop_token_ids},
+            {"num_logprobs", s.num_logprobs}, {"timeout_s", s.timeout_s}};
+  return j;
+}
+
+json to_json(const KvTarget& t) {
+  json k = json::array(), v = json::array();
+  for (const auto& d : t.k_regions) k.push_back(d.to_json());
+  for (const auto& d : t.v_regions) v.push_back(d.to_json());
+  return {{"decode_url", t.decode_url},
+          {"reservation", t.reservation},
+          {"pages", t.pages},
+          {"num_layers", t.layout.num_layers},
+          {"num_kv_heads", t.layout.num_kv_heads},
+          {"head_dim", t.layout.head_dim},
+          {"page_size", t.layout.page_size},
+          {"dtype", dtype_name(t.layout.dtype)},
+          {"k_regions", k},
+          {"v_regions", v}};
+}
+
+Expected<KvTarget> parse_kv_target(const json& j) {
+  Reader r(j, "target",
+           {"decode_url", "reservation", "pages", "num_layers", "num_kv_heads", "head_dim", "page_size",
+            "dtype", "k_regions", "v_regions"});
+  KvTarget t;
+  t.decode_url = r.string("decode_url", 256);
+  t.reservation = static_cast<uint32_t>(r.integer("reservation", 1, UINT32_MAX));
+  t.pages = r.ints("pages", kMaxPromptTokens, 0, kMaxTokenId);
+  t.layout.num_layers = static_cast<int>(r.integer("num_layers", 1, 4096));
+  t.layout.num_kv_heads = static_cast<int>(r.integer("num_kv_heads", 1, 4096));
+  t.layout.head_dim = static_cast<int>(r.integer("head_dim", 1, 65536));
+  t.layout.page_size = static_cast<int>(r.integer("page_size", 1, 1024));
+  const std::string dtype = r.string("dtype", 16);
+  MOE_RETURN_IF_ERROR(r.status());
+  auto d = dtype_from_name(dtype);
+  if (!d) return invalid_argument("target: unknown dtype '{}'", dtype);
+  t.layout.dtype = *d;
+  for (const char* name : {"k_regions", "v_regions"}) {
+    const json& regions = j[name];
+    if (!regions.is_array() || static_cast<int>(regions.size()) != t.layout.num_layers)
+      return invalid_argument("target: '{}' must hold one region per layer", name);
+    for (const auto& region : regions) {
+      MOE_ASSIGN_OR_RETURN(auto desc, transfer::RegionDescriptor::from_json(region));
+      (std::string(name) == "k_regions" ? t.k_regions : t.v_regions).push_back(std::move(desc));
+    }
+  }
+  return t;
+}
+
+json to_json(const DecodeRequest& r) {
+  json j = to_json(r.spec);
+  j["writer_url"] = r.writer_url;
+  j["writer_endpoint"] = r.writer_endpoint;
+  j["lease_s"] = r.lease_s;
+  return j;
+}
+
+Expected<DecodeRequest> parse_decode_request(const std::string& body) {
+  MOE_ASSIGN_OR_RETURN(json j, parse_body(body, "decode request"));
+  Reader r(j, "decode request", with_spec({"writer_url", "writer_endpoint", "lease_s"}));
+  DecodeRequest d;
+  d.spec = read_spec(r);
+  d.writer_url = r.string("writer_url", 256);
+  d.writer_endpoint = r.string("writer_endpoint", 256);
+  d.lease_s = r.number("lease_s", 0, 1e6, false, 0);
+  MOE_RETURN_IF_ERROR(r.status());
+  return d;
+}
+
+json to_json(const PrefillRequest& r) {
+  json j = to_json(r.spec);
+  j["target"] = to_json(r.target);
+  return j;
+}
+
+Expected<PrefillRequest> parse_prefill_request(const std::string& body) {
+  MOE_ASSIGN_OR_RETURN(json j, parse_body(body, "prefill request"));
+  Reader r(j, "prefill request", with_spec({"target"}));
+  PrefillRequest p;
+  p.spec = read_spec(r);
+  const json* target = r.object("target");
+  MOE_RETURN_IF_ERROR(r.status());
+  MOE_ASSIGN_OR_RETURN(p.target, parse_kv_target(*target));
+  if (static_cast<int64_t>(p.target.pages.size()) * p.target.layout.page_size <
+      static_cast<int64_t>(p.spec.prompt.size()))
+    return invalid_argument("target: {} pages cannot hold {} prompt tokens", p.target.pages.size(),
+                            p.spec.prompt.size());
+  return p;
+}
+
+json to_json(const PrefillResult& r) {
+  json j = {{"first_token", r.first_token}, {"stop", r.stop}};
+  j["logprobs"] = r.logprobs ? logprobs_json(*r.logprobs) : json(nullptr);
+  return j;
+}
+
+Expected<PrefillResult> parse_prefill_result(const std::string& body) {
+  MOE_ASSIGN_OR_RETURN(json j, parse_body(body, "prefill result"));
+  Reader r(j, "prefill result", {"first_token", "stop", "logprobs"});
+  PrefillResult p;
+  p.first_token = static_cast<int32_t>(r.integer("first_token", 0, kMaxTokenId));
+  p.stop = r.boolean("stop");
+  MOE_RETURN_IF_ERROR(r.status());
+  if (j.contains("logprobs") && !j["logprobs"].is_null()) {
+    MOE_ASSIGN_OR_RETURN(p.logprobs, parse_logprobs(j["logprobs"]));
+  }
+  return p;
+}
+
+json to_json(const CommitRequest& r) {
+  return {{"reservation", r.reservation},
+          {"expected_batches", r.expected_batches},
+          {"first_token", r.first_token}};
+}
+
+Expected<CommitRequest> parse_commit_request(const std::string& body) {
+  MOE_ASSIGN_OR_RETURN(json j, parse_body(body, "commit"));
+  Reader r(j, "commit", {"reservation", "expected_batches", "first_token"});
+  CommitRequest c;
+  c.reservation = static_cast<uint32_t>(r.integer("reservation", 1, UINT32_MAX));
+  c.expected_batches = static_cast<uint64_t>(r.integer("expected_batches", 0, 1 << 30));
+  c.first_token = static_cast<int32_t>(r.integer("first_token", 0, kMaxTokenId));
+  MOE_RETURN_IF_ERROR(r.status());
+  return c;
+}
+
+json to_json(const AbortRequest& r) {
+  return {{"reservation", r.reservation}, {"decode_endpoint", r.decode_endpoint}, {"reason", r.reason}};
+}
+
+Expected<AbortRequest> parse_abort_request(const std::string& body) {
+  MOE_ASSIGN_OR_RETURN(json j, parse_body(body, "abort"));
+  Reader r(j, "abort", {"reservation", "decode_endpoint", "reason"});
+  AbortRequest a;
+  a.reservation = static_cast<uint32_t>(r.integer("reservation", 1, UINT32_MAX));
+  a.decode_endpoint = r.string("decode_endpoint", 256, false);
+  a.reason = r.string("reason", 256, false);
+  MOE_RETURN_IF_ERROR(r.status());
+  return a;
+}
+
+json to_json(const TokenEvent& e) {
+  json j = {{"token", e.token}, {"finish", engine::finish_reason_name(e.finish)}};
+  if (e.logprobs) j["logprobs"] = logprobs_json(*e.logprobs);
+  if (!e.error.is_ok())
+    j["error"] = {{"code", status_code_name(e.error.code())}, {"message", e.error.message()}};
+  return j;
+}
+
+Expected<TokenEvent> parse_token_event(const json& j) {
+  Reader r(j, "token event", {"token", "finish", "logprobs", "error"});
+  TokenEvent e;
+  e.token = static_cast<int32_t>(r.integer("token", -1, kMaxTokenId));
+  const std::string finish = r.string("finish", 16);
+  MOE_RETURN_IF_ERROR(r.status());
+  if (finish == "stop")
+    e.finish = engine::FinishReason::kStop;
+  else if (finish == "length")
+    e.finish = engine::FinishReason::kLength;
+  else if (finish == "abort")
+    e.finish = engine::FinishReason::kAbort;
+  else if (!finish.empty())
+    return invalid_argument("token event: unknown finish '{}'", finish.substr(0, 16));
+  if (j.contains("logprobs")) {
+    MOE_ASSIGN_OR_RETURN(e.logprobs, parse_logprobs(j["logprobs"]));
+  }
+  if (j.contains("error")) {
+    const json& err = j["error"];
+    if (!err.is_object() || !err.contains("code") || !err["code"].is_string() || !err.contains("message") ||
+        !err["message"].is_string())
+      return invalid_argument("token event: 'error' is malformed");
+    e.error =
+        Status(status_code_from_name(err["code"].get<std::string>()), err["message"].get<std::string>());
+    if (e.error.is_ok()) e.error = internal_error("{}", err["message"].get<std::string>());
+  }
+  return e;
+}
+
+json to_json(const InstanceLoad& l) {
+  return {{"role", l.role},
+          {"transfer_endpoint", l.transfer_endpoint},
+          {"kv_usage", l.kv_usage},
+          {"num_running", l.num_running},
+          {"num_waiting", l.num_waiting},
+          {"max_num_seqs", l.max_num_seqs},
+          {"pending_prompt_tokens", l.pending_prompt_tokens},
+          {"prompt_tokens_total", l.prompt_tokens_total},
+          {"busy_seconds_total", l.busy_seconds_total},
+          {"num_reservations", l.num_reservations}};
+}
+
+Expected<InstanceLoad> parse_instance_load(const std::string& body) {
+  MOE_ASSIGN_OR_RETURN(json j, parse_body(body, "load"));
+  Reader r(j, "load",
+           {"role", "transfer_endpoint", "kv_usage", "num_running", "num_waiting", "max_num_seqs",
+            "pending_prompt_tokens", "prompt_tokens_total", "busy_seconds_total", "num_reservations"});
+  InstanceLoad l;
+  l.role = r.string("role", 16);
+  l.transfer_endpoint = r.string("transfer_endpoint", 256);
+  l.kv_usage = r.number("kv_usage", 0, 1);
+  l.num_running = static_cast<int>(r.integer("num_running", 0, 1 << 30));
+  l.num_waiting = static_cast<int>(r.integer("num_waiting", 0, 1 << 30));
+  l.max_num_seqs = static_cast<int>(r.integer("max_num_seqs", 0, 1 << 30));
+  l.pending_prompt_tokens = r.integer("pending_prompt_tokens", 0, int64_t{1} << 50);
+  l.prompt_tokens_total = r.integer("prompt_tokens_total", 0, int64_t{1} << 62);
+  l.busy_seconds_total = r.number("busy_seconds_total", 0, 1e12);
+  l.num_reservations = r.integer("num_reservations", 0, int64_t{1} << 40);
+  MOE_RETURN_IF_ERROR(r.status());
+  if (l.role != "prefill" && l.role != "decode") return invalid_argument("load: unknown role '{}'", l.role);
+  return l;
+}
+
+engine::EngineRequest to_engine_request(const GenerationSpec& s) {
+  engine::EngineRequest r;
+  r.prompt = s.prompt;
+  r.max_tokens = s.max_tokens;
+  r.sampling = s.sampling;
+  r.ignore_eos = s.ignore_eos;
+  r.stop_token_ids = s.stop_token_ids;
+  r.num_logprobs = s.num_logprobs;
+  r.timeout_s = s.timeout_s;
+  return r;
+}
+
+}  // namespace moe::server::disagg

@@ -1,0 +1,133 @@
+// The internal messages of disaggregated serving (docs/disagg.md): plain JSON
+// objects, each field checked for type and range and unknown fields refused,
+// so a truncated, oversized or hostile message is an error naming the field,
+// never undefined behaviour. Nothing here executes or deserialises objects.
+//
+//   router -> decode  POST /internal/decode   DecodeRequest, answered by SSE:
+//                                              a ReservedEvent, then TokenEvents
+//   router -> prefill POST /internal/prefill  PrefillRequest -> PrefillResult
+//   prefill -> decode POST /internal/commit   CommitRequest -> {"state": ...}
+//   router -> decode  POST /internal/abort    AbortRequest (reservation) -> ack
+//   decode -> prefill POST /internal/abort    AbortRequest (writer side) -> ack once no write can land
+//   any -> instance   GET /internal/load      InstanceLoad (also the health check)
+//
+// Pure functions: any thread.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/status.h"
+#include "engine/engine.h"
+#include "transfer/transfer_engine.h"
+
+namespace moe::server::disagg {
+
+inline constexpr size_t kMaxInternalBodyBytes = 8 << 20;
+inline constexpr int kMaxPromptTokens = 1 << 20;
+
+// What the generation needs, shared by the decode and prefill requests.
+struct GenerationSpec {
+  std::string request_id;
+  std::vector<int32_t> prompt;
+  int max_tokens = 1;
+  engine::SamplingParams sampling;  // the seed is always set (the router draws one)
+  bool ignore_eos = false;
+  std::vector<int32_t> stop_token_ids;
+  int num_logprobs = -1;
+  double timeout_s = 0;
+};
+
+struct KvLayout {
+  int num_layers = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
+  DType dtype = DType::kF32;
+};
+
+// Where the prefill instance writes: a reservation on a decode instance.
+struct KvTarget {
+  std::string decode_url;    // control endpoint, for the commit
+  uint32_t reservation = 0;  // also the imm of every write
+  std::vector<int32_t> pages;
+  KvLayout layout;
+  std::vector<transfer::RegionDescriptor> k_regions, v_regions;  // per layer
+};
+
+struct DecodeRequest {
+  GenerationSpec spec;
+  std::string writer_url;       // the prefill instance's control endpoint
+  std::string writer_endpoint;  // its TransferEngine endpoint
+  double lease_s = 0;           // 0: the decode instance's default
+};
+
+struct PrefillRequest {
+  GenerationSpec spec;
+  KvTarget target;
+};
+
+struct PrefillResult {
+  int32_t first_token = -1;
+  bool stop = false;  // the first token is eos or a stop token id
+  std::optional<engine::TokenLogprobs> logprobs;
+};
+
+struct CommitRequest {
+  uint32_t reservation = 0;
+  uint64_t expected_batches = 0;
+  int32_t first_token = -1;
+};
+
+struct AbortRequest {
+  uint32_t reservation = 0;
+  std::string decode_endpoint;  // writer side: which decode instance's imm (its TransferEngine endpoint)
+  std::string reason;
+};
+
+// One event of the decode stream after the reservation.
+struct TokenEvent {
+  int32_t token = -1;  // -1: none (a final event)
+  std::optional<engine::TokenLogprobs> logprobs;
+  engine::FinishReason finish = engine::FinishReason::kNone;
+  Status error;
+};
+
+struct InstanceLoad {
+  std::string role;  // "prefill" or "decode"
+  std::string transfer_endpoint;
+  double kv_usage = 0;
+  int num_running = 0, num_waiting = 0, max_num_seqs = 0;
+  int64_t pending_prompt_tokens = 0;  // prefill: queued and running prompt tokens
+  int64_t prompt_tokens_total = 0;    // prefill: computed so far
+  double busy_seconds_total = 0;      // time in forward passes
+  int64_t num_reservations = 0;       // decode
+};
+
+nlohmann::json to_json(const GenerationSpec& spec);
+nlohmann::json to_json(const KvTarget& target);
+nlohmann::json to_json(const DecodeRequest& r);
+nlohmann::json to_json(const PrefillRequest& r);
+nlohmann::json to_json(const PrefillResult& r);
+nlohmann::json to_json(const CommitRequest& r);
+nlohmann::json to_json(const AbortRequest& r);
+nlohmann::json to_json(const TokenEvent& e);
+nlohmann::json to_json(const InstanceLoad& l);
+
+Expected<DecodeRequest> parse_decode_request(const std::string& body);
+Expected<PrefillRequest> parse_prefill_request(const std::string& body);
+Expected<PrefillResult> parse_prefill_result(const std::string& body);
+Expected<CommitRequest> parse_commit_request(const std::string& body);
+Expected<AbortRequest> parse_abort_request(const std::string& body);
+Expected<TokenEvent> parse_token_event(const nlohmann::json& j);
+Expected<KvTarget> parse_kv_target(const nlohmann::json& j);
+Expected<InstanceLoad> parse_instance_load(const std::string& body);
+
+// The engine's request for a spec (the decode side's full request; the
+// prefill side caps max_tokens at 1 itself).
+engine::EngineRequest to_engine_request(const GenerationSpec& spec);
+// Status codes travel as names ("kUnavailable" -> its code); an unknown name is kInternal.
+StatusCode status_code_from_name(const std::string& name);
+
+}  // namespace moe::server::disagg

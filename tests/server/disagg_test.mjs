@@ -1,0 +1,128 @@
+// Disaggregated serving (docs/disagg.md) against its oracle, colocated
+// `serve`: 100 greedy requests (chat and completions, streaming and not, long
+// prompts prefilled in chunks, stop strings, n = 2) at concurrency 16 through
+// the real `openai` client give the same text, token ids, finish reasons and
+// usage through `serve --disagg` with 1x1 and 2x2 instances; afterwards every
+// instance is back at its KV baseline. The golden model moe_basic through
+// `serve --disagg` gives transformers' greedy tokens.
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import path from 'node:path';
+import OpenAI from 'openai';
+import { repoRoot } from './server_harness.mjs';
+import { startProcess, routerInstances, atBaseline, waitFor, runPool, rng } from './disagg_harness.mjs';
+
+const engineFlags = ['--kv-cache-gb', '0.05', '--threads', '1', '--max-num-batched-tokens', '64', '--max-num-seqs', '32'];
+const words = ('the a fortune cookie says you will find great love and wisdom in unexpected places today ' +
+               'never trust a computer you cannot throw out of a window money is the root of all evil ' +
+               'life is what happens while you are busy making other plans').split(' ');
+
+function makeRequests() {
+  const next = rng(20261130);
+  const out = [];
+  for (let i = 0; i < 100; i++) {
+    const n = 3 + Math.floor(next() * (i % 5 === 0 ? 300 : 40));  // every fifth prompt is long (chunked prefill)
+    const text = Array.from({ length: n }, () => words[Math.floor(next() * words.length)]).join(' ');
+    const kind = i % 4;
+    const req = { max_tokens: 4 + ((i * 7) % 33), temperature: 0 };
+    if (i % 3 === 0) req.ignore_eos = true;
+    if (i % 7 === 0) req.stop = ['\n\n', ' love'];
+    if (i % 10 === 5 && kind === 0) req.n = 2;
+    if (i === 17) req.max_tokens = 1;
+    if (kind <= 1) req.messages = [{ role: 'user', content: text }];
+    else { req.prompt = text; req.return_token_ids = true; }
+    req.stream = kind % 2 === 1;
+    if (req.stream) req.stream_options = { include_usage: true };
+    out.push(req);
+  }
+  return out;
+}
+
+async function run(client, req) {
+  const chat = !!req.messages;
+  const api = chat ? client.chat.completions : client.completions;
+  const params = { model: 'moeserve-demo', ...req };
+  if (!req.stream) {
+    const r = await api.create(params);
+    return {
+      choices: r.choices.map((c) => ({ text: chat ? c.message.content : c.text, finish: c.finish_reason,
+                                       ids: c.token_ids ?? null })),
+      usage: r.usage.completion_tokens, prompt: r.usage.prompt_tokens,
+    };
+  }
+  const stream = await api.create(params);
+  const choices = [];
+  let usage = null, prompt = null;
+  for await (const chunk of stream) {
+    if (chunk.usage) { usage = chunk.usage.completion_tokens; prompt = chunk.usage.prompt_tokens; }
+    for (const c of chunk.choices) {
+      const slot = choices[c.index] ??= { text: '', finish: null, ids: null };
+      slot.text += chat ? (c.delta.content ?? '') : c.text;
+      if (c.token_ids) slot.ids = c.token_ids;
+      if (c.finish_reason) slot.finish = c.finish_reason;
+    }
+  }
+  return { choices, usage, prompt };
+}
+
+const requests = makeRequests();
+let oracle;
+let oracleResults;
+
+before(async () => {
+  oracle = await startProcess('serve', engineFlags);
+  const client = new OpenAI({ baseURL: `${oracle.url}/v1`, apiKey: 'x', maxRetries: 0, timeout: 120000 });
+  oracleResults = await runPool(requests, 16, (r) => run(client, r));
+  for (const [i, r] of oracleResults.entries()) assert.ok(r.ok, `oracle request ${i}: ${r.error}`);
+});
+after(async () => { assert.equal(await oracle.stop(), 0); });
+
+async function checkCluster(numPrefill, numDecode) {
+  const cluster = await startProcess('serve', ['--disagg', '--prefill-instances', String(numPrefill),
+                                               '--decode-instances', String(numDecode), ...engineFlags]);
+  let instances = [];
+  try {
+    const client = new OpenAI({ baseURL: `${cluster.url}/v1`, apiKey: 'x', maxRetries: 0, timeout: 120000 });
+    const results = await runPool(requests, 16, (r) => run(client, r));
+    let stopped = 0;
+    results.forEach((r, i) => {
+      assert.ok(r.ok, `request ${i}: ${r.error}`);
+      assert.deepEqual(r.value, oracleResults[i].value, `request ${i} (${JSON.stringify(requests[i]).slice(0, 120)})`);
+      stopped += r.value.choices.filter((c) => c.finish === 'stop').length;
+    });
+    assert.ok(stopped > 0 && stopped < results.length, 'both stop and length finishes are covered');
+    const inst = await routerInstances(cluster.url);
+    instances = [...inst.prefill, ...inst.decode];
+    assert.equal(inst.prefill.length, numPrefill);
+    assert.equal(inst.decode.length, numDecode);
+    assert.ok(await waitFor(() => atBaseline([...inst.prefill, ...inst.decode]), 10000), 'KV usage back at baseline');
+  } finally {
+    assert.equal(await cluster.stop(), 0);
+  }
+  // SIGTERM stopped every child too: no instance answers any more.
+  for (const url of instances) await assert.rejects(fetch(`${url}/health`), `${url} is gone`);
+}
+
+test('serve --disagg 1x1: 100 greedy requests at concurrency 16 equal colocated serve', async () => {
+  await checkCluster(1, 1);
+});
+
+test('serve --disagg 2x2: 100 greedy requests at concurrency 16 equal colocated serve', async () => {
+  await checkCluster(2, 2);
+});
+
+test('serve --disagg on the golden model moe_basic gives transformers greedy tokens', async () => {
+  const dir = path.join(repoRoot, 'tests/data/golden/moe_basic');
+  const golden = JSON.parse(fs.readFileSync(path.join(dir, 'golden.json')));
+  const cluster = await startProcess('serve', ['--disagg', '--model', dir, '--max-model-len', '256', '--page-size', '4',
+                                               '--max-num-batched-tokens', '8', '--kv-cache-gb', '0.01', '--threads', '1']);
+  try {
+    const client = new OpenAI({ baseURL: `${cluster.url}/v1`, apiKey: 'x', maxRetries: 0, timeout: 60000 });
+    const results = await Promise.all(golden.prompts.map((p) => client.completions.create({
+      model: 'moe_basic', prompt: p.ids, max_tokens: 24, temperature: 0, ignore_eos: true, return_token_ids: true })));
+    results.forEach((r, i) => assert.deepEqual(r.choices[0].token_ids, golden.prompts[i].greedy, `prompt ${i}`));
+  } finally {
+    assert.equal(await cluster.stop(), 0);
+  }
+});
