@@ -8,40 +8,8 @@
 namespace moe::server {
 
 using nlohmann::json;
-
-namespace {
-
-HttpResponse json_reply(int status, const json& body) {
-  return {status, "application/json", body.dump(), {}};
-}
-
-HttpResponse error_reply(const Status& s) {
-  int status = 500;
-  switch (s.code()) {
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kOutOfRange:
-      status = 400;
-      break;
-    case StatusCode::kNotFound:
-      status = 404;
-      break;
-    case StatusCode::kAborted:
-      status = 409;
-      break;
-    case StatusCode::kResourceExhausted:
-    case StatusCode::kUnavailable:
-      status = 503;
-      break;
-    case StatusCode::kDeadlineExceeded:
-      status = 504;
-      break;
-    default:
-      break;
-  }
-  return {status, "application/json", error_json(s.message(), status_code_name(s.code())), {}};
-}
-
-}  // namespace
+using disagg::error_reply;
+using disagg::json_reply;
 
 // Sends each layer's KV of one prompt once the forward pass has written it
 // for the whole prompt: one TransferEngine batch per layer, imm = the

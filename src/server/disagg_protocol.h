@@ -23,6 +23,7 @@
 #include "core/dtype.h"
 #include "core/status.h"
 #include "engine/engine.h"
+#include "server/http_server.h"
 #include "transfer/transfer_engine.h"
 
 namespace moe::server::disagg {
@@ -129,5 +130,11 @@ Expected<InstanceLoad> parse_instance_load(const std::string& body);
 engine::EngineRequest to_engine_request(const GenerationSpec& spec);
 // Status codes travel as names ("kUnavailable" -> its code); an unknown name is kInternal.
 StatusCode status_code_from_name(const std::string& name);
+
+// Replies of the internal endpoints: a JSON body, or an error in the public
+// API's shape with the status its code maps to (400, 404, 409, 503, 504,
+// else 500).
+HttpResponse json_reply(int status, const nlohmann::json& body);
+HttpResponse error_reply(const Status& s);
 
 }  // namespace moe::server::disagg
