@@ -245,8 +245,8 @@ Status run_cluster(ServeArgs args) {
   return status;
 }
 
-Status run_instance(const ServeArgs& args, engine::Engine& engine, const kv::KvCache& cache,
-                    server::HttpServer& http, const sigset_t& signals) {
+Status run_instance(const ServeArgs& args, engine::Engine& engine, const InstanceKv& kv, server::HttpServer& http,
+                    const sigset_t& signals) {
   transfer::EngineOptions transfer_options;
   transfer_options.listen_host = args.transfer_host;
   transfer_options.listen_port = static_cast<uint16_t>(args.transfer_port);
@@ -259,7 +259,7 @@ Status run_instance(const ServeArgs& args, engine::Engine& engine, const kv::KvC
     server::DecodeServiceOptions o;
     o.model_name = args.served_model_name;
     if (args.lease_s > 0) o.default_lease_s = args.lease_s;
-    MOE_ASSIGN_OR_RETURN(decode, server::DecodeService::create(engine, *transfer, cache, o));
+    MOE_ASSIGN_OR_RETURN(decode, server::DecodeService::create(engine, *transfer, *kv.rank_caches.at(0), o));
     handler = [&decode](server::HttpRequest r, std::shared_ptr<server::HttpExchange> e) {
       decode->handle(std::move(r), std::move(e));
     };
@@ -267,7 +267,7 @@ Status run_instance(const ServeArgs& args, engine::Engine& engine, const kv::KvC
     server::PrefillServiceOptions o;
     o.model_name = args.served_model_name;
     o.fault_abort_ack_delay_s = args.fault_abort_ack_delay_s;
-    MOE_ASSIGN_OR_RETURN(prefill, server::PrefillService::create(engine, *transfer, cache, o));
+    MOE_ASSIGN_OR_RETURN(prefill, server::PrefillService::create(engine, *transfer, kv.rank_caches, kv.num_kv_heads, o));
     handler = [&prefill](server::HttpRequest r, std::shared_ptr<server::HttpExchange> e) {
       prefill->handle(std::move(r), std::move(e));
     };

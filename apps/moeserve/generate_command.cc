@@ -1,5 +1,6 @@
 #include "apps/moeserve/generate_command.h"
 #include "apps/moeserve/device_options.h"
+#include "apps/moeserve/speculative_options.h"
 
 #include <chrono>
 #include <cstdio>
@@ -40,6 +41,7 @@ struct GenerateArgs {
   int page_size = 16;
   int max_tokens_per_step = 0;
   DeviceArgs device;
+  SpeculativeArgs speculative;
 };
 
 Expected<std::vector<int32_t>> parse_ids(const std::string& text) {
@@ -77,6 +79,8 @@ Expected<model::ModelConfig> load_config(const GenerateArgs& args) {
 }
 
 Status run_generate(const GenerateArgs& args) {
+  // Before the device check: a GPU request with speculation is refused the same way with or without a GPU.
+  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec, check_speculative(args.speculative, args.device));
   MOE_RETURN_IF_ERROR(check_device(args.device));
   MOE_ASSIGN_OR_RETURN(model::ModelConfig config, load_config(args));
   if (args.num_layers > 0) {
@@ -141,10 +145,21 @@ Status run_generate(const GenerateArgs& args) {
   }
 
   std::optional<model::Qwen3MoeModel> cpu_model;
+  std::optional<model::MtpWeights> mtp_weights;
+  std::optional<model::MtpModel> mtp_model;
   std::unique_ptr<engine::ModelRunner> runner;
   std::optional<engine::Generator> generator;
   if (!args.device.cuda()) {
     cpu_model.emplace(*weights);
+    if (spec.enabled()) {
+      MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(args.speculative, config, dummy));
+      mtp_weights.emplace(std::move(mtp));
+      mtp_model.emplace(*mtp_weights, *weights);
+      options.mtp = &*mtp_model;
+      options.num_speculative_tokens = spec.num_speculative_tokens;
+      log_info("speculative decoding: MTP, {} draft tokens per step ({} MLP)", spec.num_speculative_tokens,
+               mtp_weights->layer().is_moe ? "MoE" : "dense");
+    }
     generator.emplace(*cpu_model, pool, options);
   } else {
 #ifdef MOE_WITH_CUDA
@@ -168,6 +183,12 @@ Status run_generate(const GenerateArgs& args) {
   const double decode_tps = stats.decode_seconds > 0 ? static_cast<double>(stats.num_generated_tokens - static_cast<int64_t>(results.size())) / stats.decode_seconds : 0.0;
   log_info("{} prompt tokens in {:.3f} s, {} generated tokens, decode {:.1f} tokens/s", stats.num_prompt_tokens,
            stats.prefill_seconds, stats.num_generated_tokens, decode_tps);
+  if (spec.enabled() && stats.num_verifications > 0)
+    log_info("speculative: {} draft tokens, {} accepted ({:.1f}%), {:.2f} tokens per verification, {} decode steps",
+             stats.num_draft_tokens, stats.num_accepted_tokens,
+             100.0 * static_cast<double>(stats.num_accepted_tokens) / static_cast<double>(stats.num_draft_tokens),
+             1.0 + static_cast<double>(stats.num_accepted_tokens) / static_cast<double>(stats.num_verifications),
+             stats.num_decode_steps);
 
   for (size_t i = 0; i < results.size(); ++i) {
     if (args.output == "json") {
@@ -176,6 +197,10 @@ Status run_generate(const GenerateArgs& args) {
       j["finish_reason"] = results[i].finish_reason;
       j["prompt_tokens"] = requests[i].prompt.size();
       j["completion_tokens"] = results[i].token_ids.size();
+      if (spec.enabled()) {
+        j["num_draft_tokens"] = results[i].num_draft_tokens;
+        j["num_accepted_draft_tokens"] = results[i].num_accepted_draft_tokens;
+      }
       std::printf("%s\n", j.dump().c_str());
     } else {
       std::printf("%s\n", fmt::format("{}", fmt::join(results[i].token_ids, " ")).c_str());
@@ -212,6 +237,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--page-size", args->page_size, "Tokens per KV page");
   cmd->add_option("--max-tokens-per-step", args->max_tokens_per_step, "Prefill chunk budget per step (0 = unlimited)");
   add_device_options(cmd, args->device);
+  add_speculative_options(cmd, args->speculative);
   cmd->callback([args] {
     Status status = run_generate(*args);
     if (!status.is_ok()) {

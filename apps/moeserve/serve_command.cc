@@ -13,7 +13,9 @@
 #include <unistd.h>
 
 #include "core/logging.h"
+#include "comm/cpu/shm_communicator.h"
 #include "engine/engine.h"
+#include "engine/rank_group.h"
 #include "model/config.h"
 #include "model/qwen3_moe.h"
 #include "model/weights.h"
@@ -155,7 +157,75 @@ static void prefetch_weights(const std::string& model_dir) {
   if (tty) std::fprintf(stderr, "\n");
 }
 
+namespace {
+
+Status check_parallel_args(const ServeArgs& args) {
+  const ParallelArgs& p = args.parallel;
+  if (p.dp > 1 && (args.role != "decode" || args.router_url.empty()))
+    return invalid_argument("--dp runs data-parallel decode ranks, each registering with the router as its own "
+                            "decode endpoint: use `moeserve decode --dp N --ep N --router URL`");
+  if (p.dp > 1 && (p.tp != 1 || p.ep != p.dp))
+    return invalid_argument("--dp {} needs --ep {} (experts split over the same ranks) and --tp 1", p.dp, p.dp);
+  if (p.world() > 1 && args.device.cuda())
+    return invalid_argument("--tp/--ep run CPU ranks for now; the GPU communicator is not wired into serving yet");
+  if (p.world() > 1 && p.dp == 1 && args.role == "decode")
+    return invalid_argument("a decode instance runs data-parallel ranks: use --dp N --ep N, not --tp");
+  return Status::ok();
+}
+
+Expected<std::unique_ptr<comm::Communicator>> open_rank_communicator(const std::string& group, int rank, int world) {
+  comm::ShmGroupOptions o;
+  o.name = group, o.rank = rank, o.world_size = world;
+  // A rank lost inside a collective fails the step after this long; a step's
+  // longest wait is one layer of the slowest rank's chunk.
+  o.timeout_ms = 30000;
+  return comm::open_shm_communicator(o);
+}
+
+// One zeroed KV region per follower (rank 1..world-1), `layout` with `num_pages`.
+Expected<std::vector<kv::ShmRegion>> create_follower_kv(const std::string& group, int world, kv::KvCacheLayout layout,
+                                                        int32_t num_pages) {
+  layout.num_pages = num_pages;
+  const size_t bytes = layout.num_bytes();
+  std::vector<kv::ShmRegion> regions;
+  for (int rank = 1; rank < world; ++rank) {
+    MOE_ASSIGN_OR_RETURN(auto region, kv::ShmRegion::create(engine::kv_region_name(group, rank), bytes));
+    regions.push_back(std::move(region));
+  }
+  return regions;
+}
+
+// Ranks 1.. of a --tp/--ep instance: the same model load, then the leader's
+// step plans until it stops or goes away.
+Status run_rank_follower(const ServeArgs& args, const model::ModelConfig& config) {
+  sigset_t signals;  // the leader handles Ctrl-C and stops this rank in order
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  const ParallelArgs& p = args.parallel;
+  MOE_ASSIGN_OR_RETURN(auto comm, open_rank_communicator(p.internal_group, p.internal_rank, p.world()));
+  ThreadPool pool(args.threads);
+  MOE_ASSIGN_OR_RETURN(auto weights, model::ModelWeights::load(args.model, config, pool));
+  const model::ParallelPlan plan{p.tp, p.tp > 1 ? p.internal_rank : 0, p.ep, p.ep > 1 ? p.internal_rank : 0, false,
+                                 comm.get()};
+  MOE_RETURN_IF_ERROR(model::check_parallel_plan(config, weights, plan));
+  model::Qwen3MoeModel model(weights, plan);
+  MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
+  const kv::KvCacheLayout layout{config.num_layers, model.shard().num_kv_heads, config.head_dim, args.page_size,
+                                 p.internal_num_pages, kv_dtype};
+  MOE_ASSIGN_OR_RETURN(auto kv_memory, kv::ShmRegion::open(engine::kv_region_name(p.internal_group, p.internal_rank),
+                                                           layout.num_bytes()));
+  // Ready: weights loaded and the KV region mapped (the leader then unlinks its name).
+  MOE_RETURN_IF_ERROR(engine::signal_ready(p.internal_plan_fd));
+  return engine::run_follower(model, pool, layout, kv_memory.data(), p.internal_plan_fd);
+}
+
+}  // namespace
+
 Status run_serve(ServeArgs args) {
+  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec,
+                       check_speculative(args.speculative, args.device, args.disagg ? "--disagg" : args.role));
   if (args.disagg) return run_cluster(std::move(args));
   MOE_RETURN_IF_ERROR(check_device(args.device));
   if (args.model.empty()) args.model = find_default_model();
@@ -166,6 +236,12 @@ Status run_serve(ServeArgs args) {
   MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
   if (kv_dtype != DType::kF32 && kv_dtype != DType::kBF16) return invalid_argument("--kv-dtype must be f32 or bf16");
   MOE_ASSIGN_OR_RETURN(model::ModelConfig config, model::load_model_config(args.model));
+  MOE_RETURN_IF_ERROR(check_parallel_args(args));
+  const ParallelArgs& par = args.parallel;
+  const bool dp = par.dp > 1;  // each rank a decode instance of its own (docs/parallel.md)
+  if (par.follower() && !dp) return run_rank_follower(args, config);
+  if (par.follower()) args.port = 0, args.transfer_port = 0;
+  const model::ParallelPlan plan{par.tp, 0, par.ep, dp ? par.internal_rank : 0, dp, nullptr};
   if (args.served_model_name.empty()) args.served_model_name = std::filesystem::path(args.model).filename().string();
 
   std::optional<tokenizer::Tokenizer> tok;
@@ -191,10 +267,49 @@ Status run_serve(ServeArgs args) {
   log_info("loaded {:.1f} MB of weights in {:.2f} s ({} layers, {} experts, vocab {})",
            static_cast<double>(weights.num_bytes()) / 1e6, engine::monotonic_seconds() - load_start,
            config.num_layers, config.num_experts, config.vocab_size);
-  model::Qwen3MoeModel model(weights);
-
-  kv::KvCacheLayout layout{config.num_layers, config.num_kv_heads, config.head_dim, args.page_size, 0, kv_dtype};
-  MOE_ASSIGN_OR_RETURN(auto sched, scheduler_options(args, config, layout.page_bytes() * config.num_layers));
+  MOE_RETURN_IF_ERROR(model::check_parallel_plan(config, weights, plan));
+  // Rank 0's share of the heads sizes the KV pages (every rank's are alike).
+  kv::KvCacheLayout layout{config.num_layers, model::rank_shard(config, plan).num_kv_heads, config.head_dim,
+                           args.page_size, 0, kv_dtype};
+  // The MTP layer's KV pages come out of the same budget (one more layer).
+  const int num_kv_layers = config.num_layers + (spec.enabled() ? 1 : 0);
+  MOE_ASSIGN_OR_RETURN(auto sched, scheduler_options(args, config, layout.page_bytes() * num_kv_layers));
+  std::optional<model::MtpWeights> mtp_weights;
+  std::optional<model::MtpModel> mtp_model;
+  if (spec.enabled()) {
+    if (plan.tp_size > 1 || plan.ep_size > 1)
+      return unimplemented("speculative decoding with --tp/--ep: not yet (one rank only)");
+    MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(args.speculative, config, false));
+    mtp_weights.emplace(std::move(mtp));
+    mtp_model.emplace(*mtp_weights, weights);
+  }
+  // Ranks 1.. (docs/parallel.md): started here, joined through shared memory.
+  std::unique_ptr<comm::Communicator> comm;
+  std::optional<Followers> followers;  // outlives the engine, whose runner stops them
+  std::vector<kv::ShmRegion> follower_kv;  // TP/EP followers' KV caches, which the leader can read
+  if (plan.tp_size > 1 || plan.ep_size > 1) {
+    std::string group = par.internal_group;
+    if (!par.follower()) {
+      group = new_group_name();
+      if (!dp) {
+        MOE_ASSIGN_OR_RETURN(follower_kv, create_follower_kv(group, par.world(), layout, sched.num_pages));
+      }
+      MOE_ASSIGN_OR_RETURN(auto started, spawn_followers(par, group, sched.num_pages));
+      followers.emplace(std::move(started));
+    }
+    MOE_ASSIGN_OR_RETURN(comm, open_rank_communicator(group, par.internal_rank, par.world()));
+  }
+  model::ParallelPlan rank_plan = plan;
+  rank_plan.comm = comm.get();
+  model::Qwen3MoeModel model(weights, rank_plan);
+  if (comm && par.follower()) {  // a data-parallel rank: ready, and gone with its leader
+    MOE_RETURN_IF_ERROR(engine::signal_ready(par.internal_plan_fd));
+    stop_when_leader_exits(par.internal_plan_fd);
+  } else if (comm) {
+    MOE_RETURN_IF_ERROR(engine::wait_for_followers(followers->fds));  // every rank has its weights
+    for (kv::ShmRegion& region : follower_kv) region.unlink();      // and has mapped its KV region
+    log_info("{} ranks ready (tp {}, ep {}, dp {})", comm->world_size(), plan.tp_size, plan.ep_size, par.dp);
+  }
   std::unique_ptr<engine::ModelRunner> runner;
 #ifdef MOE_WITH_CUDA
   if (args.device.cuda()) {
@@ -223,15 +338,34 @@ Status run_serve(ServeArgs args) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   server::HttpServer http;  // declared first: destroyed after everything that may hold a connection
   const kv::KvCache* kv_cache = nullptr;  // the CPU runner's, for the disaggregated roles
+  std::vector<const kv::KvCache*> rank_caches;  // a TP/EP leader's: every rank's
+  if (!runner && comm && dp) {
+    auto rank_runner = std::make_unique<engine::LockstepRunner>(model, pool, layout);
+    kv_cache = &rank_runner->cache();
+    runner = std::move(rank_runner);
+  } else if (!runner && comm) {
+    auto leader = std::make_unique<engine::LeaderRunner>(model, pool, layout, std::exchange(followers->fds, {}),
+                                                         std::move(follower_kv));
+    rank_caches = leader->rank_caches();
+    runner = std::move(leader);
+  }
   if (!runner) {
     auto cpu_runner = std::make_unique<engine::Qwen3Runner>(model, pool, layout);
     kv_cache = &cpu_runner->cache();
     runner = std::move(cpu_runner);
   }
-  engine::Engine engine(std::move(runner), engine_options);
+  std::unique_ptr<engine::MtpDrafter> drafter;
+  if (spec.enabled()) {
+    CHECK(runner->supports_hidden_states(), "the CPU runner returns hidden states");
+    drafter = std::make_unique<engine::MtpDrafter>(*mtp_model, pool, layout, spec.num_speculative_tokens);
+    log_info("speculative decoding: MTP layer from {}, {} draft tokens per step", args.speculative.model_dir,
+             spec.num_speculative_tokens);
+  }
+  engine::Engine engine(std::move(runner), engine_options, std::move(drafter));
   if (args.role != "colocated") {
-    if (!kv_cache) return invalid_argument("the {} role runs on the CPU backend only for now", args.role);
-    return run_instance(args, engine, *kv_cache, http, signals);
+    if (kv_cache) rank_caches = {kv_cache};
+    if (rank_caches.empty()) return invalid_argument("the {} role runs on the CPU backend only for now", args.role);
+    return run_instance(args, engine, {rank_caches, config.num_kv_heads}, http, signals);
   }
   server::EngineBackend backend(engine);
   server::OpenAiApi api(backend, tok ? &*tok : nullptr, api_options(args, sched));
@@ -268,6 +402,8 @@ void add_engine_options(CLI::App* cmd, ServeArgs& a) {
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_flag("--no-enable-prefix-caching", args->no_prefix_caching, "Turn prefix caching off");
   add_device_options(cmd, args->device);
+  add_speculative_options(cmd, args->speculative);
+  add_parallel_options(cmd, args->parallel);
   cmd->add_option("--threads", args->threads, "CPU threads for the model (0 = all cores)");
   cmd->add_option("--http-threads", args->http_threads, "HTTP I/O threads")->check(CLI::Range(1, 64));
   cmd->add_option("--reasoning-parser", args->reasoning_parser, "qwen3: split <think> into reasoning_content");

@@ -14,6 +14,8 @@
 #include <CLI/CLI.hpp>
 
 #include "apps/moeserve/device_options.h"
+#include "apps/moeserve/rank_launch.h"
+#include "apps/moeserve/speculative_options.h"
 #include "core/status.h"
 #include "engine/engine.h"
 #include "engine/sampler.h"
@@ -38,6 +40,8 @@ struct ServeArgs {
   std::string kv_dtype = "f32";
   bool no_prefix_caching = false;
   DeviceArgs device;
+  ParallelArgs parallel;        // --tp / --ep / --dp (docs/parallel.md)
+  SpeculativeArgs speculative;  // --speculative-config / --speculative-model (docs/speculative.md)
   int threads = 0;
   int http_threads = 2;
   std::string reasoning_parser;
@@ -79,7 +83,13 @@ server::HttpServerOptions http_options(const ServeArgs& args);
 void add_cluster_options(CLI::App* cmd, ServeArgs& args);
 void add_disagg_commands(CLI::App& app);  // prefill, decode, router
 Status run_cluster(ServeArgs args);
+// The KV an instance serves from: its ranks' caches (rank order; one for a
+// single rank or a data-parallel rank) and the model's k/v head count.
+struct InstanceKv {
+  std::vector<const kv::KvCache*> rank_caches;
+  int num_kv_heads = 0;
+};
 // Runs a prefill or decode instance's control endpoint over `engine` until SIGINT/SIGTERM.
-Status run_instance(const ServeArgs& args, engine::Engine& engine, const kv::KvCache& cache, server::HttpServer& http,
+Status run_instance(const ServeArgs& args, engine::Engine& engine, const InstanceKv& kv, server::HttpServer& http,
                     const sigset_t& signals);
 }  // namespace moe::apps

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
+#include <numeric>
 
 #include "core/check.h"
 #include "core/logging.h"
@@ -50,12 +51,14 @@ void deliver(const OutputCallback& callback, const EngineOutput& out) {
 
 }  // namespace
 
-Engine::Engine(std::unique_ptr<ModelRunner> runner, EngineOptions options)
+Engine::Engine(std::unique_ptr<ModelRunner> runner, EngineOptions options, std::unique_ptr<MtpDrafter> drafter)
     : runner_(std::move(runner)),
+      drafter_(std::move(drafter)),
       options_(std::move(options)),
       vocab_size_(runner_->vocab_size()),
       scheduler_(options_.scheduler),
       seed_source_(std::random_device{}()) {
+  CHECK(!drafter_ || runner_->supports_hidden_states(), "speculative decoding needs a runner with hidden states");
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -165,6 +168,8 @@ void Engine::finish(uint64_t id, EngineOutput out) {
   out.id = id;
   out.num_prompt_tokens = static_cast<int>(a.request.prompt.size());
   out.num_output_tokens = a.num_output_tokens;
+  out.num_draft_tokens = a.num_draft_tokens;
+  out.num_accepted_draft_tokens = a.num_accepted_tokens;
   if (out.finish == FinishReason::kNone) out.finish = FinishReason::kAbort;
   const double now = monotonic_seconds();
   {
@@ -255,9 +260,14 @@ void Engine::loop() {
   while (true) {
     {
       std::unique_lock lock(mutex_);
-      wake_.wait(lock, [&] {
+      const auto has_work = [&] {
         return stop_ || !incoming_.empty() || !cancels_.empty() || !commands_.empty() || scheduler_.has_work();
-      });
+      };
+      if (runner_->steps_in_lockstep()) {  // step() runs an idle step when there is nothing to do
+        wake_.wait_for(lock, std::chrono::milliseconds(1), has_work);
+      } else {
+        wake_.wait(lock, has_work);
+      }
       if (stop_) break;
     }
     drain_queues();
@@ -265,6 +275,7 @@ void Engine::loop() {
     else step();
     update_gauges();
   }
+  runner_->leave();
   fail_all(unavailable("the engine is shutting down"));
 }
 
@@ -282,18 +293,19 @@ void Engine::fail_all(const Status& status) {
   update_gauges();
 }
 
-void Engine::sample(const StepPlan& plan, const Tensor& logits, std::vector<int32_t>& tokens,
-                    std::vector<std::optional<TokenLogprobs>>& logprobs) {
+void Engine::sample(const StepPlan& plan, const Tensor& logits, std::vector<std::vector<int32_t>>& runs,
+                    ChunkLogprobs& logprobs) {
   int64_t row = 0;
   for (const ScheduledChunk& chunk : plan.chunks) {
     if (!chunk.sample) continue;
     Active& a = active_.at(chunk.id);
+    CHECK(chunk.num_drafts == 0, "drafts without a drafter");
     std::span<const float> row_logits(logits.data_as<float>() + row * vocab_size_, static_cast<size_t>(vocab_size_));
     ++row;
     const int32_t token = sample_token(row_logits, a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens));
-    tokens.push_back(token);
-    if (a.request.num_logprobs >= 0) logprobs.push_back(compute_logprobs(row_logits, token, a.request.num_logprobs));
-    else logprobs.emplace_back();
+    runs.push_back({token});
+    if (a.request.num_logprobs >= 0)
+      logprobs.emplace_back(chunk.id, compute_logprobs(row_logits, token, a.request.num_logprobs));
   }
 }
 
@@ -350,10 +362,11 @@ void Engine::after_export(const StepPlan& plan) {
 }
 
 // The step's forward pass and sampling: on the runner's device unless a
-// request wants logprobs (computed here from the logits).
-Status Engine::run_forward(const StepPlan& plan, std::vector<int32_t>& tokens,
-                           std::vector<std::optional<TokenLogprobs>>& logprobs) {
-  const model::ForwardBatch batch = scheduler_.build_batch(plan);
+// request wants logprobs (computed here from the logits); speculative steps
+// always sample here. One run of tokens per sampling chunk.
+Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batch,
+                           std::vector<std::vector<int32_t>>& runs, ChunkLogprobs& logprobs, Tensor& hidden) {
+  if (drafter_) return run_speculative(plan, batch, runs, logprobs, hidden);
   bool on_device = runner_->samples_on_device();
   std::vector<RowSampling> rows;
   for (const ScheduledChunk& chunk : plan.chunks) {
@@ -367,11 +380,12 @@ Status Engine::run_forward(const StepPlan& plan, std::vector<int32_t>& tokens,
   try {  // the runner's libraries may throw: the module boundary
     if (on_device) {
       auto sampled = runner_->forward_and_sample(batch, rows);
-      if (sampled) tokens = std::move(sampled).value(), logprobs.resize(tokens.size());
+      if (sampled)
+        for (int32_t token : *sampled) runs.push_back({token});
       status = sampled.status();
     } else {
       auto logits = runner_->forward(batch);
-      if (logits) sample(plan, *logits, tokens, logprobs);
+      if (logits) sample(plan, *logits, runs, logprobs);
       status = logits.status();
     }
   } catch (const std::exception& e) {
@@ -382,6 +396,83 @@ Status Engine::run_forward(const StepPlan& plan, std::vector<int32_t>& tokens,
   return status;
 }
 
+// Whether a request may carry drafts. Requests with logprobs decode plainly
+// (one forward row per output token keeps their logprobs simple), and so do
+// KV-exporting ones and prefilled ones (no MTP KV for a prompt computed elsewhere).
+bool Engine::may_speculate(uint64_t id) const {
+  auto it = active_.find(id);
+  if (it == active_.end()) return false;
+  const Active& a = it->second;
+  return a.request.num_logprobs < 0 && !a.request.kv_export && a.first_token < 0;
+}
+
+// The target forward with hidden states, then verification of every chunk's drafts.
+Status Engine::run_speculative(const StepPlan& plan, const model::ForwardBatch& batch,
+                               std::vector<std::vector<int32_t>>& runs, ChunkLogprobs& logprobs, Tensor& hidden) {
+  std::vector<RowSampling> rows;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    if (!chunk.sample) continue;
+    const Active& a = active_.at(chunk.id);
+    rows.push_back({a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
+  }
+  std::vector<int32_t> all_rows(static_cast<size_t>(batch.num_tokens()));
+  std::iota(all_rows.begin(), all_rows.end(), 0);
+  Status status;
+  runner_->set_layer_hook(export_hook(plan));
+  try {
+    auto logits = runner_->forward_with_hidden(batch, all_rows, hidden);
+    status = logits.status();
+    if (logits) {
+      runs = sample_runs(plan, batch, *logits, rows);
+      int64_t row = 0;
+      size_t next = 0;
+      for (const ScheduledChunk& chunk : plan.chunks) {
+        if (!chunk.sample) continue;
+        const Active& a = active_.at(chunk.id);
+        if (a.request.num_logprobs >= 0)
+          logprobs.emplace_back(chunk.id, compute_logprobs(std::span<const float>(logits->data_as<float>() + row * vocab_size_,
+                                                                                  static_cast<size_t>(vocab_size_)),
+                                                           runs[next][0], a.request.num_logprobs));
+        row += chunk.num_drafts + 1;
+        ++next;
+      }
+    }
+  } catch (const std::exception& e) {
+    status = internal_error("{}", e.what());
+  }
+  runner_->set_layer_hook({});
+  after_export(plan);
+  return status;
+}
+
+// Global and per-request acceptance counts of a speculative step.
+void Engine::record_speculation(const StepPlan& plan, std::span<const std::vector<int32_t>> runs) {
+  const SpecStepStats stats = spec_step_stats(plan, runs);
+  if (stats.acceptance_lengths.empty()) return;
+  size_t next = 0;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    if (!chunk.sample) continue;
+    const auto& run = runs[next++];
+    auto it = active_.find(chunk.id);
+    if (chunk.num_drafts == 0 || it == active_.end()) continue;
+    it->second.num_draft_tokens += chunk.num_drafts;
+    it->second.num_accepted_tokens += static_cast<int>(run.size()) - 1;
+  }
+  std::lock_guard lock(mutex_);
+  metrics_.spec_decode_num_drafts_total += static_cast<int64_t>(stats.acceptance_lengths.size());
+  metrics_.spec_decode_num_draft_tokens_total += stats.num_draft_tokens;
+  metrics_.spec_decode_num_accepted_tokens_total += stats.num_accepted_tokens;
+  for (int length : stats.acceptance_lengths) metrics_.spec_decode_acceptance_length.observe(length);
+}
+
+bool Engine::fail_on_error(const Status& status) {
+  if (status.is_ok()) return true;
+  log_error("engine: the forward pass failed: {}", status.to_string());
+  dead_ = true;
+  fail_all(internal_error("the forward pass failed: {}", status.message()));
+  return false;
+}
+
 void Engine::step() {
   const double now = monotonic_seconds();
   StepPlan plan = scheduler_.schedule(now);
@@ -390,7 +481,10 @@ void Engine::step() {
     out.error = deadline_exceeded("the request ran past its deadline of {} s", active_.at(id).request.timeout_s);
     finish(id, std::move(out));
   }
-  if (plan.empty()) return;
+  if (plan.empty()) {
+    if (runner_->steps_in_lockstep() && !dead_) fail_on_error(runner_->idle_step());
+    return;
+  }
   for (const auto& chunk : plan.chunks) {
     Active& a = active_.at(chunk.id);
     if (a.first_scheduled_s >= 0) continue;
@@ -398,17 +492,18 @@ void Engine::step() {
     std::lock_guard lock(mutex_);
     metrics_.request_queue_time_seconds.observe(now - a.arrival_s);
   }
-  std::vector<int32_t> tokens;
-  std::vector<std::optional<TokenLogprobs>> logprobs;
+  const model::ForwardBatch batch = scheduler_.build_batch(plan);
+  std::vector<std::vector<int32_t>> runs;
+  ChunkLogprobs logprobs;
+  Tensor hidden;
   const double forward_start = monotonic_seconds();
-  const Status status = run_forward(plan, tokens, logprobs);
-  if (!status.is_ok()) {
-    log_error("engine: the forward pass failed: {}", status.to_string());
-    dead_ = true;
-    fail_all(internal_error("the forward pass failed: {}", status.message()));
-    return;
+  const Status status = run_forward(plan, batch, runs, logprobs, hidden);
+  if (!fail_on_error(status)) return;
+  const std::vector<SequenceUpdate> updates = scheduler_.complete_step(plan, std::span<const std::vector<int32_t>>(runs));
+  if (drafter_) {
+    record_speculation(plan, runs);
+    drafter_->propose(scheduler_, plan, batch, hidden, [this](uint64_t id) { return may_speculate(id); });
   }
-  const std::vector<SequenceUpdate> updates = scheduler_.complete_step(plan, tokens);
   if (options_.check_invariants) scheduler_.check_invariants();
   const double done = monotonic_seconds();
   {
@@ -419,6 +514,7 @@ void Engine::step() {
     metrics_.busy_seconds_total += done - forward_start;
   }
   log_throughput(done);
+  size_t next_logprobs = 0;  // logprobs requests emit one token per step, in chunk order
   for (size_t i = 0; i < updates.size(); ++i) {
     const SequenceUpdate& u = updates[i];
     Active& a = active_.at(u.id);
@@ -426,9 +522,12 @@ void Engine::step() {
     EngineOutput out;
     out.id = u.id;
     out.token = u.token;
-    out.logprobs = std::move(logprobs[i]);
+    if (next_logprobs < logprobs.size() && logprobs[next_logprobs].first == u.id)
+      out.logprobs = std::move(logprobs[next_logprobs++].second);
     out.num_prompt_tokens = u.num_prompt_tokens;
     out.num_output_tokens = u.num_output_tokens;
+    out.num_draft_tokens = a.num_draft_tokens;
+    out.num_accepted_draft_tokens = a.num_accepted_tokens;
     if (a.first_token_s < 0) {
       a.first_token_s = done;
       std::lock_guard lock(mutex_);

@@ -28,6 +28,7 @@
 #include "engine/model_runner.h"
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
+#include "engine/speculative.h"
 
 namespace moe::engine {
 
@@ -74,6 +75,10 @@ struct EngineOutput {
   int num_prompt_tokens = 0;
   int num_output_tokens = 0;
   int num_cached_tokens = 0;  // prompt tokens found in the prefix cache
+  // Speculative decoding, so far in the request (set in every output): drafts
+  // verified and accepted.
+  int num_draft_tokens = 0;
+  int num_accepted_draft_tokens = 0;
 };
 using OutputCallback = std::function<void(const EngineOutput&)>;
 
@@ -90,7 +95,11 @@ struct EngineOptions {
 
 class Engine {
  public:
-  Engine(std::unique_ptr<ModelRunner> runner, EngineOptions options);
+  // With `drafter`, decode steps speculate (engine/speculative.h): the runner
+  // must return hidden states and the drafter's KV cache must have the
+  // scheduler's page count. Requests with logprobs or KV export, and
+  // prefilled ones, decode without drafts.
+  Engine(std::unique_ptr<ModelRunner> runner, EngineOptions options, std::unique_ptr<MtpDrafter> drafter = nullptr);
   ~Engine();  // stops the loop; requests still in flight end with kUnavailable
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -131,24 +140,34 @@ class Engine {
     std::vector<int32_t> prefilled_pages;  // submit_prefilled(): the reservation
     int32_t first_token = -1;              // submit_prefilled(): sampled by the prefill instance
     int32_t num_exported_tokens = 0;       // request.kv_export: positions handed over
+    int num_draft_tokens = 0, num_accepted_tokens = 0;  // speculative decoding
   };
+  // A sampling chunk's logprobs (requests that asked for them).
+  using ChunkLogprobs = std::vector<std::pair<uint64_t, TokenLogprobs>>;
   Expected<uint64_t> enqueue(Active active);
   void admit(uint64_t id, Active active);
   std::function<void(int)> export_hook(const StepPlan& plan);
   void after_export(const StepPlan& plan);
-  Status run_forward(const StepPlan& plan, std::vector<int32_t>& tokens,
-                     std::vector<std::optional<TokenLogprobs>>& logprobs);
+  Status run_forward(const StepPlan& plan, const model::ForwardBatch& batch, std::vector<std::vector<int32_t>>& runs,
+                     ChunkLogprobs& logprobs, Tensor& hidden);
+  Status run_speculative(const StepPlan& plan, const model::ForwardBatch& batch,
+                         std::vector<std::vector<int32_t>>& runs, ChunkLogprobs& logprobs, Tensor& hidden);
+  bool may_speculate(uint64_t id) const;
+  void record_speculation(const StepPlan& plan, std::span<const std::vector<int32_t>> runs);
   void loop();
   void drain_queues();
   void step();
-  void sample(const StepPlan& plan, const Tensor& logits, std::vector<int32_t>& tokens,
-              std::vector<std::optional<TokenLogprobs>>& logprobs);
+  // false (and the engine failed: every request ends with the error) unless ok.
+  bool fail_on_error(const Status& status);
+  void sample(const StepPlan& plan, const Tensor& logits, std::vector<std::vector<int32_t>>& runs,
+              ChunkLogprobs& logprobs);
   void finish(uint64_t id, EngineOutput out);
   void fail_all(const Status& status);
   void update_gauges();
   void log_throughput(double now);
 
   std::unique_ptr<ModelRunner> runner_;
+  std::unique_ptr<MtpDrafter> drafter_;  // null: no speculative decoding
   EngineOptions options_;
   int64_t vocab_size_;
   Scheduler scheduler_;  // engine thread only

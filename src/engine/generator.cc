@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <numeric>
 #include <random>
 
 #include "core/logging.h"
@@ -51,7 +52,8 @@ Expected<std::vector<GenerationResult>> Generator::generate(const std::vector<Ge
   const model::ModelConfig& config = model_->config();
   const int32_t num_pages = options_.num_pages > 0 ? options_.num_pages : static_cast<int32_t>(total_pages);
   Qwen3Runner runner(*model_, *pool_,
-                     {config.num_layers, config.num_kv_heads, config.head_dim, options_.page_size, num_pages, options_.kv_dtype});
+                     {config.num_layers, model_->shard().num_kv_heads, config.head_dim, options_.page_size, num_pages,
+                      options_.kv_dtype});
   return run(requests, runner, num_pages, longest);
 }
 
@@ -59,13 +61,22 @@ Expected<std::vector<GenerationResult>> Generator::generate(const std::vector<Ge
 Expected<std::vector<GenerationResult>> Generator::run(const std::vector<GenerationRequest>& requests,
                                                        ModelRunner& runner, int32_t num_pages, int64_t longest) {
   const int page_size = options_.page_size;
-  const int64_t vocab_size = runner.vocab_size();
   if (pages_needed(longest, page_size) > num_pages)
     return resource_exhausted("a request's prompt + max_tokens needs more KV pages than the cache has ({})", num_pages);
   if (requests.empty()) return std::vector<GenerationResult>{};
 
   // The serving scheduler, driven synchronously: continuous batching with
   // chunked prefill (decodes first) and preemption when pages run out.
+  std::unique_ptr<MtpDrafter> drafter;
+  if (options_.mtp != nullptr && options_.num_speculative_tokens > 0) {
+    if (!runner.supports_hidden_states() || pool_ == nullptr)
+      return unimplemented("speculative decoding runs on the CPU backend only for now");
+    const model::ModelConfig& c = options_.mtp->config();
+    drafter = std::make_unique<MtpDrafter>(
+        *options_.mtp, *pool_,
+        kv::KvCacheLayout{1, c.num_kv_heads, c.head_dim, page_size, num_pages, options_.kv_dtype},
+        options_.num_speculative_tokens);
+  }
   SchedulerOptions so;
   so.page_size = page_size;
   so.num_pages = num_pages;
@@ -93,21 +104,25 @@ Expected<std::vector<GenerationResult>> Generator::run(const std::vector<Generat
     for (const ScheduledChunk& chunk : plan.chunks)
       if (chunk.sample)
         rows.push_back({requests[chunk.id].sampling, seeds[chunk.id], static_cast<uint64_t>(results[chunk.id].token_ids.size())});
-    std::vector<int32_t> sampled;
-    if (runner.samples_on_device()) {
-      MOE_ASSIGN_OR_RETURN(sampled, runner.forward_and_sample(scheduler.build_batch(plan), rows));
-    } else {
-      MOE_ASSIGN_OR_RETURN(Tensor logits, runner.forward(scheduler.build_batch(plan)));
-      for (size_t r = 0; r < rows.size(); ++r) {
-        std::span<const float> row_logits(logits.data_as<float>() + r * vocab_size, static_cast<size_t>(vocab_size));
-        sampled.push_back(sample_token(row_logits, rows[r].params, rows[r].seed, rows[r].step));
-      }
-    }
+    std::vector<SequenceUpdate> pending_updates;
+    MOE_ASSIGN_OR_RETURN(auto runs, forward_step(runner, scheduler, plan, rows, drafter.get(), pending_updates));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     (plan.num_prefill_tokens > 0 ? stats_.prefill_seconds : stats_.decode_seconds) += seconds;
+    if (plan.num_prefill_tokens == 0) ++stats_.num_decode_steps;
     stats_.num_prompt_tokens += plan.num_prefill_tokens;
     ++stats_.num_steps;
-    for (const SequenceUpdate& u : scheduler.complete_step(plan, sampled)) {
+    size_t next_run = 0;
+    for (const ScheduledChunk& chunk : plan.chunks) {
+      if (!chunk.sample) continue;
+      const auto& run = runs[next_run++];
+      if (chunk.num_drafts == 0) continue;
+      ++stats_.num_verifications;
+      stats_.num_draft_tokens += chunk.num_drafts;
+      stats_.num_accepted_tokens += static_cast<int64_t>(run.size()) - 1;
+      results[chunk.id].num_draft_tokens += chunk.num_drafts;
+      results[chunk.id].num_accepted_draft_tokens += static_cast<int>(run.size()) - 1;
+    }
+    for (const SequenceUpdate& u : pending_updates) {
       results[u.id].token_ids.push_back(u.token);
       if (u.finish != FinishReason::kNone) results[u.id].finish_reason = finish_reason_name(u.finish);
       ++stats_.num_generated_tokens;
@@ -115,6 +130,38 @@ Expected<std::vector<GenerationResult>> Generator::run(const std::vector<Generat
     scheduler.check_invariants();
   }
   return results;
+}
+
+Expected<std::vector<std::vector<int32_t>>> Generator::forward_step(ModelRunner& runner, Scheduler& scheduler,
+                                                                    const StepPlan& plan,
+                                                                    std::span<const RowSampling> rows,
+                                                                    MtpDrafter* drafter,
+                                                                    std::vector<SequenceUpdate>& updates) {
+  const model::ForwardBatch batch = scheduler.build_batch(plan);
+  const int64_t vocab_size = runner.vocab_size();
+  std::vector<std::vector<int32_t>> runs;
+  if (drafter != nullptr) {
+    std::vector<int32_t> all_rows(static_cast<size_t>(batch.num_tokens()));
+    std::iota(all_rows.begin(), all_rows.end(), 0);
+    Tensor hidden;
+    MOE_ASSIGN_OR_RETURN(Tensor logits, runner.forward_with_hidden(batch, all_rows, hidden));
+    runs = sample_runs(plan, batch, logits, rows);
+    updates = scheduler.complete_step(plan, std::span<const std::vector<int32_t>>(runs));
+    drafter->propose(scheduler, plan, batch, hidden, [](uint64_t) { return true; });
+    return runs;
+  }
+  if (runner.samples_on_device()) {
+    MOE_ASSIGN_OR_RETURN(auto sampled, runner.forward_and_sample(batch, rows));
+    for (int32_t token : sampled) runs.push_back({token});
+  } else {
+    MOE_ASSIGN_OR_RETURN(Tensor logits, runner.forward(batch));
+    for (size_t r = 0; r < rows.size(); ++r) {
+      std::span<const float> row_logits(logits.data_as<float>() + r * vocab_size, static_cast<size_t>(vocab_size));
+      runs.push_back({sample_token(row_logits, rows[r].params, rows[r].seed, rows[r].step)});
+    }
+  }
+  updates = scheduler.complete_step(plan, std::span<const std::vector<int32_t>>(runs));
+  return runs;
 }
 
 }  // namespace moe::engine

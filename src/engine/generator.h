@@ -19,7 +19,10 @@
 #include "core/thread_pool.h"
 #include "engine/model_runner.h"
 #include "engine/sampler.h"
+#include "engine/scheduler.h"
+#include "engine/speculative.h"
 #include "kv/kv_cache.h"
+#include "model/mtp.h"
 #include "model/qwen3_moe.h"
 
 namespace moe::engine {
@@ -35,6 +38,8 @@ struct GenerationRequest {
 struct GenerationResult {
   std::vector<int32_t> token_ids;  // generated tokens only
   std::string finish_reason;       // "stop" or "length"
+  int num_draft_tokens = 0;        // speculative decoding: drafts verified
+  int num_accepted_draft_tokens = 0;
 };
 
 struct GeneratorOptions {
@@ -43,6 +48,10 @@ struct GeneratorOptions {
   DType kv_dtype = DType::kF32;
   int max_tokens_per_step = 0;        // prefill chunk budget; 0: unlimited
   std::vector<int32_t> eos_token_ids;
+  // Speculative decoding (engine/speculative.h) with this MTP model, k > 0
+  // drafts per step; CPU model only (a runner without hidden states fails).
+  const model::MtpModel* mtp = nullptr;
+  int num_speculative_tokens = 0;
 };
 
 struct GenerationStats {
@@ -51,6 +60,10 @@ struct GenerationStats {
   int64_t num_generated_tokens = 0;
   double prefill_seconds = 0.0;  // steps that processed prompt tokens
   double decode_seconds = 0.0;   // steps of decode tokens only
+  int num_decode_steps = 0;
+  int64_t num_verifications = 0;  // speculative: chunks that verified drafts
+  int64_t num_draft_tokens = 0;
+  int64_t num_accepted_tokens = 0;
 };
 
 class Generator {
@@ -69,6 +82,12 @@ class Generator {
  private:
   Expected<std::vector<GenerationResult>> run(const std::vector<GenerationRequest>& requests, ModelRunner& runner,
                                               int32_t num_pages, int64_t longest);
+  // One step after scheduling: forward, sampling (verification with drafts),
+  // complete_step (its updates in `updates`), then the next drafts. Returns
+  // the run of tokens of each sampling chunk of `plan`.
+  Expected<std::vector<std::vector<int32_t>>> forward_step(ModelRunner& runner, Scheduler& scheduler,
+                                                           const StepPlan& plan, std::span<const RowSampling> rows,
+                                                           MtpDrafter* drafter, std::vector<SequenceUpdate>& updates);
 
   const model::Qwen3MoeModel* model_ = nullptr;  // CPU path
   ThreadPool* pool_ = nullptr;

@@ -41,6 +41,13 @@ struct EngineMetrics {
   Histogram time_per_output_token_seconds;
   Histogram e2e_request_latency_seconds;
   Histogram request_queue_time_seconds;
+  // Speculative decoding (vLLM's spec_decode_* counters): verifications of a
+  // sequence's drafts, draft tokens verified and accepted, and the tokens each
+  // verification emitted (accepted drafts + 1, from 1 to k + 1).
+  int64_t spec_decode_num_drafts_total = 0;
+  int64_t spec_decode_num_draft_tokens_total = 0;
+  int64_t spec_decode_num_accepted_tokens_total = 0;
+  Histogram spec_decode_acceptance_length;
 
   EngineMetrics();
 };

@@ -11,6 +11,17 @@ Qwen3Runner::Qwen3Runner(const model::Qwen3MoeModel& model, ThreadPool& pool, co
   for (int l = 0; l < layout.num_layers; ++l) layers_.push_back(cache_.layer(l));
 }
 
-Expected<Tensor> Qwen3Runner::forward(const model::ForwardBatch& batch) { return model_.forward(pool_, batch, layers_, hook_); }
+Expected<Tensor> Qwen3Runner::forward(const model::ForwardBatch& batch) {
+  return model_.try_forward(pool_, batch, layers_, hook_);
+}
+
+Expected<Tensor> ModelRunner::forward_with_hidden(const model::ForwardBatch&, std::span<const int32_t>, Tensor&) {
+  return unimplemented("this model runner does not return hidden states (speculative decoding is CPU-only for now)");
+}
+
+Expected<Tensor> Qwen3Runner::forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                                  Tensor& hidden) {
+  return model_.try_forward(pool_, batch, layers_, hook_, hidden_rows, &hidden);
+}
 
 }  // namespace moe::engine

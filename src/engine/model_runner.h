@@ -38,16 +38,36 @@ class ModelRunner {
   // cache (empty: no hook). The others ignore it and say so here.
   virtual bool supports_layer_hook() const { return false; }
   virtual void set_layer_hook(std::function<void(int layer)> hook) { (void)hook; }
+  // A runner whose ranks must step together (data-parallel attention with
+  // expert-parallel MoE, engine/rank_group.h) says so here; the engine then
+  // calls idle_step() whenever it has no batch to run, at least every
+  // millisecond, so that its peers' steps can complete. An error fails the
+  // engine as a failed forward does.
+  virtual bool steps_in_lockstep() const { return false; }
+  virtual Status idle_step() { return Status::ok(); }
+  // The engine stops stepping (shutdown): a lockstep runner tells its peers,
+  // which then fail at once instead of waiting out their timeout.
+  virtual void leave() {}
+  // Speculative decoding (engine/speculative.h): forward() that also returns
+  // the last hidden state of `hidden_rows` ([rows, hidden] f32, after the
+  // final norm) in `hidden`. Runners without it say so here (the CUDA one, for now).
+  virtual bool supports_hidden_states() const { return false; }
+  virtual Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                               Tensor& hidden);
 };
 
 // The Qwen3-MoE CPU forward over its own paged KV cache.
 class Qwen3Runner final : public ModelRunner {
  public:
+  // `layout` holds the model rank's k/v heads (Qwen3MoeModel::shard()).
   Qwen3Runner(const model::Qwen3MoeModel& model, ThreadPool& pool, const kv::KvCacheLayout& layout);
   int64_t vocab_size() const override { return model_.config().vocab_size; }
   Expected<Tensor> forward(const model::ForwardBatch& batch) override;
   bool supports_layer_hook() const override { return true; }
   void set_layer_hook(std::function<void(int layer)> hook) override { hook_ = std::move(hook); }
+  bool supports_hidden_states() const override { return true; }
+  Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                       Tensor& hidden) override;
   const kv::KvCache& cache() const { return cache_; }
 
  private:

@@ -78,6 +78,7 @@ void Scheduler::preempt(Sequence& seq) {
   cache_.release(seq.pages);
   seq.pages.clear();
   seq.page_hashes.clear();
+  seq.drafts.clear();
   seq.num_computed = 0;
   seq.running = false;
   running_.erase(std::find(running_.begin(), running_.end(), &seq));
@@ -87,11 +88,14 @@ void Scheduler::preempt(Sequence& seq) {
   ++num_preemptions_;
 }
 
+// `take` includes the sequence's drafts (all of them: the caller trims them to the budget).
 void Scheduler::add_chunk(Sequence& seq, int32_t take, StepPlan& plan) {
+  const auto num_drafts = static_cast<int32_t>(seq.drafts.size());
   const bool in_prompt = seq.num_computed < static_cast<int32_t>(seq.spec.prompt.size());
-  const bool sample = seq.num_computed + take == static_cast<int32_t>(seq.tokens.size());
-  plan.chunks.push_back({seq.spec.id, seq.num_computed, take, sample});
-  (in_prompt || take > 1 ? plan.num_prefill_tokens : plan.num_decode_tokens) += take;
+  const bool sample = seq.num_computed + take - num_drafts == static_cast<int32_t>(seq.tokens.size());
+  CHECK(num_drafts == 0 || sample, "sequence {}: drafts on a chunk that does not sample", seq.spec.id);
+  plan.chunks.push_back({seq.spec.id, seq.num_computed, take, sample, num_drafts});
+  (in_prompt || take - num_drafts > 1 ? plan.num_prefill_tokens : plan.num_decode_tokens) += take;
 }
 
 bool Scheduler::try_admit(Sequence& seq, int& budget, StepPlan& plan) {
@@ -146,7 +150,14 @@ StepPlan Scheduler::schedule(double now_s) {
     if (budget <= 0) break;
     if (!seq->running) continue;  // preempted earlier in this step
     const int32_t pending = static_cast<int32_t>(seq->tokens.size()) - seq->num_computed;
-    const int32_t take = std::min(pending, budget);
+    // Drafts only when the whole window fits the budget's remainder.
+    if (pending + static_cast<int32_t>(seq->drafts.size()) > budget)
+      seq->drafts.resize(static_cast<size_t>(std::max(0, budget - pending)));
+    int32_t take = std::min(pending + static_cast<int32_t>(seq->drafts.size()), budget);
+    if (!seq->drafts.empty() && !grow(*seq, seq->num_computed + take)) {
+      seq->drafts.clear();  // drop the speculation before preempting anyone
+      take = std::min(pending, budget);
+    }
     while (!grow(*seq, seq->num_computed + take)) {
       Sequence* victim = running_.back();
       plan.preempted.push_back(victim->spec.id);
@@ -176,6 +187,13 @@ void Scheduler::publish_full_pages(Sequence& seq) {
 }
 
 std::vector<SequenceUpdate> Scheduler::complete_step(const StepPlan& plan, std::span<const int32_t> sampled) {
+  std::vector<std::vector<int32_t>> runs;
+  runs.reserve(sampled.size());
+  for (int32_t token : sampled) runs.push_back({token});
+  return complete_step(plan, std::span<const std::vector<int32_t>>(runs));
+}
+
+std::vector<SequenceUpdate> Scheduler::complete_step(const StepPlan& plan, std::span<const std::vector<int32_t>> runs) {
   std::vector<SequenceUpdate> updates;
   size_t next_sample = 0;
   for (const ScheduledChunk& chunk : plan.chunks) {
@@ -187,22 +205,84 @@ std::vector<SequenceUpdate> Scheduler::complete_step(const StepPlan& plan, std::
     Sequence& seq = *it->second;
     CHECK(seq.num_computed == chunk.start, "sequence {} computed {} but the chunk started at {}", chunk.id,
           seq.num_computed, chunk.start);
-    seq.num_computed += chunk.num_tokens;
-    publish_full_pages(seq);
-    if (!chunk.sample) continue;
-    CHECK(next_sample < sampled.size(), "fewer sampled tokens than sampling chunks");
-    const int32_t token = sampled[next_sample++];
-    seq.tokens.push_back(token);
-    const auto& spec = seq.spec;
-    SequenceUpdate u{spec.id, token};
-    u.num_prompt_tokens = static_cast<int>(spec.prompt.size());
-    u.num_output_tokens = static_cast<int>(seq.tokens.size() - spec.prompt.size());
-    u.finish = finish_reason_after(seq, token);
-    if (u.finish != FinishReason::kNone) finish(seq);
-    updates.push_back(u);
+    if (!chunk.sample) {
+      seq.num_computed += chunk.num_tokens;
+      publish_full_pages(seq);
+      continue;
+    }
+    CHECK(next_sample < runs.size(), "fewer sampled runs than sampling chunks");
+    complete_run(seq, chunk, runs[next_sample++], updates);
   }
-  CHECK(next_sample == sampled.size(), "{} sampled tokens for {} sampling chunks", sampled.size(), next_sample);
+  CHECK(next_sample == runs.size(), "{} sampled runs for {} sampling chunks", runs.size(), next_sample);
   return updates;
+}
+
+// A sampling chunk's run: drafts accepted (a prefix of the chunk's), then the
+// target's token. KV is valid for the chunk's known tokens and the accepted
+// drafts; the rejected positions are rolled back.
+void Scheduler::complete_run(Sequence& seq, const ScheduledChunk& chunk, const std::vector<int32_t>& run,
+                             std::vector<SequenceUpdate>& updates) {
+  CHECK(!run.empty() && static_cast<int32_t>(run.size()) <= chunk.num_drafts + 1,
+        "sequence {}: a run of {} tokens for {} drafts", chunk.id, run.size(), chunk.num_drafts);
+  CHECK(static_cast<int32_t>(seq.drafts.size()) == chunk.num_drafts, "sequence {}: drafts changed in the step",
+        chunk.id);
+  for (size_t j = 0; j + 1 < run.size(); ++j)
+    CHECK(run[j] == seq.drafts[j], "sequence {}: run token {} is not the draft", chunk.id, j);
+  const int32_t valid = chunk.num_tokens - chunk.num_drafts + static_cast<int32_t>(run.size()) - 1;
+  seq.drafts.clear();
+  FinishReason reason = FinishReason::kNone;
+  for (int32_t token : run) {
+    seq.tokens.push_back(token);
+    SequenceUpdate u{seq.spec.id, token};
+    u.num_prompt_tokens = static_cast<int>(seq.spec.prompt.size());
+    u.num_output_tokens = static_cast<int>(seq.tokens.size() - seq.spec.prompt.size());
+    u.finish = reason = finish_reason_after(seq, token);
+    updates.push_back(u);
+    if (reason != FinishReason::kNone) break;
+  }
+  seq.num_computed = std::min(chunk.start + valid, static_cast<int32_t>(seq.tokens.size()));
+  publish_full_pages(seq);
+  trim_pages(seq);  // the pages of rejected drafts (or of drafts the step budget trimmed)
+  if (reason != FinishReason::kNone) finish(seq);
+}
+
+// Frees the pages past the computed positions (those of rejected drafts).
+void Scheduler::trim_pages(Sequence& seq) {
+  const auto keep = static_cast<size_t>(std::max(1, pages_for(seq.num_computed)));
+  if (seq.pages.size() <= keep) return;
+  cache_.release(std::span<const int32_t>(seq.pages).subspan(keep));
+  seq.pages.resize(keep);
+}
+
+int32_t Scheduler::max_drafts(uint64_t id) const {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end() || !it->second->running) return 0;
+  const Sequence& seq = *it->second;
+  const auto num_tokens = static_cast<int32_t>(seq.tokens.size());
+  const auto num_output = num_tokens - static_cast<int32_t>(seq.spec.prompt.size());
+  if (seq.num_computed + 1 != num_tokens) return 0;  // not right after a sampled token
+  return std::max(0, std::min(seq.spec.max_tokens - num_output, options_.max_model_len - num_tokens) - 1);
+}
+
+bool Scheduler::grow_for_drafts(uint64_t id, int32_t num_drafts) {
+  Sequence& seq = *seqs_.at(id);
+  CHECK(seq.running, "drafts for waiting sequence {}", id);
+  return grow(seq, static_cast<int64_t>(seq.tokens.size()) + num_drafts);
+}
+
+void Scheduler::set_drafts(uint64_t id, std::vector<int32_t> drafts) {
+  Sequence& seq = *seqs_.at(id);
+  CHECK(seq.running && static_cast<int32_t>(drafts.size()) <= max_drafts(id), "sequence {}: {} drafts", id,
+        drafts.size());
+  CHECK(static_cast<int64_t>(seq.pages.size()) * options_.page_size >=
+            static_cast<int64_t>(seq.tokens.size() + drafts.size()),
+        "sequence {}: pages for its drafts", id);
+  seq.drafts = std::move(drafts);
+}
+
+bool Scheduler::is_running(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it != seqs_.end() && it->second->running;
 }
 
 // Called once `token` is appended to `seq.tokens`.
@@ -279,15 +359,17 @@ model::ForwardBatch Scheduler::build_batch(const StepPlan& plan) const {
   batch.query_start.push_back(0);
   for (const auto& chunk : plan.chunks) {
     const Sequence& seq = *seqs_.at(chunk.id);
+    const int32_t num_known = chunk.num_tokens - chunk.num_drafts;
     for (int32_t i = 0; i < chunk.num_tokens; ++i) {
-      batch.token_ids.push_back(seq.tokens[chunk.start + i]);
+      batch.token_ids.push_back(i < num_known ? seq.tokens[chunk.start + i] : seq.drafts[i - num_known]);
       batch.positions.push_back(chunk.start + i);
     }
     batch.query_start.push_back(batch.num_tokens());
     std::vector<int32_t> row = seq.pages;
     row.resize(max_pages, -1);
     batch.page_table.insert(batch.page_table.end(), row.begin(), row.end());
-    if (chunk.sample) batch.logits_rows.push_back(batch.num_tokens() - 1);
+    if (chunk.sample)  // every draft row is verified, then the last row's token follows
+      for (int32_t r = chunk.num_drafts; r >= 0; --r) batch.logits_rows.push_back(batch.num_tokens() - 1 - r);
   }
   return batch;
 }

@@ -16,6 +16,14 @@
 // sampled tokens, publishes newly completed full pages to the prefix cache and
 // finishes sequences (eos / stop id / max_tokens / max_model_len).
 //
+// Speculative decoding (engine/speculative.h): a running sequence may carry
+// draft tokens (set_drafts) after its last sampled token. Its next decode
+// chunk then verifies them: 1 + num_drafts tokens in one chunk, every one
+// sampled. complete_step() takes the verified run of each sampling chunk (the
+// accepted drafts, then the target's own token), appends it token by token
+// (stopping at the first that ends the sequence), sets the computed length
+// back to the accepted positions and frees the pages beyond it.
+//
 // The scheduler knows nothing of the model, sampling or clocks: time comes in as
 // an argument, so runs are deterministic and testable with a fake model runner.
 // Not thread-safe: owned by the engine thread.
@@ -66,6 +74,7 @@ struct ScheduledChunk {
   int32_t start = 0;       // first position computed in this step
   int32_t num_tokens = 0;
   bool sample = false;     // the chunk ends the known tokens: sample the next one
+  int32_t num_drafts = 0;  // draft tokens at the chunk's end (each row sampled: verification)
 };
 
 struct StepPlan {
@@ -101,6 +110,25 @@ class Scheduler {
   StepPlan schedule(double now_s);
   // `sampled` holds one token per chunk with sample = true, in plan order.
   std::vector<SequenceUpdate> complete_step(const StepPlan& plan, std::span<const int32_t> sampled);
+  // The same with a run of tokens per sampling chunk: the chunk's accepted
+  // drafts (a prefix of them, CHECKed), then one token; one update per token
+  // appended (a run stops at the token that finishes the sequence).
+  std::vector<SequenceUpdate> complete_step(const StepPlan& plan, std::span<const std::vector<int32_t>> runs);
+
+  // Speculative decoding. How many drafts a running sequence that just
+  // sampled may carry: each step emits at most drafts + 1 tokens, so the
+  // limit keeps max_tokens and max_model_len; 0 for an unknown sequence.
+  int32_t max_drafts(uint64_t id) const;
+  // Grows a running sequence's pages to hold `num_drafts` positions past its
+  // known tokens (the verification's, and the MTP's chained KV); false (and
+  // nothing taken) when the pages are not available.
+  bool grow_for_drafts(uint64_t id, int32_t num_drafts);
+  // Drafts for the sequence's next step (its pages grown for them first).
+  void set_drafts(uint64_t id, std::vector<int32_t> drafts);
+  bool is_running(uint64_t id) const;
+  // A known sequence's prompt and generated tokens, and how many have KV.
+  const std::vector<int32_t>& tokens_of(uint64_t id) const { return seqs_.at(id)->tokens; }
+  int32_t num_computed(uint64_t id) const { return seqs_.at(id)->num_computed; }
 
   // The ragged batch for `plan` (token ids, positions, page tables; logits rows
   // for the sampling chunks).
@@ -144,6 +172,7 @@ class Scheduler {
   struct Sequence {
     SequenceSpec spec;
     std::vector<int32_t> tokens;  // prompt then generated
+    std::vector<int32_t> drafts;  // speculative tokens after `tokens` (not part of it)
     int32_t num_computed = 0;     // tokens whose KV is in the cache
     std::vector<int32_t> pages;
     std::vector<uint64_t> page_hashes;  // chain hashes of the first pages, published
@@ -162,6 +191,9 @@ class Scheduler {
   void publish_full_pages(Sequence& seq);
   void add_chunk(Sequence& seq, int32_t take, StepPlan& plan);
   FinishReason finish_reason_after(const Sequence& seq, int32_t token) const;
+  void complete_run(Sequence& seq, const ScheduledChunk& chunk, const std::vector<int32_t>& run,
+                    std::vector<SequenceUpdate>& updates);
+  void trim_pages(Sequence& seq);
 
   SchedulerOptions options_;
   kv::PrefixCache cache_;

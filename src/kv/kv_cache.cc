@@ -2,17 +2,36 @@
 
 namespace moe::kv {
 
+namespace {
+Shape pool_shape(const KvCacheLayout& l) { return {l.num_pages, l.num_kv_heads, l.page_size, l.head_dim}; }
+void check_dtype(const KvCacheLayout& l) {
+  CHECK(l.dtype == DType::kF32 || l.dtype == DType::kBF16, "KV dtype {}", dtype_name(l.dtype));
+}
+}  // namespace
+
 KvCache::KvCache(const KvCacheLayout& layout) : layout_(layout), allocator_(layout.num_pages) {
-  CHECK(layout.dtype == DType::kF32 || layout.dtype == DType::kBF16, "KV dtype {}", dtype_name(layout.dtype));
-  const Shape shape{layout.num_pages, layout.num_kv_heads, layout.page_size, layout.head_dim};
+  check_dtype(layout);
   for (int l = 0; l < layout.num_layers; ++l) {
-    k_pages_.emplace_back(layout.dtype, shape);
-    v_pages_.emplace_back(layout.dtype, shape);
+    owned_.emplace_back(layout.dtype, pool_shape(layout));
+    k_pages_.push_back(owned_.back());
+    owned_.emplace_back(layout.dtype, pool_shape(layout));
+    v_pages_.push_back(owned_.back());
+  }
+}
+
+KvCache::KvCache(const KvCacheLayout& layout, void* memory) : layout_(layout), allocator_(layout.num_pages) {
+  check_dtype(layout);
+  auto* at = static_cast<char*>(memory);
+  const size_t pool_bytes = layout.page_bytes() / 2 * static_cast<size_t>(layout.num_pages);
+  for (int l = 0; l < layout.num_layers; ++l) {
+    k_pages_.emplace_back(at, layout.dtype, pool_shape(layout));
+    v_pages_.emplace_back(at + pool_bytes, layout.dtype, pool_shape(layout));
+    at += 2 * pool_bytes;
   }
 }
 
 ops::PagedKv KvCache::layer(int layer) const {
-  return {k_pages_.at(static_cast<size_t>(layer)).view(), v_pages_.at(static_cast<size_t>(layer)).view()};
+  return {k_pages_.at(static_cast<size_t>(layer)), v_pages_.at(static_cast<size_t>(layer))};
 }
 
 Status PageTable::reserve(int32_t num_tokens, int page_size, PageAllocator& allocator) {

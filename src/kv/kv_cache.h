@@ -22,20 +22,27 @@ struct KvCacheLayout {
   DType dtype = DType::kF32;
   // Bytes of K plus V for one page of one layer.
   size_t page_bytes() const { return 2 * dtype_bytes(dtype, static_cast<int64_t>(num_kv_heads) * page_size * head_dim); }
+  // Bytes of the whole cache (every layer's K and V pools).
+  size_t num_bytes() const { return page_bytes() * static_cast<size_t>(num_pages) * num_layers; }
 };
 
 class KvCache {
  public:
   explicit KvCache(const KvCacheLayout& layout);
+  // Over `memory` (num_bytes() bytes, not owned, zeroed by its owner):
+  // layer l's K pages, then its V pages, layer after layer. The ranks of a
+  // parallel instance keep their caches in shared memory this way.
+  KvCache(const KvCacheLayout& layout, void* memory);
 
   const KvCacheLayout& layout() const { return layout_; }
   ops::PagedKv layer(int layer) const;
   PageAllocator& allocator() { return allocator_; }
-  size_t num_bytes() const { return layout_.page_bytes() * layout_.num_pages * layout_.num_layers; }
+  size_t num_bytes() const { return layout_.num_bytes(); }
 
  private:
   KvCacheLayout layout_;
-  std::vector<Tensor> k_pages_, v_pages_;
+  std::vector<Tensor> owned_;
+  std::vector<TensorView> k_pages_, v_pages_;
   PageAllocator allocator_;
 };
 

@@ -17,11 +17,21 @@
 //   w2 [num_experts, hidden, inter]. Tokens are grouped by expert first so each
 //   expert runs one batched projection (the permute / grouped GEMM / weighted
 //   un-permute structure the GPU kernels follow).
+//   With an ExpertRange (expert parallelism on replicated input), only the
+//   experts in [begin, end) run; the slots routed elsewhere add nothing, so
+//   summing `out` over the ranks that own the ranges gives the full result.
 #pragma once
 
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 #include "ops/quant.h"
+
+namespace moe::ops {
+// Experts [begin, end) of a layer; end < 0: through the last one.
+struct ExpertRange {
+  int64_t begin = 0, end = -1;
+};
+}  // namespace moe::ops
 
 namespace moe::ops::cpu {
 
@@ -31,7 +41,7 @@ void route_topk(ThreadPool& pool, TensorView router_logits, int k, bool renormal
 void swiglu_mlp(ThreadPool& pool, TensorView x, TensorView w13, TensorView w2, TensorView out);
 
 void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorView weights, TensorView w13,
-                 TensorView w2, TensorView out);
+                 TensorView w2, TensorView out, ExpertRange range = {});
 
 // The same with quantized weights (ops/quant.h): w13 [(num_experts,) 2 * inter, hidden]
 // and w2 [(num_experts,) hidden, inter] in one format; each projection is a
@@ -39,6 +49,6 @@ void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorVi
 void swiglu_mlp(ThreadPool& pool, TensorView x, const QuantizedTensor& w13, const QuantizedTensor& w2,
                 TensorView out);
 void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorView weights,
-                 const QuantizedTensor& w13, const QuantizedTensor& w2, TensorView out);
+                 const QuantizedTensor& w13, const QuantizedTensor& w2, TensorView out, ExpertRange range = {});
 
 }  // namespace moe::ops::cpu

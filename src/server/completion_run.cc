@@ -152,6 +152,8 @@ void CompletionRun::on_output(size_t index, const engine::EngineOutput& out) {
   if (c.done) return;  // cut by a stop string: the cancel's final output
   if (!out.error.is_ok()) return fail(out.error);
   c.num_cached_tokens = std::max(c.num_cached_tokens, out.num_cached_tokens);
+  c.num_draft_tokens = std::max(c.num_draft_tokens, out.num_draft_tokens);
+  c.num_accepted_draft_tokens = std::max(c.num_accepted_draft_tokens, out.num_accepted_draft_tokens);
   if (out.token >= 0) add_token(c, out);
   if (out.finish != engine::FinishReason::kNone) {
     if (c.detokenizer) c.text += c.detokenizer->finish();
@@ -252,10 +254,16 @@ json CompletionRun::usage() const {
   int cached = 0;
   for (const auto& c : choices_) completion += static_cast<int64_t>(c.token_ids.size()), cached = std::max(cached, c.num_cached_tokens);
   const auto prompt = static_cast<int64_t>(config_.prompt_ids.size());
-  return {{"prompt_tokens", prompt},
-          {"completion_tokens", completion},
-          {"total_tokens", prompt + completion},
-          {"prompt_tokens_details", {{"cached_tokens", cached}}}};
+  json u = {{"prompt_tokens", prompt},
+            {"completion_tokens", completion},
+            {"total_tokens", prompt + completion},
+            {"prompt_tokens_details", {{"cached_tokens", cached}}}};
+  int64_t drafts = 0, accepted = 0;
+  for (const auto& c : choices_) drafts += c.num_draft_tokens, accepted += c.num_accepted_draft_tokens;
+  if (drafts > 0)  // speculative decoding: this request's drafts (an extension of OpenAI's usage)
+    u["speculative"] = {{"draft_tokens", drafts}, {"accepted_tokens", accepted},
+                        {"acceptance_rate", static_cast<double>(accepted) / static_cast<double>(drafts)}};
+  return u;
 }
 
 void CompletionRun::fail(const Status& status) {

@@ -76,6 +76,7 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
     bool done = false;
     bool sent_role = false;
     int num_cached_tokens = 0;
+    int num_draft_tokens = 0, num_accepted_draft_tokens = 0;  // speculative decoding
     ReasoningSplitter splitter;
     std::string reasoning, content;  // non-streaming chat with the reasoning parser
   };

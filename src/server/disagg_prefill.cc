@@ -28,26 +28,36 @@ class PrefillService::Exporter final : public engine::KvExportSink {
     std::lock_guard lock(mutex_);
     if (!error_.is_ok() || start + num_tokens < num_prompt_tokens_)
       return;  // sent with the prompt's last chunk
-    if (!plan_) {
-      const auto& src = service_.layout_;
-      const transfer::KvSideLayout src_side{src.num_kv_heads, src.head_dim, src.page_size, src.dtype, 1, 0};
-      const auto& d = target_.layout;
-      const transfer::KvSideLayout dst_side{d.num_kv_heads, d.head_dim, d.page_size, d.dtype, 1, 0};
-      const size_t num_src_pages =
-          static_cast<size_t>((num_prompt_tokens_ + src.page_size - 1) / src.page_size);
-      auto plan = transfer::KvTransferPlan::build(src_side, 0, dst_side,
-                                                  pages.subspan(0, std::min(num_src_pages, pages.size())),
-                                                  target_.pages, num_prompt_tokens_);
-      if (!plan) return void(error_ = plan.status());
-      plan_.emplace(std::move(plan).value());
-    }
+    if (plans_.empty() && !(error_ = build_plans(pages)).is_ok()) return;
+    // Every rank's heads of this layer in one batch (the ranks share page ids).
     const size_t l = static_cast<size_t>(layer);
-    transfer::KvLayerRegions src{service_.k_regions_[l], 0, service_.v_regions_[l], 0};
-    transfer::KvLayerRemote dst{target_.k_regions[l], 0, target_.v_regions[l], 0};
-    const std::vector<transfer::RegionRuns> groups = plan_->layer_writes(src, dst);
+    const transfer::KvLayerRemote dst{target_.k_regions[l], 0, target_.v_regions[l], 0};
+    std::vector<transfer::RegionRuns> groups;
+    for (size_t rank = 0; rank < plans_.size(); ++rank) {
+      if (!plans_[rank].is_writer()) continue;  // a replica of heads another rank sends
+      const transfer::KvLayerRegions src{service_.k_regions_[rank][l], 0, service_.v_regions_[rank][l], 0};
+      for (auto& g : plans_[rank].layer_writes(src, dst)) groups.push_back(std::move(g));
+    }
     auto id = transfer_.submit_scattered(groups, target_.reservation);
     if (!id) return void(error_ = id.status());
     batches_.push_back(*id);
+  }
+
+  Status build_plans(std::span<const int32_t> pages) {
+    const auto& src = service_.layout_;
+    const transfer::KvSideLayout src_side{src.num_kv_heads, src.head_dim, src.page_size, src.dtype,
+                                          service_.tp_size_, 0};
+    const auto& d = target_.layout;
+    const transfer::KvSideLayout dst_side{d.num_kv_heads, d.head_dim, d.page_size, d.dtype, 1, 0};
+    const size_t num_src_pages = static_cast<size_t>((num_prompt_tokens_ + src.page_size - 1) / src.page_size);
+    for (int rank = 0; rank < service_.tp_size_; ++rank) {
+      MOE_ASSIGN_OR_RETURN(auto plan, transfer::KvTransferPlan::build(
+                                          src_side, rank, dst_side,
+                                          pages.subspan(0, std::min(num_src_pages, pages.size())),
+                                          target_.pages, num_prompt_tokens_));
+      plans_.push_back(std::move(plan));
+    }
+    return Status::ok();
   }
 
   // The engine keeps the prompt's pages until the batches reading them are
@@ -91,7 +101,7 @@ class PrefillService::Exporter final : public engine::KvExportSink {
   const disagg::KvTarget target_;
   const int32_t num_prompt_tokens_;
   mutable std::mutex mutex_;
-  std::optional<transfer::KvTransferPlan> plan_;
+  std::vector<transfer::KvTransferPlan> plans_;  // one per rank
   std::vector<transfer::TransferId> batches_;
   Status error_;
   std::function<void()> release_;  // from the engine, until the batches are done
@@ -104,17 +114,23 @@ PrefillService::PrefillService(engine::Engine& engine, transfer::TransferEngine&
 
 Expected<std::unique_ptr<PrefillService>> PrefillService::create(engine::Engine& engine,
                                                                  transfer::TransferEngine& transfer,
-                                                                 const kv::KvCache& cache,
-                                                                 PrefillServiceOptions options) {
+                                                                 std::vector<const kv::KvCache*> rank_caches,
+                                                                 int num_kv_heads, PrefillServiceOptions options) {
+  if (rank_caches.empty()) return invalid_argument("a prefill instance needs its KV cache");
   std::unique_ptr<PrefillService> s(new PrefillService(engine, transfer, std::move(options)));
-  const kv::KvCacheLayout& l = cache.layout();
-  s->layout_ = {l.num_layers, l.num_kv_heads, l.head_dim, l.page_size, l.dtype};
-  for (int layer = 0; layer < l.num_layers; ++layer) {
-    const ops::PagedKv kv = cache.layer(layer);
-    MOE_ASSIGN_OR_RETURN(auto k, transfer.register_region(kv.k_pages.data(), kv.k_pages.num_bytes()));
-    MOE_ASSIGN_OR_RETURN(auto v, transfer.register_region(kv.v_pages.data(), kv.v_pages.num_bytes()));
-    s->k_regions_.push_back(k);
-    s->v_regions_.push_back(v);
+  const kv::KvCacheLayout& l = rank_caches[0]->layout();
+  s->layout_ = {l.num_layers, num_kv_heads, l.head_dim, l.page_size, l.dtype};
+  s->tp_size_ = static_cast<int>(rank_caches.size());
+  for (const kv::KvCache* cache : rank_caches) {
+    s->k_regions_.emplace_back();
+    s->v_regions_.emplace_back();
+    for (int layer = 0; layer < l.num_layers; ++layer) {
+      const ops::PagedKv kv = cache->layer(layer);
+      MOE_ASSIGN_OR_RETURN(auto k, transfer.register_region(kv.k_pages.data(), kv.k_pages.num_bytes()));
+      MOE_ASSIGN_OR_RETURN(auto v, transfer.register_region(kv.v_pages.data(), kv.v_pages.num_bytes()));
+      s->k_regions_.back().push_back(k);
+      s->v_regions_.back().push_back(v);
+    }
   }
   return s;
 }

@@ -39,11 +39,14 @@ struct PrefillServiceOptions {
 
 class PrefillService {
  public:
-  // Registers every layer's K and V pool of `cache` with `transfer`.
+  // Registers every layer's K and V pool of every rank's cache with
+  // `transfer`. `rank_caches`: the instance's TP ranks in rank order (one for
+  // a single rank), each holding its share of the model's `num_kv_heads` k/v
+  // heads (transfer/kv_plan.h local_heads); every rank's heads are sent.
   static Expected<std::unique_ptr<PrefillService>> create(engine::Engine& engine,
                                                           transfer::TransferEngine& transfer,
-                                                          const kv::KvCache& cache,
-                                                          PrefillServiceOptions options);
+                                                          std::vector<const kv::KvCache*> rank_caches,
+                                                          int num_kv_heads, PrefillServiceOptions options);
   ~PrefillService();
 
   void handle(HttpRequest request, std::shared_ptr<HttpExchange> exchange);
@@ -71,8 +74,9 @@ class PrefillService {
   engine::Engine& engine_;
   transfer::TransferEngine& transfer_;
   PrefillServiceOptions options_;
-  disagg::KvLayout layout_;
-  std::vector<transfer::RegionId> k_regions_, v_regions_;
+  disagg::KvLayout layout_;  // the model's: all k/v heads; a rank's page size and dtype
+  int tp_size_ = 1;
+  std::vector<std::vector<transfer::RegionId>> k_regions_, v_regions_;  // [rank][layer]
 
   mutable std::mutex mutex_;
   std::map<std::string, Job> jobs_;  // by "<decode endpoint>/<reservation>"

@@ -69,6 +69,15 @@ std::string render_metrics(const engine::EngineMetrics& m, const std::string& mo
   histogram(out, "e2e_request_latency_seconds", "End-to-end request latency.", labels, m.e2e_request_latency_seconds);
   histogram(out, "request_queue_time_seconds", "Time from arrival to first scheduling.", labels,
             m.request_queue_time_seconds);
+  // Speculative decoding (docs/speculative.md); zero when it is off.
+  scalar(out, "spec_decode_num_drafts_total", "counter", "Verifications of a sequence's draft tokens.", labels,
+         static_cast<double>(m.spec_decode_num_drafts_total));
+  scalar(out, "spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.", labels,
+         static_cast<double>(m.spec_decode_num_draft_tokens_total));
+  scalar(out, "spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", labels,
+         static_cast<double>(m.spec_decode_num_accepted_tokens_total));
+  histogram(out, "spec_decode_acceptance_length", "Tokens emitted per verification (accepted drafts + 1).", labels,
+            m.spec_decode_acceptance_length);
   return out;
 }
 

@@ -48,6 +48,40 @@ TEST(Cli, GenerateJsonMatchesTheGoldenGreedyTokens) {
   EXPECT_EQ(result["finish_reason"], "length");
 }
 
+// Speculative decoding (docs/speculative.md): the same greedy tokens with
+// MTP drafts (the golden model with a random MTP layer from its golden
+// checkpoint), and clear start-up errors for what is not supported.
+TEST(Cli, SpeculativeGenerateAndItsErrors) {
+  const std::string mtp = std::string(MOE_SOURCE_DIR) + "/tests/data/mtp_golden";
+  const std::string base = "generate --model " + kGolden + " --prompt-ids 1,17,99,250 --max-tokens 12 --ignore-eos ";
+  CliRun plain = run(base);
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  CliRun spec = run(base + "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":3}' "
+                           "--speculative-model " + mtp);
+  ASSERT_EQ(spec.exit_code, 0) << spec.output;
+  EXPECT_EQ(spec.stdout_only, plain.stdout_only);
+  EXPECT_NE(spec.output.find("speculative: "), std::string::npos) << spec.output;
+  const std::vector<std::pair<std::string, std::string>> errors = {
+      {base + "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":9}' --speculative-model " + mtp,
+       "num_speculative_tokens must be in 1..8"},
+      {base + "--speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":2}'", "not supported"},
+      {base + "--speculative-config 'mtp'", "must be a JSON object"},
+      {base + "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'",
+       "needs --speculative-model"},
+      {base + "--device cuda --speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}' "
+              "--speculative-model " + mtp,
+       "CPU backend only"},
+      {"decode --model " + kGolden + " --speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}' "
+                                     "--speculative-model " + mtp,
+       "disaggregated serving"},
+  };
+  for (const auto& [args, message] : errors) {
+    CliRun r = run(args);
+    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << args << "\n" << r.output;
+  }
+}
+
 TEST(Cli, BadArgumentsGiveAUsageErrorAndNonZeroExit) {
   CliRun missing_model = run("generate --prompt-ids 1,2");
   EXPECT_EQ(missing_model.exit_code, 2);

@@ -89,9 +89,12 @@ namespace {
 using ExpertMlp = std::function<void(int64_t expert, TensorView in, TensorView out)>;
 
 void moe_experts_impl(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorView weights, int64_t num_experts,
-                      const ExpertMlp& run_expert, TensorView out) {
+                      ExpertRange range, const ExpertMlp& run_expert, TensorView out) {
   const int64_t num_tokens = x.dim(0), hidden = x.dim(1), k = expert_ids.dim(1);
   CHECK(out.shape() == x.shape() && out.dtype() == DType::kF32, "moe_experts: out {}", out.shape().to_string());
+  if (range.end < 0) range.end = num_experts;
+  CHECK(0 <= range.begin && range.begin <= range.end && range.end <= num_experts, "experts [{}, {}) of {}",
+        range.begin, range.end, num_experts);
   // Permute: the (token, slot) pairs of each expert, in token order.
   std::vector<std::vector<int64_t>> routed(static_cast<size_t>(num_experts));
   for (int64_t t = 0; t < num_tokens; ++t)
@@ -102,8 +105,8 @@ void moe_experts_impl(ThreadPool& pool, TensorView x, TensorView expert_ids, Ten
     }
   // Per-slot outputs, summed in slot order afterwards so the result does not
   // depend on the order experts run in.
-  Tensor slot_out(DType::kF32, {num_tokens * k, hidden});
-  for (int64_t e = 0; e < num_experts; ++e) {
+  Tensor slot_out(DType::kF32, {num_tokens * k, hidden});  // zero: slots of experts out of range
+  for (int64_t e = range.begin; e < range.end; ++e) {
     const auto& slots = routed[e];
     if (slots.empty()) continue;
     const auto n = static_cast<int64_t>(slots.size());
@@ -132,22 +135,22 @@ void moe_experts_impl(ThreadPool& pool, TensorView x, TensorView expert_ids, Ten
 }  // namespace
 
 void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorView weights, TensorView w13,
-                 TensorView w2, TensorView out) {
+                 TensorView w2, TensorView out, ExpertRange range) {
   const int64_t hidden = x.dim(1), num_experts = w13.dim(0);
   CHECK(w13.rank() == 3 && w2.rank() == 3 && w2.dim(0) == num_experts && w2.dim(1) == hidden,
         "moe_experts: w13 {} w2 {}", w13.shape().to_string(), w2.shape().to_string());
   moe_experts_impl(
-      pool, x, expert_ids, weights, num_experts,
+      pool, x, expert_ids, weights, num_experts, range,
       [&](int64_t e, TensorView in, TensorView o) { swiglu_mlp(pool, in, w13.slice0(e), w2.slice0(e), o); }, out);
 }
 
 void moe_experts(ThreadPool& pool, TensorView x, TensorView expert_ids, TensorView weights,
-                 const QuantizedTensor& w13, const QuantizedTensor& w2, TensorView out) {
+                 const QuantizedTensor& w13, const QuantizedTensor& w2, TensorView out, ExpertRange range) {
   const int64_t hidden = x.dim(1), num_experts = w13.values.dim(0);
   CHECK(w13.rank() == 3 && w2.rank() == 3 && w2.values.dim(0) == num_experts && w2.rows() == hidden,
         "moe_experts: quantized w13 {} w2 {}", w13.values.shape().to_string(), w2.values.shape().to_string());
   moe_experts_impl(
-      pool, x, expert_ids, weights, num_experts,
+      pool, x, expert_ids, weights, num_experts, range,
       [&](int64_t e, TensorView in, TensorView o) { swiglu_mlp(pool, in, w13.slice0(e), w2.slice0(e), o); }, out);
 }
 

@@ -1,0 +1,295 @@
+#include "engine/speculative.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+
+namespace moe::engine {
+namespace {
+
+// Keys the acceptance draws apart from the token draws of the same step.
+constexpr uint64_t kAcceptSalt = 0x5370656341636370ull;
+
+// A draw from `probs` (any non-negative weights with a positive sum) by inverse CDF in id order.
+int32_t draw(std::span<const double> probs, double u) {
+  const double total = std::accumulate(probs.begin(), probs.end(), 0.0);
+  const double target = u * total;
+  double cumulative = 0;
+  int32_t last_positive = 0;
+  for (size_t i = 0; i < probs.size(); ++i) {
+    if (probs[i] <= 0) continue;
+    cumulative += probs[i];
+    last_positive = static_cast<int32_t>(i);
+    if (target < cumulative) return last_positive;
+  }
+  return last_positive;
+}
+
+}  // namespace
+
+Expected<SpeculativeConfig> parse_speculative_config(const std::string& json_text) {
+  SpeculativeConfig config;
+  if (json_text.empty()) return config;
+  const auto j = nlohmann::json::parse(json_text, nullptr, false);
+  if (j.is_discarded() || !j.is_object())
+    return invalid_argument("--speculative-config must be a JSON object such as "
+                            "'{{\"method\":\"mtp\",\"num_speculative_tokens\":2}}', got '{}'",
+                            json_text);
+  bool has_k = false;
+  for (const auto& [key, value] : j.items()) {
+    if (key == "method") {
+      if (!value.is_string()) return invalid_argument("--speculative-config: \"method\" must be a string");
+      config.method = value.get<std::string>();
+      if (config.method != "mtp")
+        return invalid_argument("--speculative-config: method '{}' is not supported (only \"mtp\")", config.method);
+    } else if (key == "num_speculative_tokens") {
+      if (!value.is_number_integer())
+        return invalid_argument("--speculative-config: \"num_speculative_tokens\" must be an integer");
+      const auto k = value.get<int64_t>();
+      if (k < 1 || k > kMaxSpeculativeTokens)
+        return invalid_argument("--speculative-config: num_speculative_tokens must be in 1..{}, got {}",
+                                kMaxSpeculativeTokens, k);
+      config.num_speculative_tokens = static_cast<int>(k);
+      has_k = true;
+    } else {
+      return invalid_argument("--speculative-config: unknown field \"{}\" (known: method, num_speculative_tokens)",
+                              key);
+    }
+  }
+  if (config.method.empty()) return invalid_argument("--speculative-config: \"method\" is missing (use \"mtp\")");
+  if (!has_k) return invalid_argument("--speculative-config: \"num_speculative_tokens\" is missing");
+  return config;
+}
+
+std::vector<double> sampling_distribution(std::span<const float> logits, const SamplingParams& params) {
+  CHECK(!params.is_greedy(), "the distribution of a greedy request is one-hot");
+  const auto vocab = static_cast<int32_t>(logits.size());
+  // The steps of sample_token (engine/sampler.cc), keeping the probabilities.
+  std::vector<int32_t> order(static_cast<size_t>(vocab));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+  int32_t kept = params.top_k > 0 && params.top_k < vocab ? params.top_k : vocab;
+  std::vector<double> probs(static_cast<size_t>(kept));
+  const double max_scaled = static_cast<double>(logits[order[0]]) / params.temperature;
+  double total = 0;
+  for (int32_t i = 0; i < kept; ++i)
+    total += probs[i] = std::exp(static_cast<double>(logits[order[i]]) / params.temperature - max_scaled);
+  for (auto& p : probs) p /= total;
+  if (params.top_p < 1.0f) {
+    double mass = 0;
+    int32_t i = 0;
+    while (i < kept && mass < params.top_p) mass += probs[i++];
+    kept = std::max(i, 1);
+  }
+  if (params.min_p > 0.0f) {
+    const double threshold = params.min_p * probs[0];
+    int32_t i = 1;
+    while (i < kept && probs[i] >= threshold) ++i;
+    kept = i;
+  }
+  double kept_mass = 0;
+  for (int32_t i = 0; i < kept; ++i) kept_mass += probs[i];
+  std::vector<double> dense(static_cast<size_t>(vocab), 0.0);
+  for (int32_t i = 0; i < kept; ++i) dense[static_cast<size_t>(order[i])] = probs[i] / kept_mass;
+  return dense;
+}
+
+RejectionResult rejection_step(std::span<const double> p, std::span<const double> q, int32_t draft, double u_accept,
+                               double u_resample) {
+  CHECK(draft >= 0 && static_cast<size_t>(draft) < p.size(), "draft {} outside the vocabulary", draft);
+  CHECK(q.empty() || q.size() == p.size(), "draft and target distributions differ in size");
+  const double q_draft = q.empty() ? 1.0 : q[static_cast<size_t>(draft)];
+  if (q_draft > 0 && u_accept < std::min(1.0, p[static_cast<size_t>(draft)] / q_draft)) return {draft, true};
+  std::vector<double> residual(p.size());
+  double mass = 0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    const double qi = q.empty() ? (static_cast<int32_t>(i) == draft ? 1.0 : 0.0) : q[i];
+    mass += residual[i] = std::max(0.0, p[i] - qi);
+  }
+  // p == q leaves no residual (and rejection then has probability 0): draw from p.
+  return {draw(mass > 0 ? std::span<const double>(residual) : p, u_resample), false};
+}
+
+std::vector<int32_t> verify_drafts(std::span<const float> rows, int64_t vocab, std::span<const int32_t> drafts,
+                                   const SamplingParams& params, uint64_t seed, uint64_t first_step) {
+  CHECK(static_cast<int64_t>(rows.size()) == vocab * static_cast<int64_t>(drafts.size() + 1), "verify rows");
+  auto row = [&](size_t j) { return rows.subspan(j * static_cast<size_t>(vocab), static_cast<size_t>(vocab)); };
+  std::vector<int32_t> run;
+  for (size_t j = 0; j < drafts.size(); ++j) {
+    if (params.is_greedy()) {
+      const int32_t target = argmax(row(j));
+      run.push_back(target);
+      if (target != drafts[j]) return run;
+      continue;
+    }
+    const std::vector<double> p = sampling_distribution(row(j), params);
+    const RejectionResult r = rejection_step(p, {}, drafts[j], uniform_draw(seed ^ kAcceptSalt, first_step + j),
+                                             uniform_draw(seed, first_step + j));
+    run.push_back(r.token);
+    if (!r.accepted) return run;
+  }
+  run.push_back(sample_token(row(drafts.size()), params, seed, first_step + drafts.size()));
+  return run;
+}
+
+std::vector<std::vector<int32_t>> sample_runs(const StepPlan& plan, const model::ForwardBatch& batch,
+                                              const Tensor& logits, std::span<const RowSampling> rows) {
+  const int64_t vocab = logits.view().dim(1);
+  std::vector<std::vector<int32_t>> runs;
+  int64_t logits_row = 0;
+  size_t next = 0;
+  for (size_t c = 0; c < plan.chunks.size(); ++c) {
+    const ScheduledChunk& chunk = plan.chunks[c];
+    if (!chunk.sample) continue;
+    CHECK(next < rows.size(), "sampling parameters for every sampling chunk");
+    const RowSampling& s = rows[next++];
+    const auto num_rows = static_cast<size_t>(chunk.num_drafts + 1);
+    std::span<const float> chunk_logits(logits.data_as<float>() + logits_row * vocab, num_rows * vocab);
+    const int32_t end = batch.query_start[c + 1];
+    std::span<const int32_t> drafts(batch.token_ids.data() + end - chunk.num_drafts, static_cast<size_t>(chunk.num_drafts));
+    runs.push_back(verify_drafts(chunk_logits, vocab, drafts, s.params, s.seed, s.step));
+    logits_row += static_cast<int64_t>(num_rows);
+  }
+  CHECK(logits_row == logits.view().dim(0), "{} logits rows used of {}", logits_row, logits.view().dim(0));
+  return runs;
+}
+
+SpecStepStats spec_step_stats(const StepPlan& plan, std::span<const std::vector<int32_t>> runs) {
+  SpecStepStats stats;
+  size_t next = 0;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    if (!chunk.sample) continue;
+    const auto& run = runs[next++];
+    if (chunk.num_drafts == 0) continue;
+    stats.num_draft_tokens += chunk.num_drafts;
+    stats.num_accepted_tokens += static_cast<int64_t>(run.size()) - 1;
+    stats.acceptance_lengths.push_back(static_cast<int>(run.size()));
+  }
+  return stats;
+}
+
+MtpDrafter::MtpDrafter(const model::MtpModel& mtp, ThreadPool& pool, const kv::KvCacheLayout& target_layout,
+                       int num_speculative_tokens)
+    : mtp_(mtp),
+      pool_(pool),
+      cache_(kv::KvCacheLayout{1, mtp.config().num_kv_heads, mtp.config().head_dim, target_layout.page_size,
+                               target_layout.num_pages, target_layout.dtype}),
+      num_speculative_tokens_(num_speculative_tokens) {
+  CHECK(num_speculative_tokens >= 1 && num_speculative_tokens <= kMaxSpeculativeTokens, "k = {}",
+        num_speculative_tokens);
+}
+
+namespace {
+// The page table rows of an MTP batch, padded with -1.
+void fill_page_table(const Scheduler& scheduler, std::span<const uint64_t> ids, model::MtpBatch& batch) {
+  size_t max_pages = 1;
+  for (uint64_t id : ids) max_pages = std::max(max_pages, scheduler.pages_of(id).size());
+  batch.max_pages_per_seq = static_cast<int>(max_pages);
+  for (uint64_t id : ids) {
+    std::vector<int32_t> row = scheduler.pages_of(id);
+    row.resize(max_pages, -1);
+    batch.page_table.insert(batch.page_table.end(), row.begin(), row.end());
+  }
+}
+}  // namespace
+
+std::vector<MtpDrafter::Drafting> MtpDrafter::first_pass(Scheduler& scheduler, const StepPlan& plan,
+                                                         const model::ForwardBatch& batch, const Tensor& hidden,
+                                                         const std::function<bool(uint64_t)>& may_speculate,
+                                                         Tensor& out_hidden) {
+  model::MtpBatch mb;
+  mb.query_start.push_back(0);
+  std::vector<uint64_t> ids;
+  std::vector<int32_t> hidden_rows;
+  std::vector<Drafting> drafting;
+  for (size_t c = 0; c < plan.chunks.size(); ++c) {
+    const ScheduledChunk& chunk = plan.chunks[c];
+    if (!scheduler.is_running(chunk.id)) continue;  // finished (or aborted): no drafts needed
+    const int32_t computed = scheduler.num_computed(chunk.id);
+    const int32_t valid = computed - chunk.start;
+    const std::vector<int32_t>& tokens = scheduler.tokens_of(chunk.id);
+    CHECK(valid > 0 && valid <= chunk.num_tokens && static_cast<int32_t>(tokens.size()) > computed,
+          "sequence {}: {} positions computed of a chunk of {}", chunk.id, valid, chunk.num_tokens);
+    for (int32_t j = 0; j < valid; ++j) {  // h_t with the token at t + 1
+      mb.token_ids.push_back(tokens[static_cast<size_t>(chunk.start + j + 1)]);
+      mb.positions.push_back(chunk.start + j);
+      hidden_rows.push_back(batch.query_start[c] + j);
+    }
+    mb.query_start.push_back(mb.num_tokens());
+    ids.push_back(chunk.id);
+    if (chunk.sample && may_speculate(chunk.id) && scheduler.max_drafts(chunk.id) > 0) {
+      mb.output_rows.push_back(mb.num_tokens() - 1);
+      drafting.push_back({chunk.id, computed, {}});
+    }
+  }
+  if (ids.empty()) return {};
+  fill_page_table(scheduler, ids, mb);
+  const int64_t h = mtp_.config().hidden_size;
+  Tensor input(DType::kF32, {mb.num_tokens(), h});
+  for (size_t r = 0; r < hidden_rows.size(); ++r)
+    std::copy_n(hidden.data_as<float>() + hidden_rows[r] * h, h, input.data_as<float>() + static_cast<int64_t>(r) * h);
+  model::MtpOutput out = mtp_.forward(pool_, mb, input, cache_.layer(0));
+  const int64_t vocab = out.logits.view().dim(1);
+  for (size_t i = 0; i < drafting.size(); ++i)
+    drafting[i].drafts.push_back(
+        argmax(std::span<const float>(out.logits.data_as<float>() + static_cast<int64_t>(i) * vocab, vocab)));
+  out_hidden = std::move(out.hidden);
+  return drafting;
+}
+
+// Chained steps: each runs at the next position with the previous step's
+// output as h and its draft as the token, until every sequence has its drafts.
+void MtpDrafter::chain(Scheduler& scheduler, std::vector<Drafting>& drafting, Tensor hidden) {
+  const int64_t h = mtp_.config().hidden_size;
+  std::vector<size_t> limit(drafting.size());
+  for (size_t i = 0; i < drafting.size(); ++i) {
+    const int32_t k = std::min(num_speculative_tokens_, scheduler.max_drafts(drafting[i].id));
+    limit[i] = scheduler.grow_for_drafts(drafting[i].id, k) ? static_cast<size_t>(k) : 0;
+    if (drafting[i].drafts.size() > limit[i]) drafting[i].drafts.resize(limit[i]);
+  }
+  while (true) {
+    std::vector<size_t> active;
+    for (size_t i = 0; i < drafting.size(); ++i)
+      if (drafting[i].drafts.size() < limit[i]) active.push_back(i);
+    if (active.empty()) return;
+    model::MtpBatch mb;
+    mb.query_start.push_back(0);
+    std::vector<uint64_t> ids;
+    Tensor input(DType::kF32, {static_cast<int64_t>(active.size()), h});
+    for (size_t a = 0; a < active.size(); ++a) {
+      Drafting& d = drafting[active[a]];
+      mb.token_ids.push_back(d.drafts.back());
+      mb.positions.push_back(d.next_position++);
+      mb.query_start.push_back(mb.num_tokens());
+      mb.output_rows.push_back(static_cast<int32_t>(a));
+      ids.push_back(d.id);
+      std::copy_n(hidden.data_as<float>() + static_cast<int64_t>(active[a]) * h, h,
+                  input.data_as<float>() + static_cast<int64_t>(a) * h);
+    }
+    fill_page_table(scheduler, ids, mb);
+    model::MtpOutput out = mtp_.forward(pool_, mb, input, cache_.layer(0));
+    const int64_t vocab = out.logits.view().dim(1);
+    for (size_t a = 0; a < active.size(); ++a) {
+      drafting[active[a]].drafts.push_back(
+          argmax(std::span<const float>(out.logits.data_as<float>() + static_cast<int64_t>(a) * vocab, vocab)));
+      std::copy_n(out.hidden.data_as<float>() + static_cast<int64_t>(a) * h, h,
+                  hidden.data_as<float>() + static_cast<int64_t>(active[a]) * h);
+    }
+  }
+}
+
+void MtpDrafter::propose(Scheduler& scheduler, const StepPlan& plan, const model::ForwardBatch& batch,
+                         const Tensor& hidden, const std::function<bool(uint64_t id)>& may_speculate) {
+  Tensor out_hidden;
+  std::vector<Drafting> drafting = first_pass(scheduler, plan, batch, hidden, may_speculate, out_hidden);
+  if (drafting.empty()) return;
+  chain(scheduler, drafting, std::move(out_hidden));
+  for (Drafting& d : drafting) scheduler.set_drafts(d.id, std::move(d.drafts));
+}
+
+}  // namespace moe::engine

@@ -1,0 +1,128 @@
+// Speculative decoding with an MTP draft model (docs/speculative.md).
+//
+// Each decode step of a speculating sequence verifies the k draft tokens the
+// MTP layer proposed after the previous step: the target runs the sequence's
+// last token and its drafts (1 + k positions) in one ragged forward, every
+// row sampled. Drafts are accepted in order:
+//  - greedy requests: while the draft equals the target's argmax;
+//  - sampled requests: rejection sampling (Leviathan et al. 2023, Chen et al.
+//    2023): draft x drawn from q is accepted with probability
+//    min(1, p(x) / q(x)); on rejection the token is drawn from
+//    norm(max(0, p - q)). The emitted tokens are then distributed exactly as
+//    p, the target's sampling distribution (temperature, top-k, top-p, min-p
+//    applied as engine/sampler.h does). Our drafts are the MTP's argmax, so q
+//    is one-hot: accept with probability p(x), else draw from p without x.
+// After the first rejection, or after all k are accepted, the target's own
+// token at that row follows, so a step emits 1..k+1 tokens. The scheduler
+// appends them token by token (stop conditions apply to each), rolls the KV
+// of rejected positions back and frees their pages.
+//
+// Then the MTP pass (MtpDrafter::propose): over every position whose target
+// KV the step computed, the MTP layer combines the target's hidden state at t
+// with the token at t + 1, writing the MTP's own KV (a one-layer cache indexed
+// by the same page ids as the target's, so the scheduler's pages, rollback and
+// prefix cache cover it); at the last known position its output gives draft 1,
+// and k - 1 chained single-token steps give the rest.
+//
+// Pure functions: any thread. MtpDrafter: the thread that drives its
+// scheduler (the engine thread, or the Generator's caller).
+#pragma once
+
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "core/tensor.h"
+#include "core/thread_pool.h"
+#include "engine/sampler.h"
+#include "engine/scheduler.h"
+#include "kv/kv_cache.h"
+#include "model/mtp.h"
+
+namespace moe::engine {
+
+inline constexpr int kMaxSpeculativeTokens = 8;
+
+// --speculative-config, vLLM's spelling: {"method": "mtp", "num_speculative_tokens": k}.
+struct SpeculativeConfig {
+  std::string method;  // "mtp"; empty: speculative decoding is off
+  int num_speculative_tokens = 0;
+  bool enabled() const { return num_speculative_tokens > 0; }
+};
+// Empty text: off. Errors name the field (bad JSON, unknown method or field, k outside 1..8).
+Expected<SpeculativeConfig> parse_speculative_config(const std::string& json_text);
+
+// The distribution sample_token draws from for `params` (not greedy):
+// probabilities over the whole vocabulary, zero outside the kept tokens.
+std::vector<double> sampling_distribution(std::span<const float> logits, const SamplingParams& params);
+
+// One position of rejection sampling. `p` the target's distribution, `q` the
+// draft's (empty: one-hot at `draft`), `draft` drawn from q; `u_accept` and
+// `u_resample` independent uniforms in [0, 1). Returns the emitted token and
+// whether it is the accepted draft.
+struct RejectionResult {
+  int32_t token = -1;
+  bool accepted = false;
+};
+RejectionResult rejection_step(std::span<const double> p, std::span<const double> q, int32_t draft, double u_accept,
+                               double u_resample);
+
+// Verifies one sequence's drafts: `rows` holds the target's logits for the
+// 1 + drafts.size() verified positions ([rows, vocab], row j predicting the
+// token after draft j - 1). Returns the emitted run (accepted drafts, then
+// one token). Draws for sampled requests are keyed by (seed, first_step + j).
+std::vector<int32_t> verify_drafts(std::span<const float> rows, int64_t vocab, std::span<const int32_t> drafts,
+                                   const SamplingParams& params, uint64_t seed, uint64_t first_step);
+
+// The tokens of every sampling chunk of `plan` from the target's logits
+// (batch.logits_rows order: a chunk with drafts has 1 + num_drafts rows):
+// a plain sample for chunks without drafts, verify_drafts otherwise.
+// `rows` gives each sampling chunk's sampling, in plan order.
+std::vector<std::vector<int32_t>> sample_runs(const StepPlan& plan, const model::ForwardBatch& batch,
+                                              const Tensor& logits, std::span<const RowSampling> rows);
+
+// Per-step speculation counts, for metrics.
+struct SpecStepStats {
+  int64_t num_draft_tokens = 0;     // drafts verified
+  int64_t num_accepted_tokens = 0;  // of those, accepted
+  std::vector<int> acceptance_lengths;  // per verifying chunk: tokens emitted (accepted + 1)
+};
+SpecStepStats spec_step_stats(const StepPlan& plan, std::span<const std::vector<int32_t>> runs);
+
+class MtpDrafter {
+ public:
+  // The MTP's KV cache has one layer of `target_layout`'s shape and page count.
+  MtpDrafter(const model::MtpModel& mtp, ThreadPool& pool, const kv::KvCacheLayout& target_layout,
+             int num_speculative_tokens);
+
+  int num_speculative_tokens() const { return num_speculative_tokens_; }
+  size_t cache_bytes() const { return cache_.num_bytes(); }
+
+  // After scheduler.complete_step(plan, ...): extends the MTP's KV over the
+  // positions the step computed (hidden: the target's last hidden state of
+  // every row of `batch`) and gives every still-running sequence that just
+  // sampled and `may_speculate` up to k drafts (fewer near max_tokens or
+  // max_model_len; none when their pages are not available).
+  void propose(Scheduler& scheduler, const StepPlan& plan, const model::ForwardBatch& batch, const Tensor& hidden,
+               const std::function<bool(uint64_t id)>& may_speculate);
+
+ private:
+  struct Drafting {
+    uint64_t id = 0;
+    int32_t next_position = 0;  // the position of the next chained MTP step
+    std::vector<int32_t> drafts;
+  };
+  std::vector<Drafting> first_pass(Scheduler& scheduler, const StepPlan& plan, const model::ForwardBatch& batch,
+                                   const Tensor& hidden, const std::function<bool(uint64_t)>& may_speculate,
+                                   Tensor& out_hidden);
+  void chain(Scheduler& scheduler, std::vector<Drafting>& drafting, Tensor hidden);
+
+  const model::MtpModel& mtp_;
+  ThreadPool& pool_;
+  kv::KvCache cache_;
+  int num_speculative_tokens_;
+};
+
+}  // namespace moe::engine

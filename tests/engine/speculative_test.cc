@@ -1,0 +1,356 @@
+// Speculative decoding (engine/speculative.h): the config parser, rejection
+// sampling against the target distribution (chi-square), and greedy outputs
+// with MTP drafts equal to plain greedy decoding through the Generator and
+// the serving Engine (continuous batching, mixed requests, stop conditions
+// inside accepted runs, pages back to zero afterwards), on the golden models
+// with random MTP weights and on the demo model with its trained MTP layer.
+#include "engine/speculative.h"
+
+#include "tests/engine/sampling_oracle.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <future>
+#include <thread>
+
+#include "engine/engine.h"
+#include "engine/generator.h"
+#include "model/config.h"
+#include "model/weights.h"
+
+namespace moe::engine {
+namespace {
+
+using testing_oracle::chi_square;
+using testing_oracle::kChiSquare999;
+
+TEST(SpeculativeConfig, ParsesVllmSpelling) {
+  auto c = parse_speculative_config(R"({"method":"mtp","num_speculative_tokens":3})");
+  ASSERT_TRUE(c.has_value()) << c.status().to_string();
+  EXPECT_EQ(c->method, "mtp");
+  EXPECT_EQ(c->num_speculative_tokens, 3);
+  auto off = parse_speculative_config("");
+  ASSERT_TRUE(off.has_value());
+  EXPECT_FALSE(off->enabled());
+}
+
+TEST(SpeculativeConfig, RefusesBadConfigsWithAClearMessage) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"{method:mtp}", "JSON object"},
+      {"[1]", "JSON object"},
+      {R"({"method":"eagle","num_speculative_tokens":2})", "not supported"},
+      {R"({"method":"mtp","num_speculative_tokens":0})", "1..8"},
+      {R"({"method":"mtp","num_speculative_tokens":9})", "1..8"},
+      {R"({"method":"mtp","num_speculative_tokens":"2"})", "integer"},
+      {R"({"method":"mtp"})", "missing"},
+      {R"({"num_speculative_tokens":2})", "missing"},
+      {R"({"method":"mtp","num_speculative_tokens":2,"draft_tp":1})", "unknown field"},
+  };
+  for (const auto& [text, expected] : cases) {
+    auto c = parse_speculative_config(text);
+    ASSERT_FALSE(c.has_value()) << text;
+    EXPECT_NE(c.status().message().find(expected), std::string::npos) << text << ": " << c.status().to_string();
+  }
+}
+
+// Rejection sampling keeps the target distribution: the emitted token of one
+// position, over many draws with fixed seeds, fits p by a chi-square test at
+// significance 0.001 (critical value kChiSquare999 for <= 7 degrees of freedom).
+TEST(RejectionSampling, KeepsTheTargetDistribution) {
+  const std::vector<float> logits = testing_oracle::standard_logits();
+  constexpr int kDraws = 40000;
+  for (const SamplingParams& params : testing_oracle::standard_cases()) {
+    const std::vector<double> p = sampling_distribution(logits, params);
+    const std::vector<double> expected = testing_oracle::expected_distribution(logits, params);
+    for (size_t i = 0; i < p.size(); ++i) ASSERT_NEAR(p[i], expected[i], 1e-6);  // f32 vs f64 scaling
+    // q one-hot at a likely token, at an unlikely one, and a general q (draft drawn from it).
+    const std::vector<double> q_general = {0.3, 0.05, 0.2, 0.05, 0.1, 0.1, 0.1, 0.1};
+    for (int draft_case = 0; draft_case < 3; ++draft_case) {
+      std::vector<int> counts(p.size());
+      for (int i = 0; i < kDraws; ++i) {
+        const double u_draft = uniform_draw(77, static_cast<uint64_t>(i));
+        int32_t draft = draft_case == 0 ? 7 : 4;
+        std::vector<double> q;
+        if (draft_case == 2) {
+          q = q_general;
+          double c = 0;
+          for (draft = 0; draft < 7 && u_draft >= (c += q[static_cast<size_t>(draft)]); ++draft) {}
+        }
+        const RejectionResult r = rejection_step(p, q, draft, uniform_draw(1, static_cast<uint64_t>(i)),
+                                                 uniform_draw(2, static_cast<uint64_t>(i)));
+        ++counts[static_cast<size_t>(r.token)];
+      }
+      int dof = 0;
+      EXPECT_LT(chi_square(counts, p, kDraws, &dof), kChiSquare999) << "draft case " << draft_case;
+    }
+  }
+}
+
+// verify_drafts end to end: the first emitted token of a sampled request is
+// distributed as p whatever the draft.
+TEST(RejectionSampling, VerifyDraftsFirstTokenFollowsTheTarget) {
+  const std::vector<float> row = testing_oracle::standard_logits();
+  std::vector<float> rows = row;
+  rows.insert(rows.end(), row.begin(), row.end());  // 1 draft: 2 rows
+  SamplingParams params;
+  params.temperature = 0.8f;
+  const std::vector<double> p = sampling_distribution(row, params);
+  constexpr int kDraws = 40000;
+  std::vector<int> counts(p.size());
+  for (int i = 0; i < kDraws; ++i) {
+    const int32_t draft = 1;
+    const auto run = verify_drafts(rows, 8, std::span<const int32_t>(&draft, 1), params, 1000 + i, 0);
+    ++counts[static_cast<size_t>(run[0])];
+    ASSERT_TRUE(run.size() == 1 || (run.size() == 2 && run[0] == draft));
+  }
+  int dof = 0;
+  EXPECT_LT(chi_square(counts, p, kDraws, &dof), kChiSquare999);
+}
+
+TEST(RejectionSampling, GreedyAcceptsWhileDraftsMatchTheArgmax) {
+  const std::vector<float> a = {0, 3, 1}, b = {2, 0, 1}, c = {0, 0, 5};
+  std::vector<float> rows;
+  for (const auto* r : {&a, &b, &c}) rows.insert(rows.end(), r->begin(), r->end());
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  EXPECT_EQ(verify_drafts(rows, 3, std::vector<int32_t>{1, 0}, greedy, 0, 0), (std::vector<int32_t>{1, 0, 2}));
+  EXPECT_EQ(verify_drafts(rows, 3, std::vector<int32_t>{1, 2}, greedy, 0, 0), (std::vector<int32_t>{1, 0}));
+  EXPECT_EQ(verify_drafts(rows, 3, std::vector<int32_t>{2, 0}, greedy, 0, 0), (std::vector<int32_t>{1}));
+}
+
+std::string golden_dir(const std::string& name) { return std::string(MOE_SOURCE_DIR) + "/tests/data/golden/" + name; }
+
+struct Loaded {
+  ThreadPool pool{2};
+  model::ModelConfig config;
+  std::optional<model::ModelWeights> weights;
+  std::optional<model::Qwen3MoeModel> model;
+  std::optional<model::MtpWeights> mtp_weights;
+  std::optional<model::MtpModel> mtp;
+};
+
+// A model and an MTP layer: `mtp_dir` when given, else random weights.
+std::unique_ptr<Loaded> load(const std::string& dir, const std::string& mtp_dir, bool moe_mtp) {
+  auto l = std::make_unique<Loaded>();
+  auto config = model::load_model_config(dir);
+  EXPECT_TRUE(config.has_value()) << config.status().to_string();
+  l->config = *config;
+  auto weights = model::ModelWeights::load(dir, l->config, l->pool);
+  EXPECT_TRUE(weights.has_value()) << weights.status().to_string();
+  l->weights.emplace(std::move(*weights));
+  l->model.emplace(*l->weights);
+  if (mtp_dir.empty()) {
+    l->mtp_weights.emplace(model::MtpWeights::dummy(l->config, 7, moe_mtp));
+  } else {
+    auto mtp = model::MtpWeights::load(mtp_dir, l->config);
+    EXPECT_TRUE(mtp.has_value()) << mtp.status().to_string();
+    l->mtp_weights.emplace(std::move(*mtp));
+  }
+  l->mtp.emplace(*l->mtp_weights, *l->weights);
+  return l;
+}
+
+std::vector<GenerationRequest> prompts(int64_t vocab, int num, int max_tokens) {
+  std::vector<GenerationRequest> requests;
+  for (int i = 0; i < num; ++i) {
+    GenerationRequest r;
+    for (int t = 0; t < 3 + 5 * i; ++t) r.prompt.push_back(static_cast<int32_t>((17 * t + 31 * i + 5) % vocab));
+    r.max_tokens = max_tokens - 3 * i;
+    r.sampling.temperature = 0;
+    r.ignore_eos = true;
+    requests.push_back(std::move(r));
+  }
+  return requests;
+}
+
+Expected<std::vector<GenerationResult>> generate(Loaded& l, const std::vector<GenerationRequest>& requests, int k,
+                                                 GenerationStats* stats = nullptr) {
+  GeneratorOptions options;
+  options.page_size = 4;
+  options.max_tokens_per_step = 7;  // chunked prefill, decodes mixed with prefill chunks
+  options.mtp = &*l.mtp;
+  options.num_speculative_tokens = k;
+  Generator generator(*l.model, l.pool, options);
+  auto results = generator.generate(requests);
+  if (stats) *stats = generator.stats();
+  return results;
+}
+
+class GoldenSpeculation : public testing::TestWithParam<std::tuple<std::string, bool>> {};
+
+// Random MTP weights: near-zero acceptance, and outputs identical to plain greedy for k = 1..4.
+TEST_P(GoldenSpeculation, GreedyEqualsPlainGreedyForEveryK) {
+  const auto& [name, moe_mtp] = GetParam();
+  auto l = load(golden_dir(name), "", moe_mtp);
+  const auto requests = prompts(l->config.vocab_size, 4, 20);
+  auto plain = generate(*l, requests, 0);
+  ASSERT_TRUE(plain.has_value()) << plain.status().to_string();
+  for (int k = 1; k <= 4; ++k) {
+    GenerationStats stats;
+    auto spec = generate(*l, requests, k, &stats);
+    ASSERT_TRUE(spec.has_value()) << spec.status().to_string();
+    for (size_t i = 0; i < requests.size(); ++i) {
+      EXPECT_EQ((*spec)[i].token_ids, (*plain)[i].token_ids) << name << " k " << k << " request " << i;
+      EXPECT_EQ((*spec)[i].finish_reason, (*plain)[i].finish_reason);
+    }
+    EXPECT_GT(stats.num_draft_tokens, 0) << "k " << k;
+    std::printf("%s k=%d: %lld drafts, %lld accepted\n", name.c_str(), k, static_cast<long long>(stats.num_draft_tokens),
+                static_cast<long long>(stats.num_accepted_tokens));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, GoldenSpeculation,
+                         testing::Values(std::make_tuple("moe_basic", true), std::make_tuple("moe_basic", false),
+                                         std::make_tuple("dense_qwen3", false),
+                                         std::make_tuple("moe_dense_layer", true)));
+
+std::string demo_dir() { return std::string(MOE_SOURCE_DIR) + "/models/moeserve-demo"; }
+std::string demo_mtp_dir() { return std::string(MOE_SOURCE_DIR) + "/models/moeserve-demo-mtp"; }
+
+// Prompts of the demo's training text's kind: chat turns asking for a fortune, and a text start.
+std::vector<GenerationRequest> demo_requests(int max_tokens) {
+  const std::vector<std::vector<int32_t>> texts = {
+      {1, 317, 201, 386, 330, 263, 409, 16, 2, 201, 1, 319, 201},              // "Tell me a fortune."
+      {1, 317, 201, 454, 330, 263, 453, 355, 1096, 16, 2, 201, 1, 319, 201},  // "Give me a quote about science."
+      {35, 1067},                                                             // "A computer"
+  };
+  std::vector<GenerationRequest> requests;
+  for (const auto& t : texts) {
+    GenerationRequest r;
+    r.prompt = t;
+    r.max_tokens = max_tokens;
+    r.sampling.temperature = 0;
+    r.ignore_eos = true;
+    requests.push_back(r);
+  }
+  return requests;
+}
+
+// The demo model's trained MTP layer (tools/train_mtp.py): the same greedy
+// tokens, with most drafts accepted.
+TEST(DemoSpeculation, TrainedMtpIsAcceptedAndExact) {
+  auto l = load(demo_dir(), demo_mtp_dir(), false);
+  const std::vector<GenerationRequest> requests = demo_requests(40);
+  auto plain = generate(*l, requests, 0);
+  ASSERT_TRUE(plain.has_value()) << plain.status().to_string();
+  for (int k = 1; k <= 4; ++k) {
+    GenerationStats stats;
+    auto spec = generate(*l, requests, k, &stats);
+    ASSERT_TRUE(spec.has_value()) << spec.status().to_string();
+    for (size_t i = 0; i < requests.size(); ++i)
+      EXPECT_EQ((*spec)[i].token_ids, (*plain)[i].token_ids) << "k " << k << " request " << i;
+    const double acceptance =
+        static_cast<double>(stats.num_accepted_tokens) / static_cast<double>(std::max<int64_t>(1, stats.num_draft_tokens));
+    std::printf("demo k=%d: %lld drafts, %lld accepted (%.1f%%)\n", k, static_cast<long long>(stats.num_draft_tokens),
+                static_cast<long long>(stats.num_accepted_tokens), 100 * acceptance);
+    EXPECT_GT(acceptance, k == 1 ? 0.2 : 0.1) << "k " << k;  // random MTP weights accept ~0
+  }
+}
+
+struct EngineRun {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<FinishReason> finish;
+  std::vector<int> drafts, accepted;
+  EngineMetrics metrics;
+};
+
+// Runs `requests` through the serving engine all at once (k = 0: no drafter).
+EngineRun run_engine(Loaded& l, const std::vector<EngineRequest>& requests, int k) {
+  EngineOptions options;
+  options.scheduler = {.page_size = 4, .num_pages = 60, .max_num_seqs = 8, .max_num_batched_tokens = 12,
+                       .max_model_len = 64, .enable_prefix_caching = true};
+  options.check_invariants = true;
+  const kv::KvCacheLayout layout{l.config.num_layers, l.config.num_kv_heads, l.config.head_dim, 4, 60, DType::kF32};
+  std::unique_ptr<MtpDrafter> drafter;
+  if (k > 0) drafter = std::make_unique<MtpDrafter>(*l.mtp, l.pool, layout, k);
+  Engine engine(std::make_unique<Qwen3Runner>(*l.model, l.pool, layout), options, std::move(drafter));
+  EngineRun run;
+  const size_t n = requests.size();
+  run.tokens.resize(n), run.finish.resize(n), run.drafts.resize(n), run.accepted.resize(n);
+  std::vector<std::promise<void>> done(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto id = engine.submit(requests[i], [&run, &done, i](const EngineOutput& out) {
+      if (out.token >= 0) run.tokens[i].push_back(out.token);
+      if (out.finish != FinishReason::kNone) {
+        run.finish[i] = out.finish, run.drafts[i] = out.num_draft_tokens;
+        run.accepted[i] = out.num_accepted_draft_tokens;
+        done[i].set_value();
+      }
+    });
+    EXPECT_TRUE(id.has_value()) << id.status().to_string();
+  }
+  for (auto& d : done) d.get_future().wait();
+  // Pages back to zero once the last step's gauges are updated (prefix-cached pages are evictable, not used).
+  for (int i = 0; i < 200 && (engine.metrics().kv_cache_usage_perc != 0 || engine.metrics().num_requests_running); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  run.metrics = engine.metrics();
+  return run;
+}
+
+// Continuous batching with mixed requests: speculating greedy ones, one with
+// logprobs (plain decode), one seeded sampled one, stop ids and max_tokens
+// inside accepted runs. Greedy outputs equal the plain engine's; KV pages
+// are all released at the end.
+void check_mixed_batch(Loaded& l, std::vector<EngineRequest> requests, bool expect_acceptance) {
+  requests[1].num_logprobs = 2;
+  requests[3].max_tokens = 2;
+  EngineRequest sampled = requests[0];
+  sampled.sampling.temperature = 0.9f, sampled.sampling.seed = 5;
+  requests.push_back(sampled);
+  const EngineRun plain = run_engine(l, requests, 0);
+  // A stop id inside a run: the 6th token of request 2's plain output.
+  requests[2].stop_token_ids = {plain.tokens[2][5]};
+  const EngineRun plain_stop = run_engine(l, requests, 0);
+  for (int k : {1, 3}) {
+    const EngineRun spec = run_engine(l, requests, k);
+    for (size_t i = 0; i + 1 < requests.size(); ++i) {  // the sampled one draws differently
+      EXPECT_EQ(spec.tokens[i], plain_stop.tokens[i]) << "k " << k << " request " << i;
+      EXPECT_EQ(spec.finish[i], plain_stop.finish[i]) << "k " << k << " request " << i;
+    }
+    EXPECT_EQ(spec.tokens.back().size(), static_cast<size_t>(requests.back().max_tokens));
+    EXPECT_EQ(spec.drafts[1], 0) << "logprobs requests decode plainly";
+    EXPECT_GT(spec.drafts[0], 0);
+    const EngineMetrics& m = spec.metrics;
+    EXPECT_GT(m.spec_decode_num_draft_tokens_total, 0);
+    if (expect_acceptance) {
+      EXPECT_GT(m.spec_decode_num_accepted_tokens_total, 0) << "k " << k;
+    }
+    EXPECT_EQ(m.spec_decode_acceptance_length.count, static_cast<uint64_t>(m.spec_decode_num_drafts_total));
+    EXPECT_EQ(m.kv_cache_usage_perc, 0.0) << "pages leaked, k " << k;
+    EXPECT_EQ(m.num_requests_running, 0);
+    std::printf("engine k=%d: %lld drafts, %lld accepted\n", k,
+                static_cast<long long>(m.spec_decode_num_draft_tokens_total),
+                static_cast<long long>(m.spec_decode_num_accepted_tokens_total));
+  }
+  EXPECT_EQ(plain.metrics.kv_cache_usage_perc, 0.0);
+}
+
+std::vector<EngineRequest> engine_requests(const std::vector<GenerationRequest>& generation) {
+  std::vector<EngineRequest> requests;
+  for (const auto& g : generation) {
+    EngineRequest r;
+    r.prompt = g.prompt, r.max_tokens = g.max_tokens, r.sampling = g.sampling, r.ignore_eos = true;
+    requests.push_back(r);
+  }
+  return requests;
+}
+
+TEST(EngineSpeculation, MixedBatchEqualsPlainAndReleasesEveryPage) {
+  auto l = load(golden_dir("moe_basic"), "", true);
+  check_mixed_batch(*l, engine_requests(prompts(l->config.vocab_size, 5, 24)), false);
+}
+
+// The same with the demo's trained MTP layer, so runs of accepted drafts meet
+// the stop id and max_tokens.
+TEST(EngineSpeculation, MixedBatchWithAcceptedDraftsOnTheDemo) {
+  auto l = load(demo_dir(), demo_mtp_dir(), false);
+  auto requests = engine_requests(demo_requests(24));
+  requests.push_back(requests[0]);
+  requests.push_back(requests[1]);
+  check_mixed_batch(*l, requests, true);
+}
+
+}  // namespace
+}  // namespace moe::engine
