@@ -223,94 +223,73 @@ Status run_rank_follower(const ServeArgs& args, const model::ModelConfig& config
 
 }  // namespace
 
-Status run_serve(ServeArgs args) {
-  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec,
-                       check_speculative(args.speculative, args.device, args.disagg ? "--disagg" : args.role));
-  if (args.disagg) return run_cluster(std::move(args));
+namespace {
+
+// Validates the flags that need no files and fills the defaults that depend on others.
+Status check_serve_args(ServeArgs& args) {
   MOE_RETURN_IF_ERROR(check_device(args.device));
   if (args.model.empty()) args.model = find_default_model();
   if (args.page_size < 1 || args.page_size > 1024) return invalid_argument("--page-size must be in [1, 1024]");
   if (!args.reasoning_parser.empty() && args.reasoning_parser != "qwen3")
     return invalid_argument("--reasoning-parser: only qwen3 is supported, got '{}'", args.reasoning_parser);
   if (args.device.cuda()) args.kv_dtype = "bf16";  // the GPU's KV pages are bf16
-  MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
-  if (kv_dtype != DType::kF32 && kv_dtype != DType::kBF16) return invalid_argument("--kv-dtype must be f32 or bf16");
-  MOE_ASSIGN_OR_RETURN(model::ModelConfig config, model::load_model_config(args.model));
-  MOE_RETURN_IF_ERROR(check_parallel_args(args));
-  const ParallelArgs& par = args.parallel;
-  const bool dp = par.dp > 1;  // each rank a decode instance of its own (docs/parallel.md)
-  if (par.follower() && !dp) return run_rank_follower(args, config);
-  if (par.follower()) args.port = 0, args.transfer_port = 0;
-  const model::ParallelPlan plan{par.tp, 0, par.ep, dp ? par.internal_rank : 0, dp, nullptr};
+  if (args.kv_dtype != "f32" && args.kv_dtype != "bf16") return invalid_argument("--kv-dtype must be f32 or bf16");
   if (args.served_model_name.empty()) args.served_model_name = std::filesystem::path(args.model).filename().string();
+  return check_parallel_args(args);
+}
 
-  std::optional<tokenizer::Tokenizer> tok;
-  if (std::filesystem::exists(std::filesystem::path(args.model) / "tokenizer.json")) {
-    MOE_ASSIGN_OR_RETURN(auto t, tokenizer::Tokenizer::load(args.model));
-    tok.emplace(std::move(t));
-  } else {
-    log_warn("{} has no tokenizer.json: only token-id prompts will work", args.model);
-  }
-  // Signals go to sigwait below, not to the threads started from here on
-  // (thread pool, engine, HTTP I/O), which inherit this mask.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  ThreadPool pool(args.threads);
-  pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);  // Ctrl-C still ends a long load at once
-  log_info("loading weights from {} ...", args.model);
-  const double load_start = engine::monotonic_seconds();
-  prefetch_weights(args.model);
-  MOE_ASSIGN_OR_RETURN(auto weights, model::ModelWeights::load(args.model, config, pool));
-  log_info("loaded {:.1f} MB of weights in {:.2f} s ({} layers, {} experts, vocab {})",
-           static_cast<double>(weights.num_bytes()) / 1e6, engine::monotonic_seconds() - load_start,
-           config.num_layers, config.num_experts, config.vocab_size);
-  MOE_RETURN_IF_ERROR(model::check_parallel_plan(config, weights, plan));
-  // Rank 0's share of the heads sizes the KV pages (every rank's are alike).
-  kv::KvCacheLayout layout{config.num_layers, model::rank_shard(config, plan).num_kv_heads, config.head_dim,
-                           args.page_size, 0, kv_dtype};
-  // The MTP layer's KV pages come out of the same budget (one more layer).
-  const int num_kv_layers = config.num_layers + (spec.enabled() ? 1 : 0);
-  MOE_ASSIGN_OR_RETURN(auto sched, scheduler_options(args, config, layout.page_bytes() * num_kv_layers));
-  std::optional<model::MtpWeights> mtp_weights;
-  std::optional<model::MtpModel> mtp_model;
-  if (spec.enabled()) {
-    if (plan.tp_size > 1 || plan.ep_size > 1)
-      return unimplemented("speculative decoding with --tp/--ep: not yet (one rank only)");
-    MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(args.speculative, config, false));
-    mtp_weights.emplace(std::move(mtp));
-    mtp_model.emplace(*mtp_weights, weights);
-  }
-  // Ranks 1.. (docs/parallel.md): started here, joined through shared memory.
-  std::unique_ptr<comm::Communicator> comm;
-  std::optional<Followers> followers;  // outlives the engine, whose runner stops them
-  std::vector<kv::ShmRegion> follower_kv;  // TP/EP followers' KV caches, which the leader can read
-  if (plan.tp_size > 1 || plan.ep_size > 1) {
-    std::string group = par.internal_group;
-    if (!par.follower()) {
-      group = new_group_name();
-      if (!dp) {
-        MOE_ASSIGN_OR_RETURN(follower_kv, create_follower_kv(group, par.world(), layout, sched.num_pages));
-      }
-      MOE_ASSIGN_OR_RETURN(auto started, spawn_followers(par, group, sched.num_pages));
-      followers.emplace(std::move(started));
+// This process's view of a multi-rank instance (docs/parallel.md).
+struct RankGroup {
+  std::unique_ptr<comm::Communicator> comm;  // null: a single rank
+  std::optional<Followers> followers;        // the leader's; outlives the engine, whose runner stops them
+  std::vector<kv::ShmRegion> follower_kv;    // TP/EP followers' KV caches, which the leader reads
+};
+
+// A leader starts ranks 1.. (and their KV regions); every rank joins the group.
+Expected<RankGroup> join_rank_group(const ParallelArgs& par, const model::ParallelPlan& plan,
+                                    const kv::KvCacheLayout& layout, int32_t num_pages) {
+  RankGroup g;
+  if (plan.single()) return g;
+  std::string group = par.internal_group;
+  if (!par.follower()) {
+    group = new_group_name();
+    if (!plan.dp_attention) {
+      MOE_ASSIGN_OR_RETURN(g.follower_kv, create_follower_kv(group, par.world(), layout, num_pages));
     }
-    MOE_ASSIGN_OR_RETURN(comm, open_rank_communicator(group, par.internal_rank, par.world()));
+    MOE_ASSIGN_OR_RETURN(auto started, spawn_followers(par, group, num_pages));
+    g.followers.emplace(std::move(started));
   }
-  model::ParallelPlan rank_plan = plan;
-  rank_plan.comm = comm.get();
-  model::Qwen3MoeModel model(weights, rank_plan);
-  if (comm && par.follower()) {  // a data-parallel rank: ready, and gone with its leader
+  MOE_ASSIGN_OR_RETURN(g.comm, open_rank_communicator(group, par.internal_rank, par.world()));
+  return g;
+}
+
+// Once this rank's model is built: a DP follower says so (and goes with its
+// leader); a leader waits for every rank.
+Status rank_group_ready(RankGroup& g, const ParallelArgs& par) {
+  if (!g.comm) return Status::ok();
+  if (par.follower()) {
     MOE_RETURN_IF_ERROR(engine::signal_ready(par.internal_plan_fd));
     stop_when_leader_exits(par.internal_plan_fd);
-  } else if (comm) {
-    MOE_RETURN_IF_ERROR(engine::wait_for_followers(followers->fds));  // every rank has its weights
-    for (kv::ShmRegion& region : follower_kv) region.unlink();      // and has mapped its KV region
-    log_info("{} ranks ready (tp {}, ep {}, dp {})", comm->world_size(), plan.tp_size, plan.ep_size, par.dp);
+    return Status::ok();
   }
+  MOE_RETURN_IF_ERROR(engine::wait_for_followers(g.followers->fds));  // every rank has its weights
+  for (kv::ShmRegion& region : g.follower_kv) region.unlink();        // and has mapped its KV region
+  log_info("{} ranks ready (tp {}, ep {}, dp {})", g.comm->world_size(), par.tp, par.ep, par.dp);
+  return Status::ok();
+}
+
+struct Runner {
   std::unique_ptr<engine::ModelRunner> runner;
+  std::vector<const kv::KvCache*> rank_caches;  // the CPU runners': every rank's KV (the roles send it)
+};
+
+// The model runner of this rank: CUDA, a DP rank's, a TP/EP leader's, or the
+// single CPU rank's. Sets the page count (the GPU's comes from its memory).
+Expected<Runner> make_runner(const ServeArgs& args, const model::ModelConfig& config,
+                             const model::ModelWeights& weights, const model::Qwen3MoeModel& model, ThreadPool& pool,
+                             kv::KvCacheLayout& layout, engine::SchedulerOptions& sched, RankGroup& group) {
+  Runner r;
+  (void)config, (void)weights;
 #ifdef MOE_WITH_CUDA
   if (args.device.cuda()) {
     // The KV pool takes what --gpu-memory-utilization leaves after the weights.
@@ -323,52 +302,44 @@ Status run_serve(ServeArgs args) {
     cuda.use_cuda_graphs = !args.device.enforce_eager;
     MOE_ASSIGN_OR_RETURN(auto cuda_runner, engine::CudaRunner::create(config, &weights, 0, cuda));
     sched.num_pages = cuda_runner->num_pages();
-    runner = std::move(cuda_runner);
+    layout.num_pages = sched.num_pages;
+    r.runner = std::move(cuda_runner);
+    return r;
   }
 #endif
   layout.num_pages = sched.num_pages;
-  engine::EngineOptions engine_options;
-  engine_options.scheduler = sched;
-  engine_options.max_waiting = args.max_waiting;
-  if (tok) engine_options.eos_token_ids.assign(tok->special_tokens().eos_ids.begin(), tok->special_tokens().eos_ids.end());
-  if (engine_options.eos_token_ids.empty())
-    engine_options.eos_token_ids.assign(config.eos_token_ids.begin(), config.eos_token_ids.end());
-  log_startup(args, sched, layout, pool.num_threads());
-
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  server::HttpServer http;  // declared first: destroyed after everything that may hold a connection
-  const kv::KvCache* kv_cache = nullptr;  // the CPU runner's, for the disaggregated roles
-  std::vector<const kv::KvCache*> rank_caches;  // a TP/EP leader's: every rank's
-  if (!runner && comm && dp) {
+  if (group.comm && model.plan().dp_attention) {
     auto rank_runner = std::make_unique<engine::LockstepRunner>(model, pool, layout);
-    kv_cache = &rank_runner->cache();
-    runner = std::move(rank_runner);
-  } else if (!runner && comm) {
-    auto leader = std::make_unique<engine::LeaderRunner>(model, pool, layout, std::exchange(followers->fds, {}),
-                                                         std::move(follower_kv));
-    rank_caches = leader->rank_caches();
-    runner = std::move(leader);
-  }
-  if (!runner) {
+    r.rank_caches = {&rank_runner->cache()};
+    r.runner = std::move(rank_runner);
+  } else if (group.comm) {
+    auto leader = std::make_unique<engine::LeaderRunner>(model, pool, layout, std::exchange(group.followers->fds, {}),
+                                                         std::move(group.follower_kv));
+    r.rank_caches = leader->rank_caches();
+    r.runner = std::move(leader);
+  } else {
     auto cpu_runner = std::make_unique<engine::Qwen3Runner>(model, pool, layout);
-    kv_cache = &cpu_runner->cache();
-    runner = std::move(cpu_runner);
+    r.rank_caches = {&cpu_runner->cache()};
+    r.runner = std::move(cpu_runner);
   }
-  std::unique_ptr<engine::MtpDrafter> drafter;
-  if (spec.enabled()) {
-    CHECK(runner->supports_hidden_states(), "the CPU runner returns hidden states");
-    drafter = std::make_unique<engine::MtpDrafter>(*mtp_model, pool, layout, spec.num_speculative_tokens);
-    log_info("speculative decoding: MTP layer from {}, {} draft tokens per step", args.speculative.model_dir,
-             spec.num_speculative_tokens);
-  }
-  engine::Engine engine(std::move(runner), engine_options, std::move(drafter));
-  if (args.role != "colocated") {
-    if (kv_cache) rank_caches = {kv_cache};
-    if (rank_caches.empty()) return invalid_argument("the {} role runs on the CPU backend only for now", args.role);
-    return run_instance(args, engine, {rank_caches, config.num_kv_heads}, http, signals);
-  }
+  return r;
+}
+
+engine::EngineOptions engine_options(const model::ModelConfig& config, const engine::SchedulerOptions& sched,
+                                     const ServeArgs& args, const tokenizer::Tokenizer* tok) {
+  engine::EngineOptions o;
+  o.scheduler = sched;
+  o.max_waiting = args.max_waiting;
+  if (tok) o.eos_token_ids.assign(tok->special_tokens().eos_ids.begin(), tok->special_tokens().eos_ids.end());
+  if (o.eos_token_ids.empty()) o.eos_token_ids.assign(config.eos_token_ids.begin(), config.eos_token_ids.end());
+  return o;
+}
+
+// The OpenAI API over `engine` until SIGINT/SIGTERM.
+Status serve_api(const ServeArgs& args, engine::Engine& engine, const tokenizer::Tokenizer* tok,
+                 const engine::SchedulerOptions& sched, server::HttpServer& http, const sigset_t& signals) {
   server::EngineBackend backend(engine);
-  server::OpenAiApi api(backend, tok ? &*tok : nullptr, api_options(args, sched));
+  server::OpenAiApi api(backend, tok, api_options(args, sched));
   MOE_RETURN_IF_ERROR(http.start(http_options(args), [&api](server::HttpRequest r, std::shared_ptr<server::HttpExchange> e) {
     api.handle(std::move(r), std::move(e));
   }));
@@ -382,6 +353,89 @@ Status run_serve(ServeArgs args) {
   http.stop();
   engine.shutdown();
   return Status::ok();
+}
+
+Expected<model::ModelWeights> load_weights(const std::string& model_dir, const model::ModelConfig& config,
+                                           ThreadPool& pool) {
+  log_info("loading weights from {} ...", model_dir);
+  const double load_start = engine::monotonic_seconds();
+  prefetch_weights(model_dir);
+  MOE_ASSIGN_OR_RETURN(auto weights, model::ModelWeights::load(model_dir, config, pool));
+  log_info("loaded {:.1f} MB of weights in {:.2f} s ({} layers, {} experts, vocab {})",
+           static_cast<double>(weights.num_bytes()) / 1e6, engine::monotonic_seconds() - load_start,
+           config.num_layers, config.num_experts, config.vocab_size);
+  return weights;
+}
+
+}  // namespace
+
+Status run_serve(ServeArgs args) {
+  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec,
+                       check_speculative(args.speculative, args.device, args.disagg ? "--disagg" : args.role));
+  if (args.disagg) return run_cluster(std::move(args));
+  MOE_RETURN_IF_ERROR(check_serve_args(args));
+  MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
+  MOE_ASSIGN_OR_RETURN(model::ModelConfig config, model::load_model_config(args.model));
+  const ParallelArgs& par = args.parallel;
+  const bool dp = par.dp > 1;  // each rank a decode instance of its own (docs/parallel.md)
+  if (par.follower() && !dp) return run_rank_follower(args, config);
+  if (par.follower()) args.port = 0, args.transfer_port = 0;
+  const model::ParallelPlan plan{par.tp, 0, par.ep, dp ? par.internal_rank : 0, dp, nullptr};
+
+  std::optional<tokenizer::Tokenizer> tok;
+  if (std::filesystem::exists(std::filesystem::path(args.model) / "tokenizer.json")) {
+    MOE_ASSIGN_OR_RETURN(auto t, tokenizer::Tokenizer::load(args.model));
+    tok.emplace(std::move(t));
+  } else {
+    log_warn("{} has no tokenizer.json: only token-id prompts will work", args.model);
+  }
+  // Signals go to sigwait, not to the threads started from here on (thread
+  // pool, engine, HTTP I/O), which inherit this mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  ThreadPool pool(args.threads);
+  pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);  // Ctrl-C still ends a long load at once
+  MOE_ASSIGN_OR_RETURN(auto weights, load_weights(args.model, config, pool));
+  MOE_RETURN_IF_ERROR(model::check_parallel_plan(config, weights, plan));
+  // Rank 0's share of the heads sizes the KV pages (every rank's are alike);
+  // the MTP layer's pages come out of the same budget (one more layer).
+  kv::KvCacheLayout layout{config.num_layers, model::rank_shard(config, plan).num_kv_heads, config.head_dim,
+                           args.page_size, 0, kv_dtype};
+  const int num_kv_layers = config.num_layers + (spec.enabled() ? 1 : 0);
+  MOE_ASSIGN_OR_RETURN(auto sched, scheduler_options(args, config, layout.page_bytes() * num_kv_layers));
+  std::optional<model::MtpWeights> mtp_weights;
+  std::optional<model::MtpModel> mtp_model;
+  if (spec.enabled()) {
+    if (!plan.single()) return unimplemented("speculative decoding with --tp/--ep/--dp: not yet (one rank only)");
+    MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(args.speculative, config, false));
+    mtp_weights.emplace(std::move(mtp));
+    mtp_model.emplace(*mtp_weights, weights);
+  }
+  MOE_ASSIGN_OR_RETURN(RankGroup group, join_rank_group(par, plan, layout, sched.num_pages));
+  model::ParallelPlan rank_plan = plan;
+  rank_plan.comm = group.comm.get();
+  model::Qwen3MoeModel model(weights, rank_plan);
+  MOE_RETURN_IF_ERROR(rank_group_ready(group, par));
+  MOE_ASSIGN_OR_RETURN(Runner runner, make_runner(args, config, weights, model, pool, layout, sched, group));
+  log_startup(args, sched, layout, pool.num_threads());
+
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  server::HttpServer http;  // declared first: destroyed after everything that may hold a connection
+  std::unique_ptr<engine::MtpDrafter> drafter;
+  if (spec.enabled()) {
+    CHECK(runner.runner->supports_hidden_states(), "the CPU runner returns hidden states");
+    drafter = std::make_unique<engine::MtpDrafter>(*mtp_model, pool, layout, spec.num_speculative_tokens);
+    log_info("speculative decoding: MTP layer from {}, {} draft tokens per step", args.speculative.model_dir,
+             spec.num_speculative_tokens);
+  }
+  engine::Engine engine(std::move(runner.runner), engine_options(config, sched, args, tok ? &*tok : nullptr),
+                        std::move(drafter));
+  if (args.role == "colocated") return serve_api(args, engine, tok ? &*tok : nullptr, sched, http, signals);
+  if (runner.rank_caches.empty()) return invalid_argument("the {} role runs on the CPU backend only for now", args.role);
+  return run_instance(args, engine, {runner.rank_caches, config.num_kv_heads}, http, signals);
 }
 
 std::string default_model_dir() { return find_default_model(); }
