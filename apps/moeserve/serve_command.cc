@@ -409,7 +409,6 @@ Status run_serve(ServeArgs args) {
   std::optional<model::MtpWeights> mtp_weights;
   std::optional<model::MtpModel> mtp_model;
   if (spec.enabled()) {
-    if (!plan.single()) return unimplemented("speculative decoding with --tp/--ep/--dp: not yet (one rank only)");
     MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(args.speculative, config, false));
     mtp_weights.emplace(std::move(mtp));
     mtp_model.emplace(*mtp_weights, weights);

@@ -148,7 +148,8 @@ LeaderRunner::~LeaderRunner() {
   }
 }
 
-Expected<Tensor> LeaderRunner::forward(const model::ForwardBatch& batch) {
+Expected<Tensor> LeaderRunner::run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                   Tensor* hidden) {
   if (failed_) return unavailable("a rank of this instance is gone");
   const std::vector<uint8_t> plan = encode_step_plan(batch);
   for (size_t i = 0; i < fds_.size(); ++i)
@@ -156,7 +157,7 @@ Expected<Tensor> LeaderRunner::forward(const model::ForwardBatch& batch) {
       failed_ = true;
       return unavailable("rank {} of this instance is gone (its step-plan socket closed)", i + 1);
     }
-  auto logits = model_.try_forward(pool_, batch, layers_, hook_);
+  auto logits = model_.try_forward(pool_, batch, layers_, hook_, hidden_rows, hidden);
   if (!logits) failed_ = true;
   return logits;
 }
@@ -191,10 +192,11 @@ void LockstepRunner::leave() {
   failed_ = true;
 }
 
-Expected<Tensor> LockstepRunner::forward(const model::ForwardBatch& batch) {
+Expected<Tensor> LockstepRunner::run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                     Tensor* hidden) {
   MOE_ASSIGN_OR_RETURN(bool anyone, vote(1.0f));
   (void)anyone;
-  auto logits = model_.try_forward(pool_, batch, layers_);
+  auto logits = model_.try_forward(pool_, batch, layers_, {}, hidden_rows, hidden);
   if (!logits) failed_ = true;
   return logits;
 }

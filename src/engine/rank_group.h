@@ -51,7 +51,14 @@ class LeaderRunner final : public ModelRunner {
   LeaderRunner& operator=(const LeaderRunner&) = delete;
 
   int64_t vocab_size() const override { return model_.config().vocab_size; }
-  Expected<Tensor> forward(const model::ForwardBatch& batch) override;
+  Expected<Tensor> forward(const model::ForwardBatch& batch) override { return run(batch, {}, nullptr); }
+  // The hidden states are the leader's (every rank holds the same residual
+  // stream), so the MTP drafter runs on the leader alone.
+  bool supports_hidden_states() const override { return true; }
+  Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                       Tensor& hidden) override {
+    return run(batch, hidden_rows, &hidden);
+  }
   // The hook runs once every rank has written the layer (disaggregated prefill).
   bool supports_layer_hook() const override { return true; }
   void set_layer_hook(std::function<void(int layer)> hook) override { hook_ = std::move(hook); }
@@ -59,6 +66,8 @@ class LeaderRunner final : public ModelRunner {
   std::vector<const kv::KvCache*> rank_caches() const;
 
  private:
+  Expected<Tensor> run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows, Tensor* hidden);
+
   const model::Qwen3MoeModel& model_;
   ThreadPool& pool_;
   std::function<void(int)> hook_;
@@ -83,7 +92,12 @@ class LockstepRunner final : public ModelRunner {
  public:
   LockstepRunner(const model::Qwen3MoeModel& model, ThreadPool& pool, const kv::KvCacheLayout& layout);
   int64_t vocab_size() const override { return model_.config().vocab_size; }
-  Expected<Tensor> forward(const model::ForwardBatch& batch) override;
+  Expected<Tensor> forward(const model::ForwardBatch& batch) override { return run(batch, {}, nullptr); }
+  bool supports_hidden_states() const override { return true; }
+  Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                       Tensor& hidden) override {
+    return run(batch, hidden_rows, &hidden);
+  }
   bool steps_in_lockstep() const override { return true; }
   Status idle_step() override;
   void leave() override;
@@ -92,6 +106,7 @@ class LockstepRunner final : public ModelRunner {
 
  private:
   Expected<bool> vote(float ballot);
+  Expected<Tensor> run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows, Tensor* hidden);
 
   const model::Qwen3MoeModel& model_;
   ThreadPool& pool_;

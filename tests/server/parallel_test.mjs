@@ -15,8 +15,10 @@ import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { readFileSync } from 'node:fs';
 import OpenAI from 'openai';
+import { fileURLToPath } from 'node:url';
 import { startProcess, waitFor, scrape, routerInstances } from './disagg_harness.mjs';
 
+const modelsDir = fileURLToPath(new URL('../../models', import.meta.url));
 const base = ['--kv-cache-gb', '0.05', '--threads', '1', '--max-num-seqs', '16'];
 let oracle;
 before(async () => { oracle = await startProcess('serve', base); });
@@ -152,3 +154,19 @@ for (const flags of [['--tp', '2', '--ep', '2'], ['--tp', '4']]) {
     }
   });
 }
+
+test('serve --tp 2 --ep 2 with MTP speculation: the single-rank greedy output, drafts verified', async () => {
+  const server = await startProcess('serve', [...base, '--tp', '2', '--ep', '2', '--speculative-config',
+                                              '{"method":"mtp","num_speculative_tokens":2}',
+                                              '--speculative-model', `${modelsDir}/moeserve-demo-mtp`]);
+  try {
+    const got = await Promise.all(prompts.map((p) => ids(server.url, p)));
+    const want = await Promise.all(prompts.map((p) => ids(oracle.url, p)));
+    assert.deepEqual(got, want);
+    const m = await scrape(server.url);
+    assert.ok(m['moeserve:spec_decode_num_draft_tokens_total'] > 0, 'drafts were made and verified');
+    assert.ok(m['moeserve:spec_decode_num_accepted_tokens_total'] > 0, 'some were accepted');
+  } finally {
+    assert.equal(await server.stop(), 0, server.stderr().slice(-2000));
+  }
+});
