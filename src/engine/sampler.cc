@@ -38,10 +38,9 @@ int32_t argmax(std::span<const float> logits) {
   return best;
 }
 
-int32_t sample_token(std::span<const float> logits, const SamplingParams& params, uint64_t seed, uint64_t step) {
-  if (params.is_greedy()) return argmax(logits);
+SamplingCandidates sampling_candidates(std::span<const float> logits, const SamplingParams& params) {
+  CHECK(!params.is_greedy(), "a greedy request has no candidates to draw from");
   const auto vocab = static_cast<int32_t>(logits.size());
-  // Candidates in descending logit order (ties: lower id first).
   std::vector<int32_t> order(static_cast<size_t>(vocab));
   std::iota(order.begin(), order.end(), 0);
   auto by_logit = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
@@ -70,15 +69,23 @@ int32_t sample_token(std::span<const float> logits, const SamplingParams& params
     while (i < kept && probs[i] >= threshold) ++i;
     kept = i;
   }
-  double kept_mass = 0.0;
-  for (int32_t i = 0; i < kept; ++i) kept_mass += probs[i];
-  const double target = uniform_draw(seed, step) * kept_mass;
+  SamplingCandidates c;
+  c.ids.assign(order.begin(), order.begin() + kept);
+  c.probs.assign(probs.begin(), probs.begin() + kept);
+  for (double p : c.probs) c.kept_mass += p;
+  return c;
+}
+
+int32_t sample_token(std::span<const float> logits, const SamplingParams& params, uint64_t seed, uint64_t step) {
+  if (params.is_greedy()) return argmax(logits);
+  const SamplingCandidates c = sampling_candidates(logits, params);
+  const double target = uniform_draw(seed, step) * c.kept_mass;
   double cumulative = 0.0;
-  for (int32_t i = 0; i < kept; ++i) {
-    cumulative += probs[i];
-    if (target < cumulative) return order[i];
+  for (size_t i = 0; i < c.ids.size(); ++i) {
+    cumulative += c.probs[i];
+    if (target < cumulative) return c.ids[i];
   }
-  return order[kept - 1];
+  return c.ids.back();
 }
 
 }  // namespace moe::engine

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <vector>
 
 #include "core/status.h"
 
@@ -43,6 +44,17 @@ Status validate_sampling(const SamplingParams& params);
 double uniform_draw(uint64_t seed, uint64_t step);
 
 int32_t argmax(std::span<const float> logits);
+
+// The tokens a non-greedy draw chooses among: ids in descending logit order
+// (ties: lower id first), cut by top_k, top_p and min_p, with their
+// probabilities (the softmax over the top_k, before the final
+// renormalisation by `kept_mass`, their sum).
+struct SamplingCandidates {
+  std::vector<int32_t> ids;
+  std::vector<double> probs;
+  double kept_mass = 0;
+};
+SamplingCandidates sampling_candidates(std::span<const float> logits, const SamplingParams& params);
 
 // `seed` must be set unless greedy.
 int32_t sample_token(std::span<const float> logits, const SamplingParams& params, uint64_t seed, uint64_t step);

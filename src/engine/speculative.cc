@@ -67,35 +67,9 @@ Expected<SpeculativeConfig> parse_speculative_config(const std::string& json_tex
 
 std::vector<double> sampling_distribution(std::span<const float> logits, const SamplingParams& params) {
   CHECK(!params.is_greedy(), "the distribution of a greedy request is one-hot");
-  const auto vocab = static_cast<int32_t>(logits.size());
-  // The steps of sample_token (engine/sampler.cc), keeping the probabilities.
-  std::vector<int32_t> order(static_cast<size_t>(vocab));
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
-  int32_t kept = params.top_k > 0 && params.top_k < vocab ? params.top_k : vocab;
-  std::vector<double> probs(static_cast<size_t>(kept));
-  const double max_scaled = static_cast<double>(logits[order[0]]) / params.temperature;
-  double total = 0;
-  for (int32_t i = 0; i < kept; ++i)
-    total += probs[i] = std::exp(static_cast<double>(logits[order[i]]) / params.temperature - max_scaled);
-  for (auto& p : probs) p /= total;
-  if (params.top_p < 1.0f) {
-    double mass = 0;
-    int32_t i = 0;
-    while (i < kept && mass < params.top_p) mass += probs[i++];
-    kept = std::max(i, 1);
-  }
-  if (params.min_p > 0.0f) {
-    const double threshold = params.min_p * probs[0];
-    int32_t i = 1;
-    while (i < kept && probs[i] >= threshold) ++i;
-    kept = i;
-  }
-  double kept_mass = 0;
-  for (int32_t i = 0; i < kept; ++i) kept_mass += probs[i];
-  std::vector<double> dense(static_cast<size_t>(vocab), 0.0);
-  for (int32_t i = 0; i < kept; ++i) dense[static_cast<size_t>(order[i])] = probs[i] / kept_mass;
+  const SamplingCandidates c = sampling_candidates(logits, params);
+  std::vector<double> dense(logits.size(), 0.0);
+  for (size_t i = 0; i < c.ids.size(); ++i) dense[static_cast<size_t>(c.ids[i])] = c.probs[i] / c.kept_mass;
   return dense;
 }
 
