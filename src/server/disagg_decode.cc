@@ -330,15 +330,7 @@ void DecodeService::tick() {
 }
 
 disagg::InstanceLoad DecodeService::load() const {
-  const engine::EngineMetrics m = engine_.metrics();
-  disagg::InstanceLoad l;
-  l.role = "decode";
-  l.transfer_endpoint = transfer_.endpoint();
-  l.kv_usage = m.kv_cache_usage_perc;
-  l.num_running = m.num_requests_running;
-  l.num_waiting = m.num_requests_waiting;
-  l.max_num_seqs = engine_.options().scheduler.max_num_seqs;
-  l.busy_seconds_total = m.busy_seconds_total;
+  disagg::InstanceLoad l = disagg::engine_load("decode", engine_, transfer_);
   std::lock_guard lock(mutex_);
   l.num_reservations = static_cast<int64_t>(table_.size());
   return l;

@@ -303,16 +303,7 @@ void PrefillService::handle_abort(const HttpRequest& request, const std::shared_
 }
 
 disagg::InstanceLoad PrefillService::load() const {
-  const engine::EngineMetrics m = engine_.metrics();
-  disagg::InstanceLoad l;
-  l.role = "prefill";
-  l.transfer_endpoint = transfer_.endpoint();
-  l.kv_usage = m.kv_cache_usage_perc;
-  l.num_running = m.num_requests_running;
-  l.num_waiting = m.num_requests_waiting;
-  l.max_num_seqs = engine_.options().scheduler.max_num_seqs;
-  l.prompt_tokens_total = m.prompt_tokens_total;
-  l.busy_seconds_total = m.busy_seconds_total;
+  disagg::InstanceLoad l = disagg::engine_load("prefill", engine_, transfer_);
   std::lock_guard lock(mutex_);
   l.pending_prompt_tokens = pending_prompt_tokens_;
   return l;

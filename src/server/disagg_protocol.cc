@@ -387,6 +387,21 @@ Expected<InstanceLoad> parse_instance_load(const std::string& body) {
   return l;
 }
 
+InstanceLoad engine_load(const std::string& role, const engine::Engine& engine,
+                         const transfer::TransferEngine& transfer) {
+  const engine::EngineMetrics m = engine.metrics();
+  InstanceLoad l;
+  l.role = role;
+  l.transfer_endpoint = transfer.endpoint();
+  l.kv_usage = m.kv_cache_usage_perc;
+  l.num_running = m.num_requests_running;
+  l.num_waiting = m.num_requests_waiting;
+  l.max_num_seqs = engine.options().scheduler.max_num_seqs;
+  l.prompt_tokens_total = m.prompt_tokens_total;
+  l.busy_seconds_total = m.busy_seconds_total;
+  return l;
+}
+
 engine::EngineRequest to_engine_request(const GenerationSpec& s) {
   engine::EngineRequest r;
   r.prompt = s.prompt;

@@ -101,10 +101,14 @@ struct InstanceLoad {
   double kv_usage = 0;
   int num_running = 0, num_waiting = 0, max_num_seqs = 0;
   int64_t pending_prompt_tokens = 0;  // prefill: queued and running prompt tokens
-  int64_t prompt_tokens_total = 0;    // prefill: computed so far
+  int64_t prompt_tokens_total = 0;    // computed so far (the router reads the prefill instances')
   double busy_seconds_total = 0;      // time in forward passes
   int64_t num_reservations = 0;       // decode
 };
+
+// The fields every role reports from its engine and TransferEngine.
+InstanceLoad engine_load(const std::string& role, const engine::Engine& engine,
+                         const transfer::TransferEngine& transfer);
 
 nlohmann::json to_json(const GenerationSpec& spec);
 nlohmann::json to_json(const KvTarget& target);
