@@ -8,12 +8,22 @@
 // the lm_head. The CPU version parallelises over output features.
 #pragma once
 
+#include <functional>
+
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 
 namespace moe::ops::cpu {
 
 void linear(ThreadPool& pool, TensorView x, TensorView w, TensorView out);
+
+// The blocked loop of every CPU projection: out [num_tokens, out_features] =
+// x [num_tokens, in_features] @ w^T, where load_rows(first, count, dst) writes
+// weight rows [first, first + count) as f32 into dst [count, in_features].
+// Each task converts a block of rows once and reuses it for all tokens.
+using LoadWeightRows = std::function<void(int64_t first, int64_t count, float* dst)>;
+void linear_rows(ThreadPool& pool, const float* x, int64_t num_tokens, int64_t in_features, int64_t out_features,
+                 const LoadWeightRows& load_rows, float* out);
 
 // Dot product of two f32 vectors with several independent accumulators (so the
 // compiler vectorises it); the summation order is fixed for a given n.

@@ -117,7 +117,9 @@ TEST_F(QuantModelTest, ConverterWritesALoadableCheckpoint) {
       EXPECT_EQ(output->find(names.values)->shape, values.shape) << name;
       EXPECT_EQ(output->find(names.scales)->dtype, scales.dtype) << name;
       EXPECT_EQ(output->find(names.scales)->shape, scales.shape) << name;
-      if (!names.global_scale.empty()) EXPECT_EQ(output->find(names.global_scale)->shape, Shape{}) << name;
+      if (!names.global_scale.empty()) {
+        EXPECT_EQ(output->find(names.global_scale)->shape, Shape{}) << name;
+      }
     }
 
     auto weights = load(out);

@@ -36,23 +36,30 @@ void linear(ThreadPool& pool, TensorView x, TensorView w, TensorView out) {
   CHECK(out.dim(0) == num_tokens && out.dim(1) == out_features, "linear: out {}",
         out.shape().to_string());
   CHECK(x.dtype() == DType::kF32 && out.dtype() == DType::kF32, "linear: x and out must be f32");
-  const float* xs = x.data_as<float>();
-  float* ys = out.data_as<float>();
   const auto* w_bytes = static_cast<const char*>(w.data());
   const size_t w_row_bytes = dtype_bytes(w.dtype(), in_features);
-  // Each task converts a block of weight rows to f32 once and reuses it for all tokens.
+  linear_rows(
+      pool, x.data_as<float>(), num_tokens, in_features, out_features,
+      [&](int64_t first, int64_t count, float* dst) {
+        for (int64_t r = 0; r < count; ++r)
+          to_f32(w.dtype(), w_bytes + (first + r) * w_row_bytes, dst + r * in_features, in_features);
+      },
+      out.data_as<float>());
+}
+
+void linear_rows(ThreadPool& pool, const float* x, int64_t num_tokens, int64_t in_features, int64_t out_features,
+                 const LoadWeightRows& load_rows, float* out) {
   constexpr int64_t kRowsPerBlock = 16;
   const int64_t grain = std::max<int64_t>(kRowsPerBlock, 4096 / std::max<int64_t>(1, num_tokens));
   pool.parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> w_block(static_cast<size_t>(kRowsPerBlock * in_features));
     for (int64_t n0 = begin; n0 < end; n0 += kRowsPerBlock) {
       const int64_t rows = std::min(kRowsPerBlock, end - n0);
-      for (int64_t r = 0; r < rows; ++r)
-        to_f32(w.dtype(), w_bytes + (n0 + r) * w_row_bytes, &w_block[r * in_features], in_features);
+      load_rows(n0, rows, w_block.data());
       for (int64_t t = 0; t < num_tokens; ++t) {
-        const float* xt = xs + t * in_features;
+        const float* xt = x + t * in_features;
         for (int64_t r = 0; r < rows; ++r)
-          ys[t * out_features + n0 + r] = dot(xt, &w_block[r * in_features], in_features);
+          out[t * out_features + n0 + r] = dot(xt, &w_block[r * in_features], in_features);
       }
     }
   });

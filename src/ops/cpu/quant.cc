@@ -283,20 +283,9 @@ void cpu::quantized_linear(ThreadPool& pool, TensorView x, const QuantizedTensor
         "quantized_linear: out {}", out.shape().to_string());
   Tensor xq = Tensor::copy_of(x);
   fake_quantize_activations(w.format, xq.data_as<float>(), num_tokens, in_features);
-  const float* xs = xq.data_as<float>();
-  float* ys = out.data_as<float>();
-  constexpr int64_t kRowsPerBlock = 16;
-  const int64_t grain = std::max<int64_t>(kRowsPerBlock, 4096 / std::max<int64_t>(1, num_tokens));
-  pool.parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> w_block(static_cast<size_t>(kRowsPerBlock * in_features));
-    for (int64_t n0 = begin; n0 < end; n0 += kRowsPerBlock) {
-      const int64_t rows = std::min(kRowsPerBlock, end - n0);
-      dequantize_rows(w, n0, rows, w_block.data());
-      for (int64_t t = 0; t < num_tokens; ++t)
-        for (int64_t r = 0; r < rows; ++r)
-          ys[t * out_features + n0 + r] = cpu::dot(xs + t * in_features, &w_block[r * in_features], in_features);
-    }
-  });
+  linear_rows(
+      pool, xq.data_as<float>(), num_tokens, in_features, out_features,
+      [&](int64_t first, int64_t count, float* dst) { dequantize_rows(w, first, count, dst); }, out.data_as<float>());
 }
 
 }  // namespace moe::ops
