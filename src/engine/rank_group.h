@@ -38,7 +38,25 @@ Expected<model::ForwardBatch> decode_step_plan(std::span<const uint8_t> bytes);
 // rank's heads when it exports KV to a decode instance).
 std::string kv_region_name(const std::string& group, int rank);
 
-class LeaderRunner final : public ModelRunner {
+// A rank's runner: every forward pass, with or without hidden states, goes
+// through run(). The hidden states are this rank's, which are every rank's
+// (the residual stream is the same everywhere after each all-reduce), so an
+// MTP drafter runs on one rank alone.
+class RankRunner : public ModelRunner {
+ public:
+  Expected<Tensor> forward(const model::ForwardBatch& batch) final { return run(batch, {}, nullptr); }
+  bool supports_hidden_states() const final { return true; }
+  Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                       Tensor& hidden) final {
+    return run(batch, hidden_rows, &hidden);
+  }
+
+ protected:
+  virtual Expected<Tensor> run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                               Tensor* hidden) = 0;
+};
+
+class LeaderRunner final : public RankRunner {
  public:
   // `model` is rank 0's share (its plan's rank 0); `layout` its KV cache
   // (Qwen3MoeModel::shard() heads); `follower_fds` one connected stream
@@ -51,14 +69,6 @@ class LeaderRunner final : public ModelRunner {
   LeaderRunner& operator=(const LeaderRunner&) = delete;
 
   int64_t vocab_size() const override { return model_.config().vocab_size; }
-  Expected<Tensor> forward(const model::ForwardBatch& batch) override { return run(batch, {}, nullptr); }
-  // The hidden states are the leader's (every rank holds the same residual
-  // stream), so the MTP drafter runs on the leader alone.
-  bool supports_hidden_states() const override { return true; }
-  Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
-                                       Tensor& hidden) override {
-    return run(batch, hidden_rows, &hidden);
-  }
   // The hook runs once every rank has written the layer (disaggregated prefill).
   bool supports_layer_hook() const override { return true; }
   void set_layer_hook(std::function<void(int layer)> hook) override { hook_ = std::move(hook); }
@@ -66,7 +76,8 @@ class LeaderRunner final : public ModelRunner {
   std::vector<const kv::KvCache*> rank_caches() const;
 
  private:
-  Expected<Tensor> run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows, Tensor* hidden);
+  Expected<Tensor> run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                       Tensor* hidden) override;
 
   const model::Qwen3MoeModel& model_;
   ThreadPool& pool_;
@@ -88,16 +99,10 @@ class LeaderRunner final : public ModelRunner {
 // nobody runs anything; the engines vote again within a millisecond. A rank
 // that stops votes "leave", and its peers fail at once (an instance with a
 // rank missing cannot run its experts).
-class LockstepRunner final : public ModelRunner {
+class LockstepRunner final : public RankRunner {
  public:
   LockstepRunner(const model::Qwen3MoeModel& model, ThreadPool& pool, const kv::KvCacheLayout& layout);
   int64_t vocab_size() const override { return model_.config().vocab_size; }
-  Expected<Tensor> forward(const model::ForwardBatch& batch) override { return run(batch, {}, nullptr); }
-  bool supports_hidden_states() const override { return true; }
-  Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
-                                       Tensor& hidden) override {
-    return run(batch, hidden_rows, &hidden);
-  }
   bool steps_in_lockstep() const override { return true; }
   Status idle_step() override;
   void leave() override;
@@ -106,7 +111,8 @@ class LockstepRunner final : public ModelRunner {
 
  private:
   Expected<bool> vote(float ballot);
-  Expected<Tensor> run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows, Tensor* hidden);
+  Expected<Tensor> run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                       Tensor* hidden) override;
 
   const model::Qwen3MoeModel& model_;
   ThreadPool& pool_;
