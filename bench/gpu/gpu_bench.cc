@@ -10,12 +10,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "bench/gpu/l2_bench.h"
 #include "core/cuda/device_buffer.h"
 #include "model/config.h"
 #include "model/cuda/cuda_model.h"
@@ -103,6 +105,31 @@ double copy_bandwidth_gbs() {
   return gbs;
 }
 
+DeviceTensor alloc(DType dtype, Shape shape) {
+  auto t = DeviceTensor::allocate(dtype, shape);
+  check(t.status());
+  return std::move(t).value();
+}
+
+// Random finite E4M3 weights: random bf16 rows quantized by the activation quantizer.
+DeviceTensor fp8_weights(int64_t rows, int64_t cols, uint64_t seed) {
+  DeviceTensor values = alloc(DType::kF8E4M3, {rows, cols});
+  DeviceTensor row_scales = alloc(DType::kF32, {rows, cols / 128});
+  DeviceTensor source = random_bf16({rows, cols}, seed, 0.02f);
+  check(k::quantize_fp8_groups({source.data_as<bf16>(), values.data_as<uint8_t>(), row_scales.data_as<float>(),
+                                static_cast<int>(rows), static_cast<int>(cols)}, nullptr), "quantize weights");
+  return values;
+}
+
+// 128 x 128 block scales of `experts` experts, small positive values.
+DeviceTensor block_scales(int64_t experts, int64_t block_rows, int64_t block_cols) {
+  std::vector<float> host(static_cast<size_t>(experts * block_rows * block_cols));
+  for (size_t i = 0; i < host.size(); ++i) host[i] = 1e-3f * (1.0f + static_cast<float>(i % 7));
+  auto t = DeviceTensor::upload(TensorView(host.data(), DType::kF32, {experts, block_rows, block_cols}));
+  check(t.status());
+  return std::move(t).value();
+}
+
 // MoE experts of one layer at decode sizes: permute, gate/up grouped GEMM with
 // SiLU-multiply, down grouped GEMM, weighted un-permute. Floor: every expert's
 // weights read once.
@@ -115,7 +142,6 @@ void bench_grouped_gemm(double copy_gbs) {
     std::vector<int32_t> ids(static_cast<size_t>(T) * topk);
     for (int i = 0; i < T * topk; ++i) ids[i] = i % E;  // every expert gets per_expert tokens
     DeviceTensor d_ids = device_ints(ids), x = random_bf16({T, H}, 13);
-    auto alloc = [&](DType dt, Shape s) { auto t = DeviceTensor::allocate(dt, s); check(t.status()); return std::move(t).value(); };
     DeviceTensor weights = alloc(DType::kF32, {T, topk}), offsets = alloc(DType::kI32, {E + 1}), tiles = alloc(DType::kI32, {E + 1});
     DeviceTensor sorted = alloc(DType::kI32, {T * topk}), row_of = alloc(DType::kI32, {T * topk});
     DeviceTensor act = alloc(DType::kBF16, {T * topk, I}), rows = alloc(DType::kF32, {T * topk, H}), out = alloc(DType::kF32, {T, H});
@@ -148,64 +174,149 @@ void bench_grouped_gemm(double copy_gbs) {
   }
 }
 
-// The same MoE layer with FP8 block-scaled experts (sm_90): activations
-// quantized per 1 x 128 on the GPU, E4M3 weights with 128 x 128 scales.
-// Floor: the FP8 weight bytes (plus their scales) read once.
+// The same MoE layer with FP8 experts (sm_90): block-scaled (activations
+// quantized per 1 x 128 on the GPU, E4M3 weights with 128 x 128 scales), then
+// MXFP8 (E8M0 scales per 1 x 32 on both). Floor: the FP8 weight bytes (plus
+// their scales) read once.
 void bench_fp8_grouped_gemm(double copy_gbs) {
   if (!k::hopper_kernels_available()) return;
   const int E = 128, H = 4096, I = 1536, topk = 8;
-  auto alloc = [&](DType dt, Shape s) { auto t = DeviceTensor::allocate(dt, s); check(t.status()); return std::move(t).value(); };
-  // Random finite E4M3 weights: random bf16 rows quantized by the activation quantizer.
-  auto fp8_weights = [&](int64_t rows, int64_t cols, uint64_t seed) {
-    DeviceTensor values = alloc(DType::kF8E4M3, {rows, cols});
-    DeviceTensor row_scales = alloc(DType::kF32, {rows, cols / 128});
-    DeviceTensor source = random_bf16({rows, cols}, seed, 0.02f);
-    check(k::quantize_fp8_groups({source.data_as<bf16>(), values.data_as<uint8_t>(), row_scales.data_as<float>(),
-                                  static_cast<int>(rows), static_cast<int>(cols)}, nullptr), "quantize weights");
-    return values;
-  };
-  auto block_scales = [&](int64_t block_rows, int64_t block_cols) {
-    std::vector<float> host(static_cast<size_t>(E * block_rows * block_cols));
-    for (size_t i = 0; i < host.size(); ++i) host[i] = 1e-3f * (1.0f + static_cast<float>(i % 7));
-    auto t = DeviceTensor::upload(TensorView(host.data(), DType::kF32, {E, block_rows, block_cols}));
+  DeviceTensor w13 = fp8_weights(int64_t{E} * 2 * I, H, 14), w2 = fp8_weights(int64_t{E} * H, I, 15);
+  DeviceTensor s13 = block_scales(E, 2 * I / 128, H / 128), s2 = block_scales(E, H / 128, I / 128);
+  // MXFP8: the same E4M3 weights with E8M0 scales per 1 x 32 (codes near 2^-7).
+  auto mx_scales = [&](int64_t rows, int64_t cols, uint8_t first) {
+    std::vector<uint8_t> host(static_cast<size_t>(rows * cols / 32));
+    for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>(first + i % 5);
+    auto t = DeviceTensor::upload(TensorView(host.data(), DType::kE8M0, {rows, cols / 32}));
     check(t.status());
     return std::move(t).value();
   };
-  DeviceTensor w13 = fp8_weights(int64_t{E} * 2 * I, H, 14), w2 = fp8_weights(int64_t{E} * H, I, 15);
-  DeviceTensor s13 = block_scales(2 * I / 128, H / 128), s2 = block_scales(H / 128, I / 128);
-  const double weight_bytes = 1.0 * E * 3.0 * H * I + s13.num_bytes() + s2.num_bytes();
-  for (int per_expert : {1, 8, 64}) {
-    const int T = per_expert * E / topk, pairs = T * topk;
-    std::vector<int32_t> ids(static_cast<size_t>(pairs));
-    for (int i = 0; i < pairs; ++i) ids[i] = i % E;
-    DeviceTensor d_ids = device_ints(ids), x = random_bf16({T, H}, 16);
-    DeviceTensor weights = alloc(DType::kF32, {T, topk}), offsets = alloc(DType::kI32, {E + 1}), tiles = alloc(DType::kI32, {E + 1});
-    DeviceTensor sorted = alloc(DType::kI32, {pairs}), row_of = alloc(DType::kI32, {pairs});
+  DeviceTensor mx13 = mx_scales(int64_t{E} * 2 * I, H, 118), mx2 = mx_scales(int64_t{E} * H, I, 119);
+  for (const bool mx : {false, true}) {
+    const double weight_bytes =
+        1.0 * E * 3.0 * H * I + (mx ? mx13.num_bytes() + mx2.num_bytes() : s13.num_bytes() + s2.num_bytes());
+    const int group = mx ? 32 : 128;
+    for (int per_expert : {1, 8, 64}) {
+      const int T = per_expert * E / topk, pairs = T * topk;
+      std::vector<int32_t> ids(static_cast<size_t>(pairs));
+      for (int i = 0; i < pairs; ++i) ids[i] = i % E;
+      DeviceTensor d_ids = device_ints(ids), x = random_bf16({T, H}, 16);
+      DeviceTensor weights = alloc(DType::kF32, {T, topk}), offsets = alloc(DType::kI32, {E + 1}), tiles = alloc(DType::kI32, {E + 1});
+      DeviceTensor sorted = alloc(DType::kI32, {pairs}), row_of = alloc(DType::kI32, {pairs});
+      DeviceTensor x_q = alloc(DType::kF8E4M3, {T, H}), x_s = alloc(DType::kF32, {T, H / group});
+      DeviceTensor act = alloc(DType::kBF16, {pairs, I}), act_q = alloc(DType::kF8E4M3, {pairs, I});
+      DeviceTensor act_s = alloc(DType::kF32, {pairs, I / group});
+      DeviceTensor rows = alloc(DType::kF32, {pairs, H}), out = alloc(DType::kF32, {T, H});
+      check(cudaMemset(weights.data(), 0, weights.num_bytes()), "memset");
+      const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
+      auto experts = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows_in, int K, const int32_t* gather,
+                         const DeviceTensor& w, const DeviceTensor& block, const DeviceTensor& mx_s, void* dst, int N,
+                         bool gate_up) {
+        if (mx) {
+          k::quantize_mxfp8({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows_in, K}, nullptr);
+          k::mxfp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather, w.data_as<uint8_t>(),
+                                 mx_s.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), dst, N, K,
+                                 E, max_tiles, gate_up}, nullptr);
+        } else {
+          k::quantize_fp8_groups({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows_in, K}, nullptr);
+          k::fp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<float>(), gather, w.data_as<uint8_t>(),
+                               block.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), dst, N, K, E,
+                               max_tiles, gate_up}, nullptr);
+        }
+      };
+      const double ms = time_ms([&] {
+        k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                        sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, nullptr);
+        experts(x, x_q, x_s, T, H, sorted.data_as<int32_t>(), w13, s13, mx13, act.data(), I, true);
+        experts(act, act_q, act_s, pairs, I, nullptr, w2, s2, mx2, rows.data(), H, false);
+        k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(), out.data_as<float>(),
+                          T, topk, H}, nullptr);
+      });
+      check(cudaGetLastError(), mx ? "mxfp8 grouped gemm" : "fp8 grouped gemm");
+      char shape[96], extra[96];
+      std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
+      std::snprintf(extra, sizeof extra, "%.0f GB/s of FP8 weights + scales", weight_bytes / (ms * 1e6));
+      report(mx ? "moe_experts_decode_mxfp8" : "moe_experts_decode_fp8", shape, ms, weight_bytes / (copy_gbs * 1e6), extra);
+    }
+  }
+}
+
+// The MoE expert GEMMs at prefill size: 6000 tokens x top-8 over 128 experts,
+// 375 rows each (gate/up then down; the permutation is made once, outside the
+// timing). Compute-bound: floor = FLOPs at 790 TFLOP/s (bf16 dense, measured
+// on H200 here) or 1580 (FP8, twice that). Both row tilings run: the decode
+// kernels' 64 rows and the prefill kernels' 128.
+void bench_prefill_grouped_gemm() {
+  if (!k::hopper_kernels_available()) return;
+  const int E = 128, H = 4096, I = 1536, topk = 8, per_expert = 375;
+  const int T = per_expert * E / topk, pairs = T * topk;
+  const double flops = 2.0 * pairs * 3.0 * H * I;
+  // The L2 traffic of the 128-row kernels: every item reads its A rows and weight rows over K.
+  const double l2_gbs = l2_read_bandwidth_gbs();
+  std::printf("L2 read bandwidth: %.0f GB/s\n", l2_gbs);
+  if (json_out) std::fprintf(json_out, "{\"bench\":\"l2_read\",\"gbs\":%.1f}\n", l2_gbs);
+  std::vector<int32_t> ids(static_cast<size_t>(pairs));
+  for (int i = 0; i < pairs; ++i) ids[i] = i % E;
+  DeviceTensor d_ids = device_ints(ids), x = random_bf16({T, H}, 31);
+  DeviceTensor offsets = alloc(DType::kI32, {E + 1}), tiles = alloc(DType::kI32, {E + 1});
+  DeviceTensor sorted = alloc(DType::kI32, {pairs}), row_of = alloc(DType::kI32, {pairs});
+  DeviceTensor act = random_bf16({pairs, I}, 32), rows = alloc(DType::kF32, {pairs, H});
+  auto permute = [&](int tile_rows) {
+    check(k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                          sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, tile_rows}, nullptr),
+          "permute");
+    return (pairs + tile_rows - 1) / tile_rows + E;
+  };
+  char shape[64];
+  std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
+  {
+    DeviceTensor w13 = random_bf16({E, 2 * I, H}, 33, 0.02f), w2 = random_bf16({E, H, I}, 34, 0.02f);
+    using Gemm = cudaError_t (*)(const k::GroupedGemmParams&, cudaStream_t);
+    auto time_gemms = [&](Gemm gemm, int tile_rows) {
+      const int max_tiles = permute(tile_rows);
+      const double ms = time_ms([&] {
+        gemm({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
+              tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, nullptr);
+        gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+              rows.data(), H, I, E, max_tiles, false}, nullptr);
+      });
+      check(cudaGetLastError(), "grouped gemm");
+      return ms;
+    };
+    const double decode_ms = time_gemms(k::wgmma_grouped_gemm, k::kGroupedGemmTileRows);
+    const double ms = time_gemms(k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows);
+    char extra[128];
+    std::snprintf(extra, sizeof extra, "%.1f TFLOP/s, 128-row tiles (64-row decode kernel: %.3f ms, %.1f TFLOP/s)",
+                  flops / (ms * 1e9), decode_ms, flops / (decode_ms * 1e9));
+    report("moe_gemms_prefill", shape, ms, flops / 790e9, extra);
+  }
+  {
+    DeviceTensor w13 = fp8_weights(int64_t{E} * 2 * I, H, 35), w2 = fp8_weights(int64_t{E} * H, I, 36);
+    DeviceTensor s13 = block_scales(E, 2 * I / 128, H / 128), s2 = block_scales(E, H / 128, I / 128);
     DeviceTensor x_q = alloc(DType::kF8E4M3, {T, H}), x_s = alloc(DType::kF32, {T, H / 128});
-    DeviceTensor act = alloc(DType::kBF16, {pairs, I}), act_q = alloc(DType::kF8E4M3, {pairs, I});
-    DeviceTensor act_s = alloc(DType::kF32, {pairs, I / 128});
-    DeviceTensor rows = alloc(DType::kF32, {pairs, H}), out = alloc(DType::kF32, {T, H});
-    check(cudaMemset(weights.data(), 0, weights.num_bytes()), "memset");
-    const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
-    const double ms = time_ms([&] {
-      k::quantize_fp8_groups({x.data_as<bf16>(), x_q.data_as<uint8_t>(), x_s.data_as<float>(), T, H}, nullptr);
-      k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-                      sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, nullptr);
-      k::fp8_grouped_gemm({x_q.data_as<uint8_t>(), x_s.data_as<float>(), sorted.data_as<int32_t>(), w13.data_as<uint8_t>(),
-                           s13.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), act.data(), I, H,
-                           E, max_tiles, true}, nullptr);
-      k::quantize_fp8_groups({act.data_as<bf16>(), act_q.data_as<uint8_t>(), act_s.data_as<float>(), pairs, I}, nullptr);
-      k::fp8_grouped_gemm({act_q.data_as<uint8_t>(), act_s.data_as<float>(), nullptr, w2.data_as<uint8_t>(),
-                           s2.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(), H, I,
-                           E, max_tiles, false}, nullptr);
-      k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(), out.data_as<float>(),
-                        T, topk, H}, nullptr);
-    });
-    check(cudaGetLastError(), "fp8 grouped gemm");
-    char shape[96], extra[96];
-    std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
-    std::snprintf(extra, sizeof extra, "%.0f GB/s of FP8 weights + scales", weight_bytes / (ms * 1e6));
-    report("moe_experts_decode_fp8", shape, ms, weight_bytes / (copy_gbs * 1e6), extra);
+    DeviceTensor act_q = alloc(DType::kF8E4M3, {pairs, I}), act_s = alloc(DType::kF32, {pairs, I / 128});
+    check(k::quantize_fp8_groups({x.data_as<bf16>(), x_q.data_as<uint8_t>(), x_s.data_as<float>(), T, H}, nullptr), "q");
+    check(k::quantize_fp8_groups({act.data_as<bf16>(), act_q.data_as<uint8_t>(), act_s.data_as<float>(), pairs, I},
+                                 nullptr), "q");
+    using Gemm = cudaError_t (*)(const k::Fp8GroupedGemmParams&, cudaStream_t);
+    auto time_gemms = [&](Gemm gemm, int tile_rows) {
+      const int max_tiles = permute(tile_rows);
+      const double ms = time_ms([&] {
+        gemm({x_q.data_as<uint8_t>(), x_s.data_as<float>(), sorted.data_as<int32_t>(), w13.data_as<uint8_t>(),
+              s13.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), act.data(), I, H, E,
+              max_tiles, true}, nullptr);
+        gemm({act_q.data_as<uint8_t>(), act_s.data_as<float>(), nullptr, w2.data_as<uint8_t>(), s2.data_as<float>(),
+              offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false}, nullptr);
+      });
+      check(cudaGetLastError(), "fp8 grouped gemm");
+      return ms;
+    };
+    const double decode_ms = time_gemms(k::fp8_grouped_gemm, k::kGroupedGemmTileRows);
+    const double ms = time_gemms(k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows);
+    char extra[128];
+    std::snprintf(extra, sizeof extra, "%.1f TFLOP/s, 128-row tiles (64-row decode kernel: %.3f ms, %.1f TFLOP/s)",
+                  flops / (ms * 1e9), decode_ms, flops / (decode_ms * 1e9));
+    report("moe_gemms_prefill_fp8", shape, ms, flops / 1580e9, extra);
   }
 }
 
@@ -340,13 +451,82 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
   }
 }
 
+// Speculative verification on dummy Qwen3-235B layers (issue 10): one step
+// that verifies k drafts per sequence (k + 1 query tokens each, logits at
+// every row, eager: the CUDA graphs cover one token per sequence) against a
+// plain decode step of the same batch (CUDA graph), context 2048. With
+// per-draft acceptance a, a verification emits (1 - a^(k+1)) / (1 - a)
+// tokens on average; the break-even a is where that equals the time ratio
+// (the MTP drafter's own k passes not counted: about one layer each).
+void bench_verify(const std::string& config_path, int num_layers) {
+  std::ifstream in(config_path);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  auto config = model::parse_model_config(text);
+  check(config.status());
+  config->num_layers = num_layers;
+  const int context = 2048, page = 16, max_k = 4;
+  for (int batch : {32, 64, 128, 256}) {
+    model::CudaModelOptions options;
+    options.page_size = page;
+    options.num_pages = batch * (context / page + 1);
+    options.max_num_tokens = batch * (max_k + 1);
+    options.max_num_seqs = batch;
+    options.use_cuda_graphs = true;
+    auto m = model::CudaQwen3MoeModel::create_dummy(*config, 1, options);
+    check(m.status());
+    check((*m)->fill_kv_random(5));
+    auto step_of = [&](int k) {
+      model::ForwardBatch step;
+      step.max_pages_per_seq = context / page + 1;
+      step.query_start.push_back(0);
+      for (int b = 0; b < batch; ++b) {
+        for (int j = 0; j <= k; ++j) {
+          step.logits_rows.push_back(static_cast<int32_t>(step.token_ids.size()));
+          step.token_ids.push_back(1000 + b + 7 * j);
+          step.positions.push_back(context - 1 - k + j);
+        }
+        step.query_start.push_back(static_cast<int32_t>(step.token_ids.size()));
+        for (int p = 0; p < step.max_pages_per_seq; ++p) step.page_table.push_back(b * step.max_pages_per_seq + p);
+      }
+      return step;
+    };
+    auto median_step_ms = [&](const model::ForwardBatch& step) {
+      std::vector<double> ms;
+      for (int i = 0; i < 10; ++i) {
+        check(cudaDeviceSynchronize(), "sync");
+        const auto start = std::chrono::steady_clock::now();
+        check((*m)->forward_greedy(step).status());
+        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      }
+      std::sort(ms.begin() + 2, ms.end());  // the first two capture the graph / warm up
+      return ms[2 + (ms.size() - 2) / 2];
+    };
+    const double plain_ms = median_step_ms(step_of(0));
+    for (int k = 1; k <= max_k; ++k) {
+      const double ms = median_step_ms(step_of(k));
+      const double ratio = ms / plain_ms;
+      double lo = 0, hi = 1;  // break-even acceptance: (1 - a^(k+1)) / (1 - a) = ratio
+      for (int it = 0; it < 60; ++it) {
+        const double a = (lo + hi) / 2, emitted = a == 1 ? k + 1 : (1 - std::pow(a, k + 1)) / (1 - a);
+        (emitted < ratio ? lo : hi) = a;
+      }
+      char shape[96], extra[160];
+      std::snprintf(shape, sizeof shape, "%d layers, batch %d, k=%d, ctx %d", num_layers, batch, k, context);
+      std::snprintf(extra, sizeof extra, "%.2fx a plain step (%.3f ms, graph); break-even acceptance %s",
+                    ratio, plain_ms, ratio > k + 1 ? "none (slower than k + 1 plain steps)" :
+                    (std::to_string(static_cast<int>(100 * lo + 0.5)) + "%").c_str());
+      report("verify_step", shape, ms, plain_ms, extra);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moe
 
 int main(int argc, char** argv) {
   std::string json_path, config_path = "tests/data/configs/qwen3-235b-a22b.config.json";
   int layers = 4;
-  std::string only;  // run one section: copy, moe, decode_attention, prefill_attention, model
+  std::string only;  // sections to run (comma-separated): moe, moe_fp8, moe_prefill, decode_attention, prefill_attention, model, model_fp8, verify
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) json_path = argv[++i];
@@ -359,14 +539,17 @@ int main(int argc, char** argv) {
   cudaGetDeviceProperties(&prop, 0);
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   const double copy_gbs = moe::copy_bandwidth_gbs();
-  auto wanted = [&](const char* name) { return only.empty() || only == name; };
+  // --only a,b,c: those sections.
+  auto wanted = [&](const char* name) { return only.empty() || ("," + only + ",").find("," + std::string(name) + ",") != std::string::npos; };
   if (wanted("moe")) moe::bench_grouped_gemm(copy_gbs);
   if (wanted("moe") || wanted("moe_fp8")) moe::bench_fp8_grouped_gemm(copy_gbs);
+  if (wanted("moe") || wanted("moe_prefill")) moe::bench_prefill_grouped_gemm();
   if (wanted("decode_attention")) moe::bench_decode_attention(copy_gbs);
   if (wanted("prefill_attention")) moe::bench_prefill_attention();
   if (wanted("model")) moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kNone);
   if ((wanted("model") || wanted("model_fp8")) && moe::ops::cuda::hopper_kernels_available())
     moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kFp8Block);
+  if (wanted("verify")) moe::bench_verify(config_path, layers);
   if (moe::json_out) std::fclose(moe::json_out);
   return 0;
 }

@@ -3,6 +3,9 @@
 torch._grouped_mm for the MoE expert GEMMs at decode sizes (gate/up then down,
 bf16), scaled_dot_product_attention (flash) for the 6k causal prefill, and SDPA
 over contiguous KV for decode attention (a bandwidth peer; it has no paging).
+At prefill size (375 rows per expert): torch._grouped_mm, and cuBLAS dense GEMMs
+of the same FLOPs (torch.mm in bf16, torch._scaled_mm in FP8 with per-row and
+per-column scales) as the compute peers of the grouped kernels.
 Prints one line per result and writes JSON lines to the path in argv[1].
 """
 import json
@@ -51,6 +54,44 @@ def main():
             results.append({"bench": "torch_grouped_mm", "shape": f"{per_expert} tok/expert", "ms": ms})
         except Exception as e:  # noqa: BLE001 - report and continue
             results.append({"bench": "torch_grouped_mm", "shape": f"{per_expert} tok/expert", "error": str(e)[:200]})
+    # Prefill size: 48000 rows (6000 tokens x top-8), 375 per expert.
+    per_expert = 375
+    m = per_expert * E
+    flops = 2.0 * m * 3 * H * I
+    x = torch.randn(m, H, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(m, I, device=dev, dtype=torch.bfloat16)
+    offs = torch.arange(per_expert, m + 1, per_expert, device=dev, dtype=torch.int32)
+    def grouped():
+        torch._grouped_mm(x, w13, offs=offs)
+        torch._grouped_mm(a, w2, offs=offs)
+    dense13 = w13[0].t().contiguous()  # [2I, H]: one expert's weights, as a dense GEMM of all rows
+    dense2 = w2[0].t().contiguous()    # [H, I]
+    def dense():
+        torch.mm(x, dense13.t())
+        torch.mm(a, dense2.t())
+    for name, fn in [("torch_grouped_mm_prefill", grouped), ("cublas_dense_bf16", dense)]:
+        try:
+            ms = median_ms(fn)
+            results.append({"bench": name, "shape": f"{per_expert} tok/expert", "ms": ms,
+                            "tflops": flops / (ms * 1e9)})
+        except Exception as e:  # noqa: BLE001 - report and continue
+            results.append({"bench": name, "shape": f"{per_expert} tok/expert", "error": str(e)[:200]})
+    try:
+        f8 = torch.float8_e4m3fn
+        x8, a8 = x.to(f8), a.to(f8)
+        w13_8, w2_8 = dense13.to(f8), dense2.to(f8)
+        sx = torch.ones(m, 1, device=dev, dtype=torch.float32)
+        s13 = torch.ones(1, 2 * I, device=dev, dtype=torch.float32)
+        s2 = torch.ones(1, H, device=dev, dtype=torch.float32)
+        def dense_fp8():
+            torch._scaled_mm(x8, w13_8.t(), scale_a=sx, scale_b=s13, out_dtype=torch.bfloat16)
+            torch._scaled_mm(a8, w2_8.t(), scale_a=sx, scale_b=s2, out_dtype=torch.bfloat16)
+        ms = median_ms(dense_fp8)
+        results.append({"bench": "cublas_dense_fp8_rowwise", "shape": f"{per_expert} tok/expert", "ms": ms,
+                        "tflops": flops / (ms * 1e9)})
+    except Exception as e:  # noqa: BLE001
+        results.append({"bench": "cublas_dense_fp8_rowwise", "shape": f"{per_expert} tok/expert", "error": str(e)[:200]})
+    del x, a
     T, Hq, Hkv, D = 6144, 64, 4, 128
     q = torch.randn(1, Hq, T, D, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, Hkv, T, D, device=dev, dtype=torch.bfloat16)

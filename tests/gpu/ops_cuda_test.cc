@@ -237,7 +237,8 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
 TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
   struct Case { int tokens, hidden, inter, experts, topk; bool renormalize; };
   for (const Case& c : {Case{13, 64, 32, 8, 2, true}, Case{5, 64, 48, 6, 3, false}, Case{16, 4096, 1536, 128, 8, true},
-                        Case{300, 256, 64, 16, 4, true}, Case{70, 328, 200, 12, 3, true}}) {
+                        Case{300, 256, 64, 16, 4, true}, Case{70, 328, 200, 12, 3, true},
+                        Case{700, 520, 392, 8, 4, true}}) {
     Host x = random_bf16({c.tokens, c.hidden}, rng_);
     Host logits = random_bf16({c.tokens, c.experts}, rng_, 3.0f);
     const float w_scale = 1.0f / std::sqrt(static_cast<float>(c.hidden));
@@ -256,17 +257,22 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
     std::vector<uint8_t> got_ids = d_ids.download();
     EXPECT_EQ(std::memcmp(got_ids.data(), ids.data(), pairs * 4), 0) << "expert ids, " << c.experts << " experts";
     EXPECT_LT(scaled_error(as_floats(d_weights.download(), DType::kF32), weights.data_as<float>(), pairs), 1e-5);
-    Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
-    Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
-    ASSERT_EQ(k::moe_permute({d_ids.get<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), sorted.get<int32_t>(),
-                              row_of.get<int32_t>(), c.tokens, c.topk, c.experts, k::kGroupedGemmTileRows}, nullptr),
-              cudaSuccess);
-    const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + c.experts;
-    // Both grouped GEMM kernels: WMMA everywhere, wgmma + TMA on sm_90.
+    // Every grouped GEMM kernel: WMMA everywhere; on sm_90 the wgmma + TMA one
+    // and the prefill one (128-row tiles, so its own permutation).
     using Gemm = cudaError_t (*)(const k::GroupedGemmParams&, cudaStream_t);
-    std::vector<std::pair<const char*, Gemm>> gemms = {{"WMMA", k::mma_grouped_gemm}};
-    if (k::hopper_kernels_available()) gemms.emplace_back("wgmma", k::wgmma_grouped_gemm);
-    for (const auto& [name, gemm] : gemms) {
+    struct Kernel { const char* name; Gemm gemm; int tile_rows; };
+    std::vector<Kernel> gemms = {{"WMMA", k::mma_grouped_gemm, k::kGroupedGemmTileRows}};
+    if (k::hopper_kernels_available()) {
+      gemms.push_back({"wgmma", k::wgmma_grouped_gemm, k::kGroupedGemmTileRows});
+      gemms.push_back({"wgmma prefill", k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows});
+    }
+    for (const auto& [name, gemm, tile_rows] : gemms) {
+      Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
+      Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
+      ASSERT_EQ(k::moe_permute({d_ids.get<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), sorted.get<int32_t>(),
+                                row_of.get<int32_t>(), c.tokens, c.topk, c.experts, tile_rows}, nullptr),
+                cudaSuccess);
+      const int max_tiles = (pairs + tile_rows - 1) / tile_rows + c.experts;
       Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
       Output rows = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(float));
       Output out = Output::make(static_cast<size_t>(c.tokens) * c.hidden * sizeof(float));
@@ -293,7 +299,8 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
 TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
   if (!k::hopper_kernels_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs an sm_90 device";
   struct Case { int tokens, hidden, inter, experts, topk; };
-  for (const Case& c : {Case{16, 4096, 1536, 8, 4}, Case{300, 256, 128, 16, 4}, Case{37, 384, 192, 6, 2}}) {
+  for (const Case& c : {Case{16, 4096, 1536, 8, 4}, Case{300, 256, 128, 16, 4}, Case{37, 384, 192, 6, 2},
+                        Case{640, 512, 384, 8, 4}}) {
     Host x = random_bf16({c.tokens, c.hidden}, rng_);
     Host logits = random_bf16({c.tokens, c.experts}, rng_, 3.0f);
     // Quantized expert weights (fp8-block; w13's gate and up halves have their own block rows).
@@ -321,33 +328,123 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
     DeviceTensor d_w13 = upload(q13.values), d_s13 = upload(q13.scales), d_w2 = upload(q2.values), d_s2 = upload(q2.scales);
     const int hidden_groups = (c.hidden + 127) / 128, inter_groups = (c.inter + 127) / 128;
     Output x_q = Output::make(static_cast<size_t>(c.tokens) * c.hidden), x_s = Output::make(c.tokens * hidden_groups * 4);
+    using Gemm = cudaError_t (*)(const k::Fp8GroupedGemmParams&, cudaStream_t);
+    struct Kernel { const char* name; Gemm gemm; int tile_rows; };
+    for (const auto& [name, gemm, tile_rows] : {Kernel{"fp8", k::fp8_grouped_gemm, k::kGroupedGemmTileRows},
+                                                Kernel{"fp8 prefill", k::fp8_grouped_gemm_prefill,
+                                                       k::kPrefillGemmTileRows}}) {
+      Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
+      Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
+      Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
+      Output act_q = Output::make(static_cast<size_t>(pairs) * c.inter), act_s = Output::make(pairs * inter_groups * 4);
+      Output rows = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(float));
+      Output out = Output::make(static_cast<size_t>(c.tokens) * c.hidden * sizeof(float));
+      const int max_tiles = (pairs + tile_rows - 1) / tile_rows + c.experts;
+      ASSERT_EQ(k::quantize_fp8_groups({d_x.data_as<bf16>(), x_q.get<uint8_t>(), x_s.get<float>(), c.tokens, c.hidden},
+                                       nullptr), cudaSuccess);
+      ASSERT_EQ(k::moe_permute({d_ids.data_as<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), sorted.get<int32_t>(),
+                                row_of.get<int32_t>(), c.tokens, c.topk, c.experts, tile_rows}, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(gemm({x_q.get<uint8_t>(), x_s.get<float>(), sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
+                                     d_s13.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), act.get<void>(),
+                                     c.inter, c.hidden, c.experts, max_tiles, true}, nullptr), cudaSuccess);
+      ASSERT_EQ(k::quantize_fp8_groups({act.get<bf16>(), act_q.get<uint8_t>(), act_s.get<float>(), pairs, c.inter}, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(gemm({act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
+                                     d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(),
+                                     c.hidden, c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess);
+      ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.data_as<float>(), out.get<float>(),
+                                  c.tokens, c.topk, c.hidden}, nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
+      x_q.download();
+      act_q.download();
+      EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 3e-2)
+          << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden << ", inter " << c.inter;
+    }
+  }
+}
+
+// The MXFP8 activation quantizer writes the bytes the CPU quantizer writes
+// for the same matrix (E4M3 values, E8M0 scales per 1 x 32, the OCP rule),
+// zero groups and a partial last group included.
+TEST_F(CudaOps, QuantizeMxfp8MatchesTheCpuQuantizer) {
+  const int rows = 37, cols = 328;  // 10 full groups and one of 8
+  Host x = random_bf16({rows, cols}, rng_, 3.0f);
+  for (int c = 32; c < 64; ++c) x.f32.data_as<float>()[c] = 0.0f, x.bf16.data_as<uint16_t>()[c] = 0;  // an all-zero group
+  for (int c = 0; c < cols; ++c) {  // a row of tiny values: scales far below 1
+    x.f32.data_as<float>()[cols + c] = bf16_to_float(float_to_bf16(1e-30f * (1 + c % 5)));
+    x.bf16.data_as<uint16_t>()[cols + c] = float_to_bf16(x.f32.data_as<float>()[cols + c]);
+  }
+  const int groups = (cols + 31) / 32;
+  Tensor values(DType::kF8E4M3, {rows, cols}), scales(DType::kE8M0, {rows, groups});
+  quantize_matrix(x.f32.data_as<float>(), QuantizedTensor{QuantFormat::kMxfp8, values.view(), scales.view(), TensorView(), 0});
+  DeviceTensor d_x = upload(x.bf16);
+  Output out = Output::make(static_cast<size_t>(rows) * cols), out_scales = Output::make(static_cast<size_t>(rows) * groups);
+  ASSERT_EQ(k::quantize_mxfp8({d_x.data_as<bf16>(), out.get<uint8_t>(), out_scales.get<uint8_t>(), rows, cols}, nullptr),
+            cudaSuccess);
+  const std::vector<uint8_t> got = out.download(), got_scales = out_scales.download();
+  EXPECT_EQ(std::memcmp(got_scales.data(), scales.data(), got_scales.size()), 0) << "E8M0 scales";
+  EXPECT_EQ(std::memcmp(got.data(), values.data(), got.size()), 0) << "E4M3 values";
+}
+
+// MXFP8 experts (weights and activations per 1 x 32, E8M0 scales) against the
+// CPU's quantized MoE. Hopper has no MXFP8 MMA; the kernel promotes every
+// 32-wide slice itself.
+TEST_F(CudaOps, Mxfp8GroupedGemmMatchesTheCpuQuantizedMoe) {
+  if (!k::hopper_kernels_available()) GTEST_SKIP() << "the MXFP8 grouped GEMM needs an sm_90 device";
+  struct Case { int tokens, hidden, inter, experts, topk; };
+  for (const Case& c : {Case{16, 4096, 1536, 8, 4}, Case{300, 256, 128, 16, 4}, Case{37, 384, 640, 6, 2}}) {
+    Host x = random_bf16({c.tokens, c.hidden}, rng_);
+    Host logits = random_bf16({c.tokens, c.experts}, rng_, 3.0f);
+    auto quantized = [&](int64_t rows, int64_t cols, float scale) {
+      struct Q { Tensor values, scales; QuantizedTensor view; };
+      Q q;
+      q.values = Tensor(DType::kF8E4M3, {int64_t{c.experts}, rows, cols});
+      q.scales = Tensor(DType::kE8M0, {int64_t{c.experts}, rows, cols / 32});
+      q.view = QuantizedTensor{QuantFormat::kMxfp8, q.values.view(), q.scales.view(), TensorView(), 0};
+      for (int e = 0; e < c.experts; ++e) {
+        Host w = random_bf16({rows, cols}, rng_, scale);
+        quantize_matrix(w.f32.data_as<float>(), q.view.slice0(e));
+      }
+      return q;
+    };
+    auto q13 = quantized(2 * c.inter, c.hidden, 1.0f / std::sqrt(static_cast<float>(c.hidden)));
+    auto q2 = quantized(c.hidden, c.inter, 1.0f / std::sqrt(static_cast<float>(c.inter)));
+    Tensor ids(DType::kI32, {c.tokens, c.topk}), weights(DType::kF32, {c.tokens, c.topk}), ref(DType::kF32, {c.tokens, c.hidden});
+    cpu::route_topk(pool_, logits.f32, c.topk, true, ids, weights);
+    cpu::moe_experts(pool_, x.f32, ids, weights, q13.view, q2.view, ref);
+
+    const int pairs = c.tokens * c.topk;
+    DeviceTensor d_x = upload(x.bf16), d_ids = upload(ids), d_weights = upload(weights);
+    DeviceTensor d_w13 = upload(q13.values), d_s13 = upload(q13.scales), d_w2 = upload(q2.values), d_s2 = upload(q2.scales);
+    Output x_q = Output::make(static_cast<size_t>(c.tokens) * c.hidden), x_s = Output::make(c.tokens * c.hidden / 32);
     Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
     Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
     Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
-    Output act_q = Output::make(static_cast<size_t>(pairs) * c.inter), act_s = Output::make(pairs * inter_groups * 4);
+    Output act_q = Output::make(static_cast<size_t>(pairs) * c.inter), act_s = Output::make(pairs * c.inter / 32);
     Output rows = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(float));
     Output out = Output::make(static_cast<size_t>(c.tokens) * c.hidden * sizeof(float));
     const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + c.experts;
-    ASSERT_EQ(k::quantize_fp8_groups({d_x.data_as<bf16>(), x_q.get<uint8_t>(), x_s.get<float>(), c.tokens, c.hidden},
-                                     nullptr), cudaSuccess);
+    ASSERT_EQ(k::quantize_mxfp8({d_x.data_as<bf16>(), x_q.get<uint8_t>(), x_s.get<uint8_t>(), c.tokens, c.hidden}, nullptr),
+              cudaSuccess);
     ASSERT_EQ(k::moe_permute({d_ids.data_as<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), sorted.get<int32_t>(),
                               row_of.get<int32_t>(), c.tokens, c.topk, c.experts, k::kGroupedGemmTileRows}, nullptr),
               cudaSuccess);
-    ASSERT_EQ(k::fp8_grouped_gemm({x_q.get<uint8_t>(), x_s.get<float>(), sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
-                                   d_s13.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), act.get<void>(),
-                                   c.inter, c.hidden, c.experts, max_tiles, true}, nullptr), cudaSuccess);
-    ASSERT_EQ(k::quantize_fp8_groups({act.get<bf16>(), act_q.get<uint8_t>(), act_s.get<float>(), pairs, c.inter}, nullptr),
+    ASSERT_EQ(k::mxfp8_grouped_gemm({x_q.get<uint8_t>(), x_s.get<uint8_t>(), sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
+                                     d_s13.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), act.get<void>(),
+                                     c.inter, c.hidden, c.experts, max_tiles, true}, nullptr), cudaSuccess);
+    ASSERT_EQ(k::quantize_mxfp8({act.get<bf16>(), act_q.get<uint8_t>(), act_s.get<uint8_t>(), pairs, c.inter}, nullptr),
               cudaSuccess);
-    ASSERT_EQ(k::fp8_grouped_gemm({act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
-                                   d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(),
-                                   c.hidden, c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess);
+    ASSERT_EQ(k::mxfp8_grouped_gemm({act_q.get<uint8_t>(), act_s.get<uint8_t>(), nullptr, d_w2.data_as<uint8_t>(),
+                                     d_s2.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(),
+                                     c.hidden, c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess);
     ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.data_as<float>(), out.get<float>(),
                                 c.tokens, c.topk, c.hidden}, nullptr), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     x_q.download();
     act_q.download();
     EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 3e-2)
-        << "fp8: " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden << ", inter " << c.inter;
+        << "mxfp8: " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden << ", inter " << c.inter;
   }
 }
 

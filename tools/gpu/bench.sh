@@ -7,5 +7,5 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}
 BIN=${BIN:-build-gpu/bin}
 mkdir -p "$OUT"
-"$BIN/gpu_bench" --json "$OUT/gpu_bench.jsonl" --layers "${LAYERS:-4}" 2>&1 | tee "$OUT/gpu_bench.log"
+"$BIN/gpu_bench" --json "$OUT/gpu_bench.jsonl" --layers "${LAYERS:-4}" ${BENCH_ONLY:+--only "$BENCH_ONLY"} 2>&1 | tee "$OUT/gpu_bench.log"
 python3 bench/gpu/peer_bench.py "$OUT/peer_bench.jsonl" 2>&1 | tee "$OUT/peer_bench.log"

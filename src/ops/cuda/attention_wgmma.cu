@@ -326,6 +326,16 @@ bool hopper_kernels_available() {
   return available;
 }
 
+int multiprocessor_count() {
+  static const int count = [] {
+    int device = 0, n = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    return n;
+  }();
+  return count;
+}
+
 int wgmma_prefill_group_tokens(int num_q_heads, int num_kv_heads) { return kRows / (num_q_heads / num_kv_heads); }
 
 cudaError_t wgmma_prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
@@ -334,12 +344,7 @@ cudaError_t wgmma_prefill_attention(const PagedAttentionParams& p, const int32_t
   if (num_groups == 0) return cudaSuccess;
   cudaError_t error = cudaFuncSetAttribute(wgmma_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (error != cudaSuccess) return error;
-  static const int num_sms = [] {
-    int device = 0, count = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-    return count;
-  }();
+  const int num_sms = multiprocessor_count();
   const int num_tiles = num_groups * p.num_kv_heads;
   wgmma_prefill_kernel<<<std::min(num_tiles, num_sms), kThreads, kSmemBytes, stream>>>(
       WgmmaPrefillParams{p, group_start, num_groups, wgmma_prefill_group_tokens(p.num_q_heads, p.num_kv_heads)});

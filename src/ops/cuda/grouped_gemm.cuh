@@ -1,7 +1,7 @@
 // Work items of the persistent grouped GEMM kernels (grouped_gemm_wgmma.cu,
-// grouped_gemm_fp8.cu): item i is row tile i / num_n_tiles (up to
-// kGroupedGemmTileRows permuted rows of one expert) and column tile
-// i % num_n_tiles.
+// grouped_gemm_fp8.cu, grouped_gemm_prefill.cu): item i is row tile
+// i / num_n_tiles (up to kTileRows permuted rows of one expert, the tile_rows
+// moe_permute counted tile_offsets with) and column tile i % num_n_tiles.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +16,7 @@ struct GemmItem {
 };
 
 // The row tile's expert is the last e with tile_offsets[e] <= tile.
+template <int kTileRows = kGroupedGemmTileRows>
 __device__ __forceinline__ GemmItem grouped_gemm_item(const int32_t* expert_offsets, const int32_t* tile_offsets,
                                                       int num_experts, int index, int num_n_tiles,
                                                       int columns_per_tile) {
@@ -27,8 +28,8 @@ __device__ __forceinline__ GemmItem grouped_gemm_item(const int32_t* expert_offs
   }
   GemmItem item;
   item.expert = lo;
-  item.row0 = expert_offsets[lo] + (tile - tile_offsets[lo]) * kGroupedGemmTileRows;
-  item.rows = min(kGroupedGemmTileRows, expert_offsets[lo + 1] - item.row0);
+  item.row0 = expert_offsets[lo] + (tile - tile_offsets[lo]) * kTileRows;
+  item.rows = min(kTileRows, expert_offsets[lo + 1] - item.row0);
   item.n0 = (index % num_n_tiles) * columns_per_tile;
   return item;
 }

@@ -1,5 +1,5 @@
-// The MoE grouped GEMM with FP8 block scaling on Hopper (wgmma e4m3), and
-// the activation quantizer it reads.
+// The MoE grouped GEMMs with FP8 weights on Hopper (wgmma e4m3) -- block
+// scaling (fp8-block) and MXFP8 -- and the activation quantizers they read.
 //
 // Format (ops/quant.h, fp8-block): weights E4M3 with one f32 multiplier per
 // 128 x 128 block, activations E4M3 with one f32 multiplier per row and 128
@@ -19,8 +19,16 @@
 // of its MMAs is in flight). Per stage the producer also copies the tile's 64
 // activation scales and the weight scales into shared memory.
 //
+// MXFP8 (OCP MX: one E8M0 scale per 1 x 32 for weights and activations)
+// has no block-scaled MMA on Hopper, so the same kernel runs each 32-wide K
+// slice through wgmma on its own and promotes it with its activation scale
+// times a per-column weight scale: four promotions per stage instead of one,
+// each waiting for its MMA. Its cost against fp8-block is measured in
+// gpu_bench; on Blackwell tcgen05's block-scaled MMA applies the scales in
+// hardware (not written yet).
+//
 // Floor: FP8 halves the weight bytes: 2.4 GB per Qwen3-235B MoE layer, 0.57 ms
-// at 4.27 TB/s.
+// at 4.27 TB/s (MXFP8's scales add 1/32 of that).
 #include <algorithm>
 #include <cstdint>
 #include <cuda_fp8.h>
@@ -35,34 +43,57 @@ namespace {
 
 constexpr int kM = kGroupedGemmTileRows, kWeightRows = 256, kKStep = 128, kStages = 5;
 constexpr int kThreads = 384;  // warpgroup 0: the producer (warp 0); warpgroups 1, 2: the consumers
-constexpr int kABytes = kM * 128, kBBytes = kWeightRows * 128, kScaleBytes = 1024;  // scales: 64 + 4 floats, padded
-constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes;
-constexpr int kBarrierBase = kStages * kStageBytes;
-constexpr int kSmemBytes = kBarrierBase + 2 * kStages * 8 + 1024;  // + alignment slack
-constexpr int kGroup = 128;  // quantization group along K
+constexpr int kABytes = kM * 128, kBBytes = kWeightRows * 128;
+// Scales per stage: fp8-block 64 activation + 4 weight floats; MXFP8 4 E8M0
+// bytes (the stage's 128 columns) per activation row, then per weight row.
+template <bool kMx>
+constexpr int kScaleBytes = kMx ? 2048 : 1024;
+constexpr int kMxActivationScaleBytes = kM * 4;
+template <bool kMx>
+constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes<kMx>;
+template <bool kMx>
+constexpr int kBarrierBase = kStages * kStageBytes<kMx>;
+template <bool kMx>
+constexpr int kSmemBytes = kBarrierBase<kMx> + 2 * kStages * 8 + 1024;  // + alignment slack
+constexpr int kGroup = 128;  // fp8-block quantization group along K
+constexpr int kMxGroup = 32;  // MXFP8's
 
+// The two formats' parameters, scales untyped (f32 or E8M0 bytes).
 struct Fp8GemmArgs {
-  Fp8GroupedGemmParams p;
+  const uint8_t* a;
+  const void* a_scales;
+  const int32_t* sorted_token;
+  const void* w_scales;
+  const int32_t* expert_offsets;
+  const int32_t* tile_offsets;
+  void* out;
+  int N, K, num_experts;
   int num_n_tiles;
-  int scale_cols;        // ceil(K / 128)
-  int gate_block_rows;   // gate_up: ceil(N / 128), where the up half's block rows start
+  int scale_cols;        // fp8-block: ceil(K / 128) floats; MXFP8: K / 32 bytes
+  int gate_block_rows;   // fp8-block gate_up: ceil(N / 128), where the up half's block rows start
 };
 
-template <bool kGateUp>
+// 2^(code - 127); code 0 is 2^-127 (a denormal), as the CPU reference reads it.
+__device__ __forceinline__ float e8m0_to_float(uint32_t code) {
+  return code == 0 ? __int_as_float(0x00400000) : __int_as_float(static_cast<int>(code << 23));
+}
+
+template <bool kGateUp, bool kMx>
 __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap weights,
                                                                        Fp8GemmArgs args) {
 #if MOE_SM90A_DEVICE
-  const Fp8GroupedGemmParams& p = args.p;
+  constexpr int kStageSize = kStageBytes<kMx>, kBarriers = kBarrierBase<kMx>;
+  const Fp8GemmArgs& p = args;
   const int num_items = p.tile_offsets[p.num_experts] * args.num_n_tiles;
   const int num_k_steps = (p.K + kKStep - 1) / kKStep;
   const int columns_per_tile = kGateUp ? kWeightRows / 2 : kWeightRows;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t smem = (smem_u32(smem_raw) + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
-  auto a_tile = [&](int stage) { return smem + stage * kStageBytes; };
+  auto a_tile = [&](int stage) { return smem + stage * kStageSize; };
   auto b_tile = [&](int stage) { return a_tile(stage) + kABytes; };
-  auto scale_tile = [&](int stage) { return b_tile(stage) + kBBytes; };  // [64] activation, then [4] weight scales
-  auto full = [&](int stage) { return smem + kBarrierBase + stage * 8; };
-  auto empty = [&](int stage) { return smem + kBarrierBase + (kStages + stage) * 8; };
+  auto scale_tile = [&](int stage) { return b_tile(stage) + kBBytes; };  // activation, then weight scales
+  auto full = [&](int stage) { return smem + kBarriers + stage * 8; };
+  auto empty = [&](int stage) { return smem + kBarriers + (kStages + stage) * 8; };
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -90,10 +121,12 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
       // the scale blocks of its columns < 64 and >= 64.
       const int rows_per_expert = kGateUp ? 2 * p.N : p.N;
       const int base = item.expert * rows_per_expert + item.n0;
+      auto box_row = [&](int box) { return kGateUp ? base + (box & 1) * p.N + (box >> 1) * 64 : base + box * 64; };
       const int blocks_per_expert = kGateUp ? 2 * args.gate_block_rows : (p.N + 127) / 128;
       const int64_t first_block = static_cast<int64_t>(item.expert) * blocks_per_expert;
       int64_t scale_row[4];
-      if (kGateUp) {
+      if constexpr (kMx) {
+      } else if (kGateUp) {
         scale_row[0] = scale_row[2] = first_block + item.n0 / 128;
         scale_row[1] = scale_row[3] = first_block + args.gate_block_rows + item.n0 / 128;
       } else {
@@ -106,33 +139,49 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
         if (lane == 0) {
           mbarrier_arrive_expect_tx(full(stage), kBBytes);
 #pragma unroll
-          for (int box = 0; box < 4; ++box) {
-            const int y = kGateUp ? base + (box & 1) * p.N + (box >> 1) * 64 : base + box * 64;
-            tma_load_2d(b_tile(stage) + box * (kBBytes / 4), &weights, ks * kKStep, y, full(stage));
-          }
+          for (int box = 0; box < 4; ++box)
+            tma_load_2d(b_tile(stage) + box * (kBBytes / 4), &weights, ks * kKStep, box_row(box), full(stage));
         }
 #pragma unroll
         for (int i = 0; i < kM * 8 / 32; ++i) {
           const int r = 4 * i + (lane >> 3), chunk = lane & 7, column = ks * kKStep + chunk * 16;
           const int64_t row = __shfl_sync(0xffffffffu, source[i / 8], r & 31);
           const bool valid = row >= 0 && column < p.K;
-          cp_async_16(a_tile(stage) + sw128_offset(r, chunk), valid ? p.a + row * p.K + column : p.w, valid);
+          cp_async_16(a_tile(stage) + sw128_offset(r, chunk), valid ? p.a + row * p.K + column : p.a, valid);
         }
-        // Scales: activation rows lane and lane + 32, then the two weight blocks (4-byte copies).
+        if constexpr (kMx) {
+          // The stage's 4 E8M0 bytes of activation rows lane, lane + 32, then of
+          // the 256 weight rows in shared-memory order (rows past the weights: zero).
+          const auto* a_scales = static_cast<const uint8_t*>(p.a_scales);
+          const auto* w_scales = static_cast<const uint8_t*>(p.w_scales);
+          const int64_t weight_rows = static_cast<int64_t>(p.num_experts) * rows_per_expert;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const bool valid = source[h] >= 0;
-          asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(scale_tile(stage) + (lane + 32 * h) * 4),
-                       "l"(p.a_scales + (valid ? source[h] * args.scale_cols + ks : 0)), "r"(valid ? 4 : 0)
-                       : "memory");
-        }
-        if (lane < 4) {
-          asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(scale_tile(stage) + (64 + lane) * 4),
-                       "l"(p.w_scales + (lane == 0 ? scale_row[0] : lane == 1 ? scale_row[1] : lane == 2 ? scale_row[2]
-                                                                                                 : scale_row[3]) *
-                                                           args.scale_cols +
-                           ks)
-                       : "memory");
+          for (int h = 0; h < 2; ++h) {
+            const bool valid = source[h] >= 0;
+            cp_async_4(scale_tile(stage) + (lane + 32 * h) * 4,
+                       a_scales + (valid ? source[h] * args.scale_cols + ks * 4 : 0), valid);
+          }
+#pragma unroll
+          for (int i = 0; i < kWeightRows / 32; ++i) {
+            const int j = lane + 32 * i;
+            const int64_t y = box_row(j / 64) + j % 64;
+            cp_async_4(scale_tile(stage) + kMxActivationScaleBytes + j * 4,
+                       w_scales + (y < weight_rows ? y * args.scale_cols + ks * 4 : 0), y < weight_rows);
+          }
+        } else {
+          // Activation rows lane and lane + 32, then the two weight blocks of each consumer.
+          const auto* a_scales = static_cast<const float*>(p.a_scales);
+          const auto* w_scales = static_cast<const float*>(p.w_scales);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const bool valid = source[h] >= 0;
+            cp_async_4(scale_tile(stage) + (lane + 32 * h) * 4,
+                       a_scales + (valid ? source[h] * args.scale_cols + ks : 0), valid);
+          }
+          if (lane < 4) {
+            const int64_t row = lane == 0 ? scale_row[0] : lane == 1 ? scale_row[1] : lane == 2 ? scale_row[2] : scale_row[3];
+            cp_async_4(scale_tile(stage) + (64 + lane) * 4, w_scales + row * args.scale_cols + ks, true);
+          }
         }
         mbarrier_arrive_cp_async(full(stage));
       }
@@ -154,25 +203,52 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
       const int stage = step % kStages;
       mbarrier_wait(full(stage), (step / kStages) & 1);
       fence_proxy_async_shared();  // the A rows came through cp.async (generic proxy)
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kKStep / 32; ++kk)
+      const unsigned char* scale_bytes = smem_raw + (scale_tile(stage) - smem_u32(smem_raw));
+      auto mma = [&](int kk, bool accumulate) {
         wgmma_m64n128k32_e4m3_ss(part, sw128_descriptor(a_tile(stage) + kk * 32, 16, 1024),
                                  sw128_descriptor(b_tile(stage) + consumer * (kBBytes / 2) + kk * 32, 16, 1024),
-                                 kk > 0);
-      wgmma_commit_group();
-      wgmma_wait_group<0>();
-      const float* scales = reinterpret_cast<const float*>(smem_raw + (scale_tile(stage) - smem_u32(smem_raw)));
-      float row_scale[2][2];  // [row half][weight block: columns < 64 or >= 64]
+                                 accumulate);
+      };
+      if constexpr (kMx) {
+        // One 32-wide slice at a time: acc += part x activation scale (row) x weight scale (column).
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float a_scale = scales[warp * 16 + g + 8 * h];
-        row_scale[h][0] = a_scale * scales[64 + 2 * consumer];
-        row_scale[h][1] = a_scale * scales[65 + 2 * consumer];
+        for (int kk = 0; kk < kKStep / kMxGroup; ++kk) {
+          wgmma_fence();
+          mma(kk, false);
+          wgmma_commit_group();
+          wgmma_wait_group<0>();
+          float a_scale[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) a_scale[h] = e8m0_to_float(scale_bytes[(warp * 16 + g + 8 * h) * 4 + kk]);
+#pragma unroll
+          for (int i = 0; i < 16; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const int column = consumer * 128 + 8 * i + 2 * q + j;
+              const float w_scale = e8m0_to_float(scale_bytes[kMxActivationScaleBytes + column * 4 + kk]);
+#pragma unroll
+              for (int h = 0; h < 2; ++h) acc[4 * i + 2 * h + j] += part[4 * i + 2 * h + j] * a_scale[h] * w_scale;
+            }
+        }
+        if (lane == 0) mbarrier_arrive(empty(stage));
+      } else {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKStep / 32; ++kk) mma(kk, kk > 0);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        const float* scales = reinterpret_cast<const float*>(scale_bytes);
+        float row_scale[2][2];  // [row half][weight block: columns < 64 or >= 64]
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float a_scale = scales[warp * 16 + g + 8 * h];
+          row_scale[h][0] = a_scale * scales[64 + 2 * consumer];
+          row_scale[h][1] = a_scale * scales[65 + 2 * consumer];
+        }
+        if (lane == 0) mbarrier_arrive(empty(stage));
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] += part[i] * row_scale[(i >> 1) & 1][i >= 32];
       }
-      if (lane == 0) mbarrier_arrive(empty(stage));
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] += part[i] * row_scale[(i >> 1) & 1][i >= 32];
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -227,6 +303,59 @@ __global__ void quantize_fp8_groups_kernel(QuantizeFp8Params p) {
   }
 }
 
+// MXFP8 activations: one warp per (row, 32 columns), a lane per column. The
+// OCP rule of ops/quant.h: scale 2^(floor(log2 amax) - 8) as an E8M0 code
+// (0 for an all-zero group, 255 when amax is not finite), elements
+// e4m3(x / scale) saturated.
+__global__ void quantize_mxfp8_kernel(QuantizeMxfp8Params p) {
+  const int groups = (p.cols + kMxGroup - 1) / kMxGroup;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (warp >= static_cast<int64_t>(p.rows) * groups) return;
+  const int64_t row = warp / groups;
+  const int col = static_cast<int>(warp % groups) * kMxGroup + lane;
+  const float v = col < p.cols ? __bfloat162float(p.in[row * p.cols + col]) : 0.0f;
+  float amax = fabsf(v);
+  for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  int code = 0;
+  if (!isfinite(amax)) {
+    code = 255;
+  } else if (amax > 0.0f) {
+    int exponent = 0;
+    frexpf(amax, &exponent);  // amax = m * 2^exponent, m in [0.5, 1)
+    code = min(max(exponent - 1 - 8, -127), 127) + 127;
+  }
+  if (col < p.cols) {
+    const float element = code == 255 ? v : ldexpf(v, 127 - code);
+    p.out[row * p.cols + col] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(element, __NV_SATFINITE, __NV_E4M3));
+  }
+  if (lane == 0) p.scales[row * groups + col / kMxGroup] = static_cast<uint8_t>(code);
+}
+
+template <bool kMx>
+cudaError_t launch_fp8_gemm(const Fp8GemmArgs& args, const void* w, int max_tiles, bool gate_up,
+                            cudaStream_t stream) {
+  if (!hopper_kernels_available()) return cudaErrorNotSupported;
+  if (args.K % (kMx ? 128 : 16) != 0) return cudaErrorInvalidValue;
+  if (max_tiles == 0) return cudaSuccess;
+  const uint64_t weight_rows = static_cast<uint64_t>(args.num_experts) * (gate_up ? 2 * args.N : args.N);
+  CUtensorMap map;
+  cudaError_t error = make_tensor_map_2d(&map, w, 1, weight_rows, args.K, static_cast<uint64_t>(args.K),
+                                         kWeightRows / 4, kKStep);
+  if (error != cudaSuccess) return error;
+  const int blocks = std::min(multiprocessor_count(), args.num_n_tiles * max_tiles);
+  auto kernel = gate_up ? fp8_grouped_gemm_kernel<true, kMx> : fp8_grouped_gemm_kernel<false, kMx>;
+  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<kMx>);
+  if (error != cudaSuccess) return error;
+  kernel<<<blocks, kThreads, kSmemBytes<kMx>, stream>>>(map, args);
+  return cudaGetLastError();
+}
+
+int fp8_n_tiles(int N, bool gate_up) {
+  const int columns_per_tile = gate_up ? kWeightRows / 2 : kWeightRows;
+  return (N + columns_per_tile - 1) / columns_per_tile;
+}
+
 }  // namespace
 
 cudaError_t quantize_fp8_groups(const QuantizeFp8Params& p, cudaStream_t stream) {
@@ -236,30 +365,24 @@ cudaError_t quantize_fp8_groups(const QuantizeFp8Params& p, cudaStream_t stream)
   return cudaGetLastError();
 }
 
-cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream) {
-  if (!hopper_kernels_available()) return cudaErrorNotSupported;
-  if (p.K % 16 != 0) return cudaErrorInvalidValue;
-  if (p.max_tiles == 0) return cudaSuccess;
-  const uint64_t weight_rows = static_cast<uint64_t>(p.num_experts) * (p.gate_up ? 2 * p.N : p.N);
-  CUtensorMap map;
-  cudaError_t error = make_tensor_map_2d(&map, p.w, 1, weight_rows, p.K, static_cast<uint64_t>(p.K), kWeightRows / 4,
-                                         kKStep);
-  if (error != cudaSuccess) return error;
-  const int columns_per_tile = p.gate_up ? kWeightRows / 2 : kWeightRows;
-  const Fp8GemmArgs args{p, (p.N + columns_per_tile - 1) / columns_per_tile, (p.K + kGroup - 1) / kGroup,
-                         (p.N + 127) / 128};
-  static const int num_sms = [] {
-    int device = 0, count = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-    return count;
-  }();
-  const int blocks = std::min(num_sms, args.num_n_tiles * p.max_tiles);
-  auto kernel = p.gate_up ? fp8_grouped_gemm_kernel<true> : fp8_grouped_gemm_kernel<false>;
-  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (error != cudaSuccess) return error;
-  kernel<<<blocks, kThreads, kSmemBytes, stream>>>(map, args);
+cudaError_t quantize_mxfp8(const QuantizeMxfp8Params& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+  const int64_t warps = static_cast<int64_t>(p.rows) * ((p.cols + kMxGroup - 1) / kMxGroup);
+  quantize_mxfp8_kernel<<<static_cast<unsigned>((warps * 32 + 255) / 256), 256, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream) {
+  const Fp8GemmArgs args{p.a, p.a_scales, p.sorted_token, p.w_scales, p.expert_offsets, p.tile_offsets, p.out, p.N,
+                         p.K, p.num_experts, fp8_n_tiles(p.N, p.gate_up), (p.K + kGroup - 1) / kGroup,
+                         (p.N + 127) / 128};
+  return launch_fp8_gemm<false>(args, p.w, p.max_tiles, p.gate_up, stream);
+}
+
+cudaError_t mxfp8_grouped_gemm(const Mxfp8GroupedGemmParams& p, cudaStream_t stream) {
+  const Fp8GemmArgs args{p.a, p.a_scales, p.sorted_token, p.w_scales, p.expert_offsets, p.tile_offsets, p.out, p.N,
+                         p.K, p.num_experts, fp8_n_tiles(p.N, p.gate_up), p.K / kMxGroup, 0};
+  return launch_fp8_gemm<true>(args, p.w, p.max_tiles, p.gate_up, stream);
 }
 
 }  // namespace moe::ops::cuda

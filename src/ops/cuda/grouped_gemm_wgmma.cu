@@ -154,12 +154,7 @@ cudaError_t wgmma_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) 
   if (error != cudaSuccess) return error;
   const int columns_per_tile = p.gate_up ? kWeightRows / 2 : kWeightRows;
   const WgmmaGemmParams args{p, (p.N + columns_per_tile - 1) / columns_per_tile};
-  static const int num_sms = [] {
-    int device = 0, count = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-    return count;
-  }();
+  const int num_sms = multiprocessor_count();
   const int blocks = std::min(num_sms, args.num_n_tiles * p.max_tiles);
   auto kernel = p.gate_up ? wgmma_grouped_gemm_kernel<true> : wgmma_grouped_gemm_kernel<false>;
   error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);

@@ -104,6 +104,8 @@ cudaError_t wgmma_prefill_attention(const PagedAttentionParams& p, const int32_t
                                     cudaStream_t stream);
 // True on an sm_90 device (the wgmma kernels were compiled for sm_90a).
 bool hopper_kernels_available();
+// The current device's SMs (the persistent kernels' grid size).
+int multiprocessor_count();
 
 // Router: softmax over experts, top-k (ties: lower expert first), optional renormalisation.
 struct RouteTopkParams {
@@ -182,6 +184,47 @@ struct Fp8GroupedGemmParams {
   bool gate_up;
 };
 cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream);
+
+// MXFP8 (OCP MX v1.0, ops/quant.h): E4M3 values and one E8M0 scale byte
+// (2^(code - 127)) per row and 32 columns, the OCP rule choosing the scale.
+struct QuantizeMxfp8Params {
+  const bf16* in;   // [rows, cols]
+  uint8_t* out;     // [rows, cols] E4M3
+  uint8_t* scales;  // [rows, ceil(cols / 32)] E8M0
+  int rows, cols;
+};
+cudaError_t quantize_mxfp8(const QuantizeMxfp8Params& p, cudaStream_t stream);
+
+// The grouped GEMM of Fp8GroupedGemmParams with MXFP8 weights and
+// activations. Hopper has no block-scaled MMA: each 32-wide K slice is its
+// own MMA, promoted with its scales (grouped_gemm_fp8.cu). 64-row tiles,
+// sm_90 only, K a multiple of 128.
+struct Mxfp8GroupedGemmParams {
+  const uint8_t* a;              // gate_up: x [num_tokens, K]; down: act [num_rows, K]
+  const uint8_t* a_scales;       // [.., K / 32] E8M0
+  const int32_t* sorted_token;   // gate_up only
+  const uint8_t* w;              // [num_experts, N_total, K]
+  const uint8_t* w_scales;       // [num_experts, N_total, K / 32] E8M0
+  const int32_t* expert_offsets;
+  const int32_t* tile_offsets;
+  void* out;
+  int N, K, num_experts, max_tiles;
+  bool gate_up;
+};
+cudaError_t mxfp8_grouped_gemm(const Mxfp8GroupedGemmParams& p, cudaStream_t stream);
+
+// The same two GEMMs for prefill-sized batches (grouped_gemm_prefill.cu:
+// compute-bound, 128-row tiles, two consumer warpgroups): tile_offsets must
+// come from moe_permute with tile_rows = kPrefillGemmTileRows, and max_tiles
+// count such tiles. sm_90 only (cudaErrorNotSupported elsewhere).
+inline constexpr int kPrefillGemmTileRows = 128;
+cudaError_t wgmma_grouped_gemm_prefill(const GroupedGemmParams& p, cudaStream_t stream);
+cudaError_t fp8_grouped_gemm_prefill(const Fp8GroupedGemmParams& p, cudaStream_t stream);
+// The row tile the model's MoE layer uses for `rows` permuted rows over
+// `num_experts` experts: kPrefillGemmTileRows (with the *_prefill kernels)
+// once experts average at least 64 rows on an sm_90 device, else
+// kGroupedGemmTileRows.
+int moe_tile_rows(int64_t rows, int num_experts);
 
 // out[t] = sum_j weights[t, j] * rows[row_of[t * k + j]] (f32).
 struct MoeUnpermuteParams {
