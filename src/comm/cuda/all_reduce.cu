@@ -28,6 +28,10 @@ namespace moe::comm::cuda {
 namespace {
 
 constexpr int kThreads = 512;
+// Vectors per thread in flight in the one-shot sum: with 64 blocks, one at a
+// time (x 2 ranks x 16 bytes) kept ~1 MB in flight, ~215 GB/s at 64 MB on two
+// H200s against NCCL's 264.
+constexpr int kUnroll = 4;
 
 int grid_for(int64_t n) {
   const int64_t vectors = n / 8;
@@ -64,10 +68,15 @@ __global__ void __launch_bounds__(kThreads) one_shot_kernel(AllReduceParams p) {
   block_barrier(v, kSetAllReduce, blockIdx.x, ++seq);
 
   const int64_t vectors = p.n / 8, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vectors; i += stride) {
-    float acc[8] = {};
-    for (int r = 0; r < v.world; ++r) add_to(acc, load_peer(data_half(v, r, launch) + 16 * i));
-    reinterpret_cast<uint4*>(p.output)[i] = to_vec(acc).raw;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = first; i < vectors; i += kUnroll * stride) {
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * stride < vectors) sum_over_ranks(v, launch, 16 * (i + u * stride), acc[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * stride < vectors) reinterpret_cast<uint4*>(p.output)[i + u * stride] = to_vec(acc[u]).raw;
   }
   reduce_tail(p, launch);
   finish_launch(v, kSetAllReduce, launch, seq);
@@ -87,8 +96,8 @@ __global__ void __launch_bounds__(kThreads) two_shot_kernel(AllReduceParams p) {
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = first; i < vectors; i += stride) {
     if (i / part != v.rank) continue;
-    float acc[8] = {};
-    for (int r = 0; r < v.world; ++r) add_to(acc, load_peer(data_half(v, r, launch) + 16 * i));
+    float acc[8];
+    sum_over_ranks(v, launch, 16 * i, acc);
     reinterpret_cast<uint4*>(mine)[i] = to_vec(acc).raw;
   }
   reduce_tail(p, launch);

@@ -1,10 +1,11 @@
 // Decode DP+EP expert exchange over NVLink: one kernel each way, pushing rows
 // straight into the peers' symmetric receive areas (ExpertLayout).
 //
-// dispatch: one warp per (token, slot) pair: lane 0 takes a position in the
-// destination expert's receive list with a system-scope atomicAdd on the
-// owner's counter (over NVLink for a remote owner), the warp writes the row
-// (hidden bf16, 16-byte stores) and lane 0 its origin (rank, token, slot).
+// dispatch: a warp takes kPairsPerWarp (token, slot) pairs: its first lanes
+// each take a position in their pair's destination expert's receive list
+// with a system-scope atomicAdd on the owner's counter (over NVLink for a
+// remote owner; the round trips overlap), then the warp writes the rows
+// (hidden bf16, 16-byte stores) and their origins (rank, token, slot).
 // Then every block raises its flag in every rank, and block 0 waits for all
 // blocks of all ranks, so when the kernel ends every row for this rank has
 // landed. Counters alternate between two parities; a dispatch zeroes the
@@ -32,6 +33,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kPairsPerWarp = 8;  // their counter atomics in flight together
+constexpr int kMaxK = 8;          // combine's loads in flight per token (larger k: in rounds)
 
 __device__ int32_t* counts_of(const SymmetricView& v, const ExpertLayout& l, int r, int parity) {
   return reinterpret_cast<int32_t*>(v.base[r] + l.counts_offset()) + parity * l.experts_per_rank;
@@ -73,20 +76,28 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(DispatchParams p) {
 
   const int num_experts = l.experts_per_rank * v.world;
   const int64_t pairs = static_cast<int64_t>(p.num_tokens) * l.k;
-  for (int64_t pair = blockIdx.x * kWarps + (threadIdx.x >> 5); pair < pairs; pair += kExpertBlocks * kWarps) {
-    const int t = static_cast<int>(pair / l.k), slot = static_cast<int>(pair % l.k);
-    const int e = p.expert_ids[pair];
-    if (e < 0 || e >= num_experts) __trap();
-    const int dst = e / l.experts_per_rank, local = e % l.experts_per_rank;
-    int pos = 0;
-    if (lane == 0) pos = atomicAdd_system(counts_of(v, l, dst, parity) + local, 1);
-    pos = __shfl_sync(0xffffffffu, pos, 0);
-    if (pos >= l.capacity()) __trap();
-    const int64_t row = static_cast<int64_t>(local) * l.capacity() + pos;
-    uint4* to = recv_row(v, l, dst, row);
-    const uint4* from = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(t) * l.hidden);
-    for (int c = lane; c < vectors; c += 32) to[c] = from[c];
-    if (lane == 0) meta_of(v, l, dst)[row] = make_int4(v.rank, t, slot, 0);
+  const int64_t warp_stride = static_cast<int64_t>(kExpertBlocks) * kWarps * kPairsPerWarp;
+  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kPairsPerWarp; first < pairs;
+       first += warp_stride) {
+    int dst = 0, local = 0, pos = 0;
+    if (lane < kPairsPerWarp && first + lane < pairs) {
+      const int e = p.expert_ids[first + lane];
+      if (e < 0 || e >= num_experts) __trap();
+      dst = e / l.experts_per_rank, local = e % l.experts_per_rank;
+      pos = atomicAdd_system(counts_of(v, l, dst, parity) + local, 1);
+      if (pos >= l.capacity()) __trap();
+    }
+    const int n = pairs - first < kPairsPerWarp ? static_cast<int>(pairs - first) : kPairsPerWarp;
+    for (int j = 0; j < n; ++j) {
+      const int to_rank = __shfl_sync(0xffffffffu, dst, j);
+      const int64_t row = static_cast<int64_t>(__shfl_sync(0xffffffffu, local, j)) * l.capacity() +
+                          __shfl_sync(0xffffffffu, pos, j);
+      const int t = static_cast<int>((first + j) / l.k), slot = static_cast<int>((first + j) % l.k);
+      uint4* to = recv_row(v, l, to_rank, row);
+      const uint4* from = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(t) * l.hidden);
+      for (int c = lane; c < vectors; c += 32) to[c] = from[c];
+      if (lane == 0) meta_of(v, l, to_rank)[row] = make_int4(v.rank, t, slot, 0);
+    }
   }
   signal_all(v, kSetDispatch, seq);
   if (blockIdx.x == 0) wait_all(v, kSetDispatch, seq);
@@ -118,15 +129,24 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(CombineParams p) {
   for (int t = blockIdx.x; t < p.num_tokens; t += kExpertBlocks)
     for (int c = threadIdx.x; c < vectors; c += blockDim.x) {
       float acc[8] = {};
-      for (int j = 0; j < l.k; ++j) {
-        const float w = p.weights[static_cast<int64_t>(t) * l.k + j];
-        const Vec8 y = load_peer(combine_row(v, l, v.rank, static_cast<int64_t>(t) * l.k + j) + c);
+      for (int j0 = 0; j0 < l.k; j0 += kMaxK) {  // the k rows' loads in flight together, summed in slot order
+        Vec8 y[kMaxK];
+        float w[kMaxK];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = pair_of(y, i);
-          acc[2 * i] += w * f.x;
-          acc[2 * i + 1] += w * f.y;
-        }
+        for (int j = 0; j < kMaxK; ++j)
+          if (j0 + j < l.k) {
+            w[j] = p.weights[static_cast<int64_t>(t) * l.k + j0 + j];
+            y[j] = load_peer(combine_row(v, l, v.rank, static_cast<int64_t>(t) * l.k + j0 + j) + c);
+          }
+#pragma unroll
+        for (int j = 0; j < kMaxK; ++j)
+          if (j0 + j < l.k)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float2 f = pair_of(y[j], i);
+              acc[2 * i] += w[j] * f.x;
+              acc[2 * i + 1] += w[j] * f.y;
+            }
       }
       float4* out = reinterpret_cast<float4*>(p.out + static_cast<int64_t>(t) * l.hidden + 8 * c);
       out[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);

@@ -112,4 +112,19 @@ __device__ __forceinline__ Vec8 load_peer(const void* p) {
   return v;
 }
 
+// The rank-ordered f32 sum of vector `i` (16 bytes at `offset` bytes into
+// each rank's data half), every rank's load issued before the first add so
+// the peers' NVLink round trips overlap.
+__device__ __forceinline__ void sum_over_ranks(const SymmetricView& v, uint32_t launch, size_t offset, float (&acc)[8]) {
+  Vec8 in[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r)
+    if (r < v.world) in[r] = load_peer(data_half(v, r, launch) + offset);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r)
+    if (r < v.world) add_to(acc, in[r]);
+}
+
 }  // namespace moe::comm::cuda
