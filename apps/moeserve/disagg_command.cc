@@ -114,6 +114,9 @@ std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role)
   add("--max-waiting", std::to_string(a.max_waiting));
   add("--max-logprobs", std::to_string(a.max_logprobs));
   if (role == "decode" && a.lease_s > 0) add("--lease", fmt::format("{}", a.lease_s));
+  // Both roles speculate alike: prefill sends the MTP state, decode drafts from it.
+  if (!a.speculative.config_json.empty()) add("--speculative-config", a.speculative.config_json);
+  if (!a.speculative.model_dir.empty()) add("--speculative-model", a.speculative.model_dir);
   return v;
 }
 
@@ -189,7 +192,9 @@ void stop_children(std::vector<Child>& children) {
 
 Status run_cluster(ServeArgs args) {
   if (args.model.empty()) args.model = find_default_model();
-  if (args.device.cuda()) return invalid_argument("--disagg runs on the CPU backend only for now");
+  if (args.device.cuda())
+    return unimplemented("serve --disagg starts CPU instances only; the GPU prefill and decode roles are not "
+                         "enabled yet (docs/disagg.md, \"On GPUs\")");
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);

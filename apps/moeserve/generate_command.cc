@@ -165,6 +165,7 @@ Status run_generate(const GenerateArgs& args) {
 #ifdef MOE_WITH_CUDA
     if (options.max_tokens_per_step <= 0) options.max_tokens_per_step = 2048;
     model::CudaModelOptions cuda;
+    cuda.device = args.device.gpu;
     cuda.page_size = args.page_size;
     cuda.max_num_tokens = options.max_tokens_per_step;
     cuda.max_num_seqs = static_cast<int>(requests.size());

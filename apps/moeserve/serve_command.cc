@@ -166,6 +166,11 @@ Status check_parallel_args(const ServeArgs& args) {
                             "decode endpoint: use `moeserve decode --dp N --ep N --router URL`");
   if (p.dp > 1 && (p.tp != 1 || p.ep != p.dp))
     return invalid_argument("--dp {} needs --ep {} (experts split over the same ranks) and --tp 1", p.dp, p.dp);
+  if ((args.role == "prefill" || args.role == "decode") && args.device.cuda())
+    return invalid_argument("moeserve {} --device cuda is not enabled yet: its two-GPU test "
+                            "(tests/gpu/disagg_cuda_test.cc) fails with an illegal memory access on the first "
+                            "forward pass (docs/disagg.md, \"On GPUs\"); run the disaggregated roles with --device cpu",
+                            args.role);
   if (p.world() > 1 && args.device.cuda())
     return invalid_argument("--tp/--ep run CPU ranks for now; the GPU communicator is not wired into serving yet");
   if (p.world() > 1 && p.dp == 1 && args.role == "decode")
@@ -280,7 +285,7 @@ Status rank_group_ready(RankGroup& g, const ParallelArgs& par) {
 
 struct Runner {
   std::unique_ptr<engine::ModelRunner> runner;
-  std::vector<const kv::KvCache*> rank_caches;  // the CPU runners': every rank's KV (the roles send it)
+  std::vector<const kv::KvCache*> rank_caches;  // every rank's KV (the roles send it; the GPU's is device memory)
 };
 
 // The model runner of this rank: CUDA, a DP rank's, a TP/EP leader's, or the
@@ -294,6 +299,7 @@ Expected<Runner> make_runner(const ServeArgs& args, const model::ModelConfig& co
   if (args.device.cuda()) {
     // The KV pool takes what --gpu-memory-utilization leaves after the weights.
     model::CudaModelOptions cuda;
+    cuda.device = args.device.gpu;
     cuda.page_size = sched.page_size;
     cuda.max_num_tokens = std::max(sched.max_num_batched_tokens, sched.max_num_seqs);
     cuda.max_num_seqs = sched.max_num_seqs;
@@ -303,6 +309,7 @@ Expected<Runner> make_runner(const ServeArgs& args, const model::ModelConfig& co
     MOE_ASSIGN_OR_RETURN(auto cuda_runner, engine::CudaRunner::create(config, &weights, 0, cuda));
     sched.num_pages = cuda_runner->num_pages();
     layout.num_pages = sched.num_pages;
+    r.rank_caches = {&cuda_runner->cache()};
     r.runner = std::move(cuda_runner);
     return r;
   }
@@ -370,9 +377,12 @@ Expected<model::ModelWeights> load_weights(const std::string& model_dir, const m
 }  // namespace
 
 Status run_serve(ServeArgs args) {
-  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec,
-                       check_speculative(args.speculative, args.device, args.disagg ? "--disagg" : args.role));
-  if (args.disagg) return run_cluster(std::move(args));
+  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec, check_speculative(args.speculative, args.device));
+  if (args.disagg) {  // the instances load the MTP layer: refuse here what would stop them all
+    if (spec.enabled() && args.speculative.model_dir.empty())
+      return invalid_argument("--speculative-config needs --speculative-model DIR: the MTP layer's checkpoint");
+    return run_cluster(std::move(args));
+  }
   MOE_RETURN_IF_ERROR(check_serve_args(args));
   MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
   MOE_ASSIGN_OR_RETURN(model::ModelConfig config, model::load_model_config(args.model));
@@ -433,7 +443,7 @@ Status run_serve(ServeArgs args) {
   engine::Engine engine(std::move(runner.runner), engine_options(config, sched, args, tok ? &*tok : nullptr),
                         std::move(drafter));
   if (args.role == "colocated") return serve_api(args, engine, tok ? &*tok : nullptr, sched, http, signals);
-  if (runner.rank_caches.empty()) return invalid_argument("the {} role runs on the CPU backend only for now", args.role);
+  if (runner.rank_caches.empty()) return invalid_argument("the {} role has no KV cache to send from", args.role);
   return run_instance(args, engine, {runner.rank_caches, config.num_kv_heads}, http, signals);
 }
 

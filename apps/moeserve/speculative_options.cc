@@ -9,8 +9,7 @@ void add_speculative_options(CLI::App* cmd, SpeculativeArgs& args) {
                   "Directory of the MTP layer's safetensors (tensor names in docs/speculative.md)");
 }
 
-Expected<engine::SpeculativeConfig> check_speculative(const SpeculativeArgs& args, const DeviceArgs& device,
-                                                      const std::string& role) {
+Expected<engine::SpeculativeConfig> check_speculative(const SpeculativeArgs& args, const DeviceArgs& device) {
   MOE_ASSIGN_OR_RETURN(auto config, engine::parse_speculative_config(args.config_json));
   if (!config.enabled()) {
     if (!args.model_dir.empty()) return invalid_argument("--speculative-model needs --speculative-config");
@@ -19,11 +18,6 @@ Expected<engine::SpeculativeConfig> check_speculative(const SpeculativeArgs& arg
   if (device.cuda())
     return unimplemented("speculative decoding (--speculative-config) runs on the CPU backend only for now; "
                          "use --device cpu or drop --speculative-config");
-  if (role != "colocated")
-    return unimplemented("speculative decoding is not supported in disaggregated serving yet ({}; the commit from "
-                         "prefill does not carry the MTP state, docs/speculative.md); run `moeserve serve` without "
-                         "--disagg, or drop --speculative-config",
-                         role == "--disagg" ? "serve --disagg" : role + " instance");
   return config;
 }
 

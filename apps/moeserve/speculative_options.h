@@ -25,10 +25,8 @@ struct SpeculativeArgs {
 void add_speculative_options(CLI::App* cmd, SpeculativeArgs& args);
 
 // The parsed config (method "mtp", 1..8 tokens; off when no flag), refused on
-// a device or role that cannot speculate yet (`role`: "colocated" for
-// generate and serve, else the disaggregated instance's role).
-Expected<engine::SpeculativeConfig> check_speculative(const SpeculativeArgs& args, const DeviceArgs& device,
-                                                      const std::string& role = "colocated");
+// a device that cannot speculate yet (CUDA).
+Expected<engine::SpeculativeConfig> check_speculative(const SpeculativeArgs& args, const DeviceArgs& device);
 
 // The MTP weights: --speculative-model DIR, or random ones with dummy target
 // weights (an MoE MLP when the target has experts).

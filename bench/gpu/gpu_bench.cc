@@ -510,11 +510,15 @@ void bench_verify(const std::string& config_path, int num_layers) {
         const double a = (lo + hi) / 2, emitted = a == 1 ? k + 1 : (1 - std::pow(a, k + 1)) / (1 - a);
         (emitted < ratio ? lo : hi) = a;
       }
-      char shape[96], extra[160];
+      char shape[96], extra[160], break_even[48];
       std::snprintf(shape, sizeof shape, "%d layers, batch %d, k=%d, ctx %d", num_layers, batch, k, context);
-      std::snprintf(extra, sizeof extra, "%.2fx a plain step (%.3f ms, graph); break-even acceptance %s",
-                    ratio, plain_ms, ratio > k + 1 ? "none (slower than k + 1 plain steps)" :
-                    (std::to_string(static_cast<int>(100 * lo + 0.5)) + "%").c_str());
+      if (ratio > k + 1) {
+        std::snprintf(break_even, sizeof break_even, "none (slower than k + 1 plain steps)");
+      } else {
+        std::snprintf(break_even, sizeof break_even, "%.0f%%", 100 * lo);
+      }
+      std::snprintf(extra, sizeof extra, "%.2fx a plain step (%.3f ms, graph); break-even acceptance %s", ratio,
+                    plain_ms, break_even);
       report("verify_step", shape, ms, plain_ms, extra);
     }
   }
@@ -540,7 +544,15 @@ int main(int argc, char** argv) {
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   const double copy_gbs = moe::copy_bandwidth_gbs();
   // --only a,b,c: those sections.
-  auto wanted = [&](const char* name) { return only.empty() || ("," + only + ",").find("," + std::string(name) + ",") != std::string::npos; };
+  auto wanted = [&](const char* name) {
+    if (only.empty()) return true;
+    for (size_t start = 0; start <= only.size();) {
+      const size_t end = std::min(only.find(',', start), only.size());
+      if (only.compare(start, end - start, name) == 0) return true;
+      start = end + 1;
+    }
+    return false;
+  };
   if (wanted("moe")) moe::bench_grouped_gemm(copy_gbs);
   if (wanted("moe") || wanted("moe_fp8")) moe::bench_fp8_grouped_gemm(copy_gbs);
   if (wanted("moe") || wanted("moe_prefill")) moe::bench_prefill_grouped_gemm();

@@ -4,12 +4,37 @@
 
 namespace moe::engine {
 
-Status cuda_device_status() {
+Status cuda_device_status(int device) {
   int count = 0;
   const cudaError_t error = cudaGetDeviceCount(&count);
   if (error != cudaSuccess) return unavailable("--device cuda: no usable GPU: {}", cudaGetErrorString(error));
   if (count == 0) return unavailable("--device cuda: no usable GPU: no CUDA device is visible");
+  if (device < 0 || device >= count)
+    return invalid_argument("--gpu {}: {} GPU(s) are visible (ordinals 0..{})", device, count, count - 1);
   return Status::ok();
+}
+
+Status use_cuda_device(int device) {
+  MOE_RETURN_IF_ERROR(cuda_device_status(device));
+  const cudaError_t error = cudaSetDevice(device);
+  if (error != cudaSuccess) return unavailable("--gpu {}: cudaSetDevice: {}", device, cudaGetErrorString(error));
+  return Status::ok();
+}
+
+kv::KvCacheLayout kv_cache_layout(const model::CudaKvPoolLayout& pool) {
+  return {pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.page_size, pool.num_pages, DType::kBF16};
+}
+
+CudaRunner::CudaRunner(std::unique_ptr<model::CudaQwen3MoeModel> model) : model_(std::move(model)) {
+  const model::CudaKvPoolLayout& pool = model_->kv_pool_layout();
+  cache_.emplace(kv_cache_layout(pool), model_->kv_pool(), Device::cuda(model_->device()));
+  CHECK(cache_->num_bytes() == pool.num_bytes(), "the KV cache spans the CUDA model's pool");
+  for (int l = 0; l < pool.num_layers; ++l) {
+    const ops::PagedKv ours = model_->kv_layer(l), theirs = cache_->layer(l);
+    CHECK(ours.k_pages.data() == theirs.k_pages.data() && ours.v_pages.data() == theirs.v_pages.data() &&
+              ours.k_pages.shape() == theirs.k_pages.shape(),
+          "layer {}: the CUDA model's KV pages sit where kv::KvCache's layout puts them", l);
+  }
 }
 
 Expected<std::unique_ptr<CudaRunner>> CudaRunner::create(const model::ModelConfig& config,

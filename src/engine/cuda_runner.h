@@ -1,21 +1,30 @@
 // The ModelRunner of the CUDA backend: Qwen3-MoE on one GPU
 // (model/cuda/cuda_model.h), its KV pages in device memory. Page ids from the
 // scheduler index the device KV pool, whose size the GPU's free memory sets
-// (--gpu-memory-utilization) unless given.
+// (--gpu-memory-utilization) unless given. The pool is also a kv::KvCache
+// over device memory (cache()), which the disaggregated roles register with
+// the TransferEngine (CUDA IPC); it has one page more than num_pages(): the
+// scratch page of CUDA-graph padding, which the scheduler never hands out.
 //
-// forward() is called by the engine thread only.
+// forward() is called by the engine thread only; the model makes its device
+// current there.
 #pragma once
 
 #include <memory>
+#include <optional>
 
 #include "engine/model_runner.h"
+#include "kv/kv_cache.h"
 #include "model/cuda/cuda_model.h"
 
 namespace moe::engine {
 
-// Ok when a CUDA device can be used; else an error a user can act on
-// ("--device cuda: no usable GPU: ...").
-Status cuda_device_status();
+// Ok when CUDA device `device` can be used; else an error a user can act on
+// ("--device cuda: no usable GPU: ...", "--gpu 3: only 2 GPUs are visible").
+Status cuda_device_status(int device = 0);
+// Makes `device` current on the calling thread (before anything is allocated
+// there, so no context is created on another GPU).
+Status use_cuda_device(int device);
 
 class CudaRunner final : public ModelRunner {
  public:
@@ -28,11 +37,19 @@ class CudaRunner final : public ModelRunner {
   bool samples_on_device() const override { return true; }
   Expected<std::vector<int32_t>> forward_and_sample(const model::ForwardBatch& batch,
                                                     std::span<const RowSampling> rows) override;
+  bool supports_layer_hook() const override { return true; }
+  void set_layer_hook(std::function<void(int layer)> hook) override { model_->set_layer_hook(std::move(hook)); }
   int32_t num_pages() const { return model_->num_pages(); }
+  // The device KV pool as a cache over device memory (never touched by the CPU).
+  const kv::KvCache& cache() const { return *cache_; }
 
  private:
-  explicit CudaRunner(std::unique_ptr<model::CudaQwen3MoeModel> model) : model_(std::move(model)) {}
+  explicit CudaRunner(std::unique_ptr<model::CudaQwen3MoeModel> model);
   std::unique_ptr<model::CudaQwen3MoeModel> model_;
+  std::optional<kv::KvCache> cache_;
 };
+
+// The kv::KvCacheLayout of a CUDA model's pool (model/cuda/kv_pool.h).
+kv::KvCacheLayout kv_cache_layout(const model::CudaKvPoolLayout& pool);
 
 }  // namespace moe::engine

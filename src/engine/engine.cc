@@ -109,21 +109,25 @@ Expected<uint64_t> Engine::enqueue(Active active) {
   return id;
 }
 
-Expected<uint64_t> Engine::submit_prefilled(EngineRequest request, std::vector<int32_t> pages, int32_t first_token,
-                                            OutputCallback on_output) {
+Expected<uint64_t> Engine::submit_prefilled(EngineRequest request, PrefilledPrompt prompt, OutputCallback on_output) {
   if (request.prompt.empty()) return invalid_argument("the prompt is empty");
   for (int32_t id : request.prompt)
     if (id < 0 || id >= vocab_size_) return invalid_argument("token id {} is outside the vocabulary [0, {})", id, vocab_size_);
-  if (first_token < 0 || first_token >= vocab_size_)
-    return invalid_argument("first token {} is outside the vocabulary [0, {})", first_token, vocab_size_);
+  if (prompt.first_token < 0 || prompt.first_token >= vocab_size_)
+    return invalid_argument("first token {} is outside the vocabulary [0, {})", prompt.first_token, vocab_size_);
   if (request.max_tokens < 1) return invalid_argument("max_tokens must be at least 1, got {}", request.max_tokens);
   MOE_RETURN_IF_ERROR(validate_sampling(request.sampling));
   if (request.kv_export) return invalid_argument("a prefilled request exports no KV");
+  if (!prompt.last_hidden.empty() && static_cast<int64_t>(prompt.last_hidden.size()) != mtp_hidden_size())
+    return invalid_argument("the prefilled MTP state has {} values; this engine's {}", prompt.last_hidden.size(),
+                            drafter_ ? fmt::format("MTP layer takes {}", mtp_hidden_size()) : "has no MTP layer");
   Active active;
   active.request = std::move(request);
   active.on_output = std::move(on_output);
-  active.prefilled_pages = std::move(pages);
-  active.first_token = first_token;
+  active.prefilled_pages = std::move(prompt.pages);
+  active.first_token = prompt.first_token;
+  active.last_hidden = std::move(prompt.last_hidden);
+  active.has_mtp_state = !active.last_hidden.empty();
   active.num_output_tokens = 1;
   return enqueue(std::move(active));
 }
@@ -224,6 +228,7 @@ void Engine::admit(uint64_t id, Active active) {
   active.seed = sampling.seed ? *sampling.seed : seed_source_();
   const bool prefilled = active.first_token >= 0;
   std::vector<int32_t> pages = std::move(active.prefilled_pages);
+  const std::vector<float> last_hidden = std::move(active.last_hidden);
   const int32_t first_token = active.first_token;
   if (prefilled) active.first_token_s = active.arrival_s;
   auto [it, inserted] = active_.emplace(id, std::move(active));
@@ -239,8 +244,10 @@ void Engine::admit(uint64_t id, Active active) {
     out.error = update.status();
     finish(id, std::move(out));
   } else if (update->finish != FinishReason::kNone) {
-    out.finish = update->finish;  // the first token ended it: nothing more to add
+    out.finish = update->finish;  // the first token ended it: nothing more to add (no drafts either)
     finish(id, std::move(out));
+  } else if (drafter_ && may_speculate(id)) {
+    drafter_->start_prefilled(scheduler_, id, last_hidden);
   }
 }
 
@@ -398,12 +405,37 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
 
 // Whether a request may carry drafts. Requests with logprobs decode plainly
 // (one forward row per output token keeps their logprobs simple), and so do
-// KV-exporting ones and prefilled ones (no MTP KV for a prompt computed elsewhere).
+// KV-exporting ones and prefilled ones that came without the MTP state (no
+// MTP KV for a prompt computed elsewhere).
 bool Engine::may_speculate(uint64_t id) const {
   auto it = active_.find(id);
   if (it == active_.end()) return false;
   const Active& a = it->second;
-  return a.request.num_logprobs < 0 && !a.request.kv_export && a.first_token < 0;
+  return a.request.num_logprobs < 0 && !a.request.kv_export && (a.first_token < 0 || a.has_mtp_state);
+}
+
+// Disaggregated prefill with a drafter: the chunks that complete an
+// MTP-exporting prompt get the MTP KV of their positions (but the last)
+// before complete_step() finishes the request, and the sink gets that layer
+// and the last hidden state.
+void Engine::export_mtp(const StepPlan& plan, const model::ForwardBatch& batch, const Tensor& hidden) {
+  std::vector<size_t> chunks;
+  for (size_t c = 0; c < plan.chunks.size(); ++c) {
+    const ScheduledChunk& chunk = plan.chunks[c];
+    const EngineRequest& request = active_.at(chunk.id).request;
+    const bool completes_prompt = chunk.start + chunk.num_tokens == static_cast<int32_t>(request.prompt.size());
+    if (chunk.sample && completes_prompt && request.kv_export && request.kv_export->wants_mtp()) chunks.push_back(c);
+  }
+  if (chunks.empty()) return;
+  drafter_->write_prompt_kv(scheduler_, plan, batch, hidden, chunks);
+  const int64_t h = drafter_->hidden_size();
+  for (size_t c : chunks) {
+    const ScheduledChunk& chunk = plan.chunks[c];
+    const int32_t last_row = batch.query_start[c + 1] - 1;
+    std::span<const float> last_hidden(hidden.data_as<float>() + last_row * h, static_cast<size_t>(h));
+    active_.at(chunk.id).request.kv_export->on_mtp_written(chunk.start + chunk.num_tokens,
+                                                           scheduler_.pages_of(chunk.id), last_hidden);
+  }
 }
 
 // The target forward with hidden states, then verification of every chunk's drafts.
@@ -499,6 +531,7 @@ void Engine::step() {
   const double forward_start = monotonic_seconds();
   const Status status = run_forward(plan, batch, runs, logprobs, hidden);
   if (!fail_on_error(status)) return;
+  if (drafter_) export_mtp(plan, batch, hidden);
   const std::vector<SequenceUpdate> updates = scheduler_.complete_step(plan, std::span<const std::vector<int32_t>>(runs));
   if (drafter_) {
     record_speculation(plan, runs);

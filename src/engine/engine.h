@@ -45,6 +45,18 @@ class KvExportSink {
   // `release_pages` (exactly once, from any thread) when its transfers no
   // longer read them. Called on the engine thread, before the final output.
   virtual void on_finished(std::function<void()> release_pages) { release_pages(); }
+  // Speculative decoding (docs/speculative.md, "Disaggregated serving"): a
+  // sink that also takes the MTP layer's KV says so here; the engine then, with
+  // a drafter, calls on_mtp_written() once, in the step that completes the
+  // prompt, after the forward pass: the MTP KV of the prompt's positions
+  // [0, num_tokens - 1) is in the drafter's cache (Engine::mtp_cache()) at
+  // `pages` (position num_tokens - 1 needs the first token: the decode side
+  // computes it), and `last_hidden` [hidden] is the target's hidden state at
+  // the prompt's last position (after the final norm).
+  virtual bool wants_mtp() const { return false; }
+  virtual void on_mtp_written(int32_t num_tokens, std::span<const int32_t> pages, std::span<const float> last_hidden) {
+    (void)num_tokens, (void)pages, (void)last_hidden;
+  }
 };
 
 struct EngineRequest {
@@ -82,6 +94,17 @@ struct EngineOutput {
 };
 using OutputCallback = std::function<void(const EngineOutput&)>;
 
+// A prompt prefilled elsewhere (disaggregated decode, Engine::submit_prefilled).
+struct PrefilledPrompt {
+  std::vector<int32_t> pages;  // from Engine::reserve(), holding the prompt's KV
+  int32_t first_token = -1;    // sampled by the prefill instance
+  // Speculative decoding: the target's hidden state at the prompt's last
+  // position ([hidden] f32, after the final norm), sent with the MTP layer's
+  // KV of the prompt (in the same pages of the drafter's cache). Empty: no
+  // MTP state, the request decodes without drafts.
+  std::vector<float> last_hidden;
+};
+
 struct EngineOptions {
   SchedulerOptions scheduler;
   std::vector<int32_t> eos_token_ids;
@@ -109,16 +132,16 @@ class Engine {
   // Disaggregated decode (docs/disagg.md). reserve() holds pages for
   // `num_tokens` outside any request and answers on the engine thread (the
   // page ids, or kResourceExhausted); release() gives them back;
-  // submit_prefilled() starts a request whose prompt KV is in `pages` (from a
-  // reservation) and whose first output token, `first_token`, was sampled
-  // elsewhere: it decodes from there. Its outputs start with the second token
-  // (or a final output with token -1 when the first one already ended it).
-  // If it is refused at submission or on the engine thread, the pages stay
-  // reserved: the caller releases them.
+  // submit_prefilled() starts a request whose prompt KV is in `prompt.pages`
+  // (from a reservation) and whose first output token was sampled elsewhere:
+  // it decodes from there, speculating when `prompt.last_hidden` is set (the
+  // drafter then drafts at once, as after a local prefill). Its outputs start
+  // with the second token (or a final output with token -1 when the first one
+  // already ended it). If it is refused at submission or on the engine
+  // thread, the pages stay reserved: the caller releases them.
   void reserve(int32_t num_tokens, std::function<void(Expected<std::vector<int32_t>>)> done);
   void release(std::vector<int32_t> pages);
-  Expected<uint64_t> submit_prefilled(EngineRequest request, std::vector<int32_t> pages, int32_t first_token,
-                                      OutputCallback on_output);
+  Expected<uint64_t> submit_prefilled(EngineRequest request, PrefilledPrompt prompt, OutputCallback on_output);
   // Ends the request with finish kAbort as soon as the loop sees it, freeing
   // its pages; a no-op for an unknown or finished id.
   void cancel(uint64_t id);
@@ -127,6 +150,12 @@ class Engine {
   bool healthy() const { return !dead_.load(); }
   const EngineOptions& options() const { return options_; }
   int64_t vocab_size() const { return vocab_size_; }
+  // The drafter's one-layer KV cache, indexed by the scheduler's page ids
+  // (null without speculative decoding): the disaggregated roles send and
+  // receive it as one more layer. Its memory is written on the engine thread.
+  const kv::KvCache* mtp_cache() const { return drafter_ ? &drafter_->cache() : nullptr; }
+  // The hidden size PrefilledPrompt::last_hidden must have (0: no drafter).
+  int64_t mtp_hidden_size() const { return drafter_ ? drafter_->hidden_size() : 0; }
   // Stops the loop and fails what is left (idempotent; the destructor calls it).
   void shutdown();
 
@@ -139,6 +168,8 @@ class Engine {
     int num_output_tokens = 0;
     std::vector<int32_t> prefilled_pages;  // submit_prefilled(): the reservation
     int32_t first_token = -1;              // submit_prefilled(): sampled by the prefill instance
+    std::vector<float> last_hidden;        // submit_prefilled(): the MTP state, until admitted
+    bool has_mtp_state = false;            // submit_prefilled() with the MTP state: may speculate
     int32_t num_exported_tokens = 0;       // request.kv_export: positions handed over
     int num_draft_tokens = 0, num_accepted_tokens = 0;  // speculative decoding
   };
@@ -148,6 +179,7 @@ class Engine {
   void admit(uint64_t id, Active active);
   std::function<void(int)> export_hook(const StepPlan& plan);
   void after_export(const StepPlan& plan);
+  void export_mtp(const StepPlan& plan, const model::ForwardBatch& batch, const Tensor& hidden);
   Status run_forward(const StepPlan& plan, const model::ForwardBatch& batch, std::vector<std::vector<int32_t>>& runs,
                      ChunkLogprobs& logprobs, Tensor& hidden);
   Status run_speculative(const StepPlan& plan, const model::ForwardBatch& batch,

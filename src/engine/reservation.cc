@@ -28,7 +28,8 @@ const Reservation& ReservationTable::create(std::string request_id, std::vector<
   return table_.emplace(id, std::move(r)).first->second;
 }
 
-Status ReservationTable::commit(uint32_t id, uint64_t expected_batches, int32_t first_token) {
+Status ReservationTable::commit(uint32_t id, uint64_t expected_batches, int32_t first_token,
+                                std::vector<float> last_hidden) {
   auto it = table_.find(id);
   if (it == table_.end()) return not_found("no reservation {}", id);
   Reservation& r = it->second;
@@ -39,6 +40,7 @@ Status ReservationTable::commit(uint32_t id, uint64_t expected_batches, int32_t 
   r.state = ReservationState::kCommitted;
   r.expected_batches = expected_batches;
   r.first_token = first_token;
+  r.last_hidden = std::move(last_hidden);
   return Status::ok();
 }
 

@@ -37,6 +37,7 @@ struct Reservation {
   ReservationState state = ReservationState::kReserved;
   uint64_t expected_batches = 0;  // from the commit
   int32_t first_token = -1;       // from the commit
+  std::vector<float> last_hidden;  // from the commit: the MTP state (speculative decoding), or empty
   std::string abort_reason;       // why it is aborting
 };
 
@@ -52,7 +53,8 @@ class ReservationTable {
   // The writer says every write is submitted: `expected_batches` completions
   // of the imm, and the first token. kNotFound: unknown id; kAborted: it is
   // aborting (lease expired or aborted); kInvalidArgument: committed twice.
-  Status commit(uint32_t id, uint64_t expected_batches, int32_t first_token);
+  // `last_hidden`: the MTP state that came with the commit (may be empty).
+  Status commit(uint32_t id, uint64_t expected_batches, int32_t first_token, std::vector<float> last_hidden = {});
   // A committed reservation whose writes all landed leaves the table: its pages
   // go to the engine (the returned record). kNotFound / kInvalidArgument when
   // it is not committed.

@@ -257,6 +257,57 @@ void MtpDrafter::chain(Scheduler& scheduler, std::vector<Drafting>& drafting, Te
   }
 }
 
+void MtpDrafter::write_prompt_kv(const Scheduler& scheduler, const StepPlan& plan, const model::ForwardBatch& batch,
+                                 const Tensor& hidden, std::span<const size_t> chunks) {
+  model::MtpBatch mb;
+  mb.query_start.push_back(0);
+  std::vector<uint64_t> ids;
+  std::vector<int32_t> hidden_rows;
+  for (size_t c : chunks) {
+    const ScheduledChunk& chunk = plan.chunks[c];
+    const std::vector<int32_t>& tokens = scheduler.tokens_of(chunk.id);
+    CHECK(chunk.sample && static_cast<int32_t>(tokens.size()) == chunk.start + chunk.num_tokens,
+          "sequence {}: an MTP export from a chunk that does not complete its tokens", chunk.id);
+    if (chunk.num_tokens < 2) continue;  // the last position needs the token to be sampled
+    for (int32_t j = 0; j + 1 < chunk.num_tokens; ++j) {  // h_t with the prompt's token at t + 1
+      mb.token_ids.push_back(tokens[static_cast<size_t>(chunk.start + j + 1)]);
+      mb.positions.push_back(chunk.start + j);
+      hidden_rows.push_back(batch.query_start[c] + j);
+    }
+    mb.query_start.push_back(mb.num_tokens());
+    ids.push_back(chunk.id);
+  }
+  if (ids.empty()) return;
+  fill_page_table(scheduler, ids, mb);
+  const int64_t h = mtp_.config().hidden_size;
+  Tensor input(DType::kF32, {mb.num_tokens(), h});
+  for (size_t r = 0; r < hidden_rows.size(); ++r)
+    std::copy_n(hidden.data_as<float>() + hidden_rows[r] * h, h, input.data_as<float>() + static_cast<int64_t>(r) * h);
+  (void)mtp_.forward(pool_, mb, input, cache_.layer(0));  // KV only: no output rows
+}
+
+void MtpDrafter::start_prefilled(Scheduler& scheduler, uint64_t id, std::span<const float> last_hidden) {
+  const int64_t h = mtp_.config().hidden_size;
+  CHECK(static_cast<int64_t>(last_hidden.size()) == h, "sequence {}: a hidden state of {} values, not {}", id,
+        last_hidden.size(), h);
+  if (!scheduler.is_running(id) || scheduler.max_drafts(id) <= 0) return;
+  const int32_t computed = scheduler.num_computed(id);  // the prompt; its first token follows
+  model::MtpBatch mb;
+  mb.token_ids.push_back(scheduler.tokens_of(id)[static_cast<size_t>(computed)]);
+  mb.positions.push_back(computed - 1);
+  mb.query_start = {0, 1};
+  mb.output_rows.push_back(0);
+  const uint64_t ids[] = {id};
+  fill_page_table(scheduler, ids, mb);
+  Tensor input(DType::kF32, {1, h});
+  std::copy(last_hidden.begin(), last_hidden.end(), input.data_as<float>());
+  model::MtpOutput out = mtp_.forward(pool_, mb, input, cache_.layer(0));
+  const int64_t vocab = out.logits.view().dim(1);
+  std::vector<Drafting> drafting = {{id, computed, {argmax(std::span<const float>(out.logits.data_as<float>(), vocab))}}};
+  chain(scheduler, drafting, std::move(out.hidden));
+  scheduler.set_drafts(id, std::move(drafting[0].drafts));
+}
+
 void MtpDrafter::propose(Scheduler& scheduler, const StepPlan& plan, const model::ForwardBatch& batch,
                          const Tensor& hidden, const std::function<bool(uint64_t id)>& may_speculate) {
   Tensor out_hidden;

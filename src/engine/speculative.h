@@ -99,6 +99,8 @@ class MtpDrafter {
 
   int num_speculative_tokens() const { return num_speculative_tokens_; }
   size_t cache_bytes() const { return cache_.num_bytes(); }
+  const kv::KvCache& cache() const { return cache_; }
+  int64_t hidden_size() const { return mtp_.config().hidden_size; }
 
   // After scheduler.complete_step(plan, ...): extends the MTP's KV over the
   // positions the step computed (hidden: the target's last hidden state of
@@ -107,6 +109,20 @@ class MtpDrafter {
   // max_model_len; none when their pages are not available).
   void propose(Scheduler& scheduler, const StepPlan& plan, const model::ForwardBatch& batch, const Tensor& hidden,
                const std::function<bool(uint64_t id)>& may_speculate);
+
+  // Disaggregated prefill, before scheduler.complete_step(plan, ...): the MTP
+  // KV of the positions of the prompt-completing chunks `chunks` (indices into
+  // plan.chunks, sampling chunks) whose next token is the prompt's, i.e. all
+  // but the last (propose() would skip them: the prefill request finishes in
+  // this step).
+  void write_prompt_kv(const Scheduler& scheduler, const StepPlan& plan, const model::ForwardBatch& batch,
+                       const Tensor& hidden, std::span<const size_t> chunks);
+  // Disaggregated decode, once a prefilled sequence is added (its prompt's
+  // MTP KV but the last position's in the cache, its first token appended):
+  // the MTP step at the prompt's last position, from the target's hidden
+  // state there (`last_hidden`, [hidden]) and the first token, then the
+  // chained steps; the sequence gets its drafts as after a local prefill.
+  void start_prefilled(Scheduler& scheduler, uint64_t id, std::span<const float> last_hidden);
 
  private:
   struct Drafting {

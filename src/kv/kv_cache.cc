@@ -19,13 +19,14 @@ KvCache::KvCache(const KvCacheLayout& layout) : layout_(layout), allocator_(layo
   }
 }
 
-KvCache::KvCache(const KvCacheLayout& layout, void* memory) : layout_(layout), allocator_(layout.num_pages) {
+KvCache::KvCache(const KvCacheLayout& layout, void* memory, Device device)
+    : layout_(layout), device_(device), allocator_(layout.num_pages) {
   check_dtype(layout);
   auto* at = static_cast<char*>(memory);
   const size_t pool_bytes = layout.page_bytes() / 2 * static_cast<size_t>(layout.num_pages);
   for (int l = 0; l < layout.num_layers; ++l) {
-    k_pages_.emplace_back(at, layout.dtype, pool_shape(layout));
-    v_pages_.emplace_back(at + pool_bytes, layout.dtype, pool_shape(layout));
+    k_pages_.emplace_back(at, layout.dtype, pool_shape(layout), device);
+    v_pages_.emplace_back(at + pool_bytes, layout.dtype, pool_shape(layout), device);
     at += 2 * pool_bytes;
   }
 }

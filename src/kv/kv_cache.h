@@ -31,16 +31,22 @@ class KvCache {
   explicit KvCache(const KvCacheLayout& layout);
   // Over `memory` (num_bytes() bytes, not owned, zeroed by its owner):
   // layer l's K pages, then its V pages, layer after layer. The ranks of a
-  // parallel instance keep their caches in shared memory this way.
-  KvCache(const KvCacheLayout& layout, void* memory);
+  // parallel instance keep their caches in shared memory this way, and the
+  // CUDA runner its device pool (`device` cuda: device memory, which only
+  // kernels and the TransferEngine may touch; the views carry the device).
+  KvCache(const KvCacheLayout& layout, void* memory, Device device = Device::cpu());
 
   const KvCacheLayout& layout() const { return layout_; }
   ops::PagedKv layer(int layer) const;
   PageAllocator& allocator() { return allocator_; }
   size_t num_bytes() const { return layout_.num_bytes(); }
+  // Where the pages are: host memory, or the CUDA device that holds them.
+  Device device() const { return device_; }
+  bool on_device() const { return device_.kind == DeviceKind::kCuda; }
 
  private:
   KvCacheLayout layout_;
+  Device device_;
   std::vector<Tensor> owned_;
   std::vector<TensorView> k_pages_, v_pages_;
   PageAllocator allocator_;

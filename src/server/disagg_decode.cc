@@ -2,6 +2,7 @@
 
 #include <random>
 
+#include "core/check.h"
 #include "core/logging.h"
 #include "server/http_client.h"
 #include "server/metrics_text.h"
@@ -27,17 +28,26 @@ Expected<std::unique_ptr<DecodeService>> DecodeService::create(engine::Engine& e
                                                                DecodeServiceOptions options) {
   std::unique_ptr<DecodeService> s(new DecodeService(engine, transfer, std::move(options)));
   const kv::KvCacheLayout& l = cache.layout();
-  s->layout_ = {l.num_layers, l.num_kv_heads, l.head_dim, l.page_size, l.dtype};
-  for (int layer = 0; layer < l.num_layers; ++layer) {
-    const ops::PagedKv kv = cache.layer(layer);
+  const kv::KvCache* mtp = engine.mtp_cache();
+  s->layout_ = {l.num_layers, l.num_kv_heads, l.head_dim, l.page_size, l.dtype, mtp ? 1 : 0};
+  if (mtp) {
+    const kv::KvCacheLayout& m = mtp->layout();
+    CHECK(m.num_kv_heads == l.num_kv_heads && m.head_dim == l.head_dim && m.page_size == l.page_size &&
+              m.dtype == l.dtype && m.num_pages == l.num_pages,
+          "the MTP layer's KV cache is laid out as a model layer's");
+  }
+  for (int layer = 0; layer < l.num_layers + s->layout_.num_mtp_layers; ++layer) {
+    const ops::PagedKv kv = layer < l.num_layers ? cache.layer(layer) : mtp->layer(0);  // the MTP layer last
     for (const TensorView* pool : {&kv.k_pages, &kv.v_pages}) {
-      MOE_ASSIGN_OR_RETURN(transfer::RegionId id,
-                           transfer.register_region(const_cast<void*>(pool->data()), pool->num_bytes()));
+      MOE_ASSIGN_OR_RETURN(transfer::RegionId id, disagg::register_kv_pool(transfer, *pool));
       MOE_ASSIGN_OR_RETURN(transfer::RegionDescriptor desc, transfer.describe(id));
       (pool == &kv.k_pages ? s->k_regions_ : s->v_regions_).push_back(id);
       (pool == &kv.k_pages ? s->k_descs_ : s->v_descs_).push_back(std::move(desc));
     }
   }
+  log_info("decode: KV of {} layers in {} (page size {}, {}), written by prefill instances over {}", l.num_layers,
+           cache.on_device() ? fmt::format("the memory of GPU {}", cache.device().index) : std::string("host memory"),
+           l.page_size, dtype_name(l.dtype), transfer::transport_name(s->k_descs_.at(0).transport));
   DecodeService* self = s.get();
   transfer.set_completion_callback(
       [self](uint32_t imm, uint64_t) { self->worker_.post([self, imm] { self->check_landed(imm); }); });
@@ -131,15 +141,29 @@ HttpResponse DecodeService::handle_commit(const HttpRequest& request) {
   if (commit->first_token >= engine_.vocab_size())
     return ++num_rejected_,
            error_reply(invalid_argument("first token {} is outside the vocabulary", commit->first_token));
+  // One batch per layer; the MTP layer's batch and the hidden state come together or not at all.
+  const auto num_layers = static_cast<uint64_t>(layout_.num_layers);
+  const bool with_mtp = layout_.num_mtp_layers > 0 && commit->expected_batches == num_layers + 1;
+  Status shape;
+  if (commit->expected_batches != num_layers && !with_mtp)
+    shape = invalid_argument("commit: {} batches, the plan sends one per layer ({}{})", commit->expected_batches,
+                             num_layers, layout_.num_mtp_layers > 0 ? ", + 1 with the MTP layer" : "");
+  else if (with_mtp && static_cast<int64_t>(commit->last_hidden.size()) != engine_.mtp_hidden_size())
+    shape = invalid_argument("commit: the MTP layer came with {} hidden-state values, not {}",
+                             commit->last_hidden.size(), engine_.mtp_hidden_size());
+  else if (!with_mtp && !commit->last_hidden.empty())
+    shape = invalid_argument("commit: 'last_hidden' without the MTP layer's batch");
   {
     std::lock_guard lock(mutex_);
     const engine::Reservation* r = table_.find(commit->reservation);
-    if (r && commit->expected_batches != static_cast<uint64_t>(layout_.num_layers))
-      return ++num_rejected_,
-             error_reply(invalid_argument("commit: {} batches, the plan sends one per layer ({})",
-                                          commit->expected_batches, layout_.num_layers));
-    Status s = table_.commit(commit->reservation, commit->expected_batches, commit->first_token);
+    if (r && !shape.is_ok()) return ++num_rejected_, error_reply(shape);
+    Status s = table_.commit(commit->reservation, commit->expected_batches, commit->first_token,
+                             std::move(commit->last_hidden));
     if (!s.is_ok()) return ++num_rejected_, error_reply(s);
+    auto it = streams_.find(commit->reservation);
+    const bool would_draft = it != streams_.end() && it->second.request.spec.num_logprobs < 0 &&
+                             it->second.request.spec.max_tokens > 1;
+    if (layout_.num_mtp_layers > 0 && !with_mtp && would_draft) ++num_commits_without_mtp_;
   }
   ++num_commits_;
   const uint32_t id = commit->reservation;
@@ -170,9 +194,11 @@ void DecodeService::activate(uint32_t id) {
     return;
   }
   engine::EngineRequest request = disagg::to_engine_request(it->second.request.spec);
+  engine::PrefilledPrompt prompt{r->pages, r->first_token, std::move(r->last_hidden)};
   auto engine_id = engine_.submit_prefilled(
-      std::move(request), r->pages, r->first_token, [this, id](const engine::EngineOutput& out) {
-        disagg::TokenEvent event{out.token, out.logprobs, out.finish, out.error};
+      std::move(request), std::move(prompt), [this, id](const engine::EngineOutput& out) {
+        disagg::TokenEvent event{out.token,        out.logprobs,         out.finish,
+                                 out.error,        out.num_draft_tokens, out.num_accepted_draft_tokens};
         std::lock_guard lock(mutex_);
         auto it = streams_.find(id);
         if (it == streams_.end()) return;
@@ -355,6 +381,12 @@ std::string DecodeService::metrics_text() const {
       "# HELP moeserve:disagg_reserved_pages KV pages held by reservations.\n"
       "# TYPE moeserve:disagg_reserved_pages gauge\nmoeserve:disagg_reserved_pages{{{}}} {}\n",
       label, reservations, label, reserved_pages);
+  if (!k_descs_.empty())
+    out += fmt::format(
+        "# HELP moeserve:disagg_kv_transport_info Where this instance's KV is and how it arrives.\n"
+        "# TYPE moeserve:disagg_kv_transport_info gauge\n"
+        "moeserve:disagg_kv_transport_info{{{},memory=\"{}\",transport=\"{}\"}} 1\n",
+        label, transfer::memory_kind_name(k_descs_[0].memory), transfer::transport_name(k_descs_[0].transport));
   counter("disagg_commits_total", "Commits received from prefill instances.", num_commits_);
   counter("disagg_activated_total", "Reservations whose writes all landed, now decoding.", num_activated_);
   counter("disagg_aborts_total", "Reservations aborted (router, stream closed, lease expiry).", num_aborts_);
@@ -366,6 +398,11 @@ std::string DecodeService::metrics_text() const {
           num_released_);
   counter("disagg_rejected_messages_total",
           "Internal messages refused (malformed, unknown ids, wrong state).", num_rejected_);
+  if (layout_.num_mtp_layers > 0)
+    counter("disagg_commits_without_mtp_total",
+            "Commits of requests that could draft (no logprobs, max_tokens over 1) without the MTP state (a "
+            "prefill instance without the MTP layer): they decode without drafts.",
+            num_commits_without_mtp_);
   return out;
 }
 

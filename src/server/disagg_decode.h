@@ -83,7 +83,7 @@ class DecodeService {
   engine::Engine& engine_;
   transfer::TransferEngine& transfer_;
   DecodeServiceOptions options_;
-  disagg::KvLayout layout_;
+  disagg::KvLayout layout_;  // num_mtp_layers 1: the engine speculates (its MTP layer's regions come last)
   std::vector<transfer::RegionId> k_regions_, v_regions_;
   std::vector<transfer::RegionDescriptor> k_descs_, v_descs_;
 
@@ -91,7 +91,7 @@ class DecodeService {
   engine::ReservationTable table_;
   std::map<uint32_t, Stream> streams_;  // by reservation id (imm), until the stream ends
   std::atomic<int64_t> num_commits_{0}, num_activated_{0}, num_aborts_{0}, num_lease_expired_{0},
-      num_writer_lost_{0}, num_released_{0}, num_rejected_{0};
+      num_writer_lost_{0}, num_released_{0}, num_rejected_{0}, num_commits_without_mtp_{0};
   TaskWorker notifier_;  // blocking abort notices to prefill instances
   TaskWorker worker_;    // reservation transitions; declared last: stopped first
 };

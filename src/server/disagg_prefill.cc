@@ -14,14 +14,44 @@ using disagg::json_reply;
 // Sends each layer's KV of one prompt once the forward pass has written it
 // for the whole prompt: one TransferEngine batch per layer, imm = the
 // reservation. Called on the engine thread; submits only (never blocks).
+// With `with_mtp` the engine's MTP layer follows as one more batch (the
+// decode instance's last regions), and its hidden state goes with the commit.
 class PrefillService::Exporter final : public engine::KvExportSink {
  public:
   Exporter(transfer::TransferEngine& transfer, const PrefillService& service, disagg::KvTarget target,
-           int32_t num_prompt_tokens)
+           int32_t num_prompt_tokens, bool with_mtp)
       : transfer_(transfer),
         service_(service),
         target_(std::move(target)),
-        num_prompt_tokens_(num_prompt_tokens) {}
+        num_prompt_tokens_(num_prompt_tokens),
+        with_mtp_(with_mtp) {}
+
+  bool wants_mtp() const override { return with_mtp_; }
+
+  // The MTP layer's cache holds every k/v head on this rank (the drafter
+  // runs whole on the leader), so its plan is a single rank's.
+  void on_mtp_written(int32_t num_tokens, std::span<const int32_t> pages,
+                      std::span<const float> last_hidden) override {
+    std::lock_guard lock(mutex_);
+    if (!error_.is_ok() || !with_mtp_ || num_tokens != num_prompt_tokens_) return;
+    const auto& src = service_.layout_;
+    const transfer::KvSideLayout src_side{src.num_kv_heads, src.head_dim, src.page_size, src.dtype, 1, 0};
+    const auto& d = target_.layout;
+    const transfer::KvSideLayout dst_side{d.num_kv_heads, d.head_dim, d.page_size, d.dtype, 1, 0};
+    const size_t num_src_pages = static_cast<size_t>((num_tokens + src.page_size - 1) / src.page_size);
+    auto plan = transfer::KvTransferPlan::build(src_side, 0, dst_side,
+                                                pages.subspan(0, std::min(num_src_pages, pages.size())),
+                                                target_.pages, num_tokens);
+    if (!plan) return void(error_ = plan.status());
+    const size_t l = static_cast<size_t>(d.num_layers);  // the MTP layer's regions follow the model's
+    const transfer::KvLayerRemote dst{target_.k_regions[l], 0, target_.v_regions[l], 0};
+    const transfer::KvLayerRegions from{*service_.mtp_k_region_, 0, *service_.mtp_v_region_, 0};
+    auto id = transfer_.submit_scattered(plan->layer_writes(from, dst), target_.reservation);
+    if (!id) return void(error_ = id.status());
+    batches_.push_back(*id);
+    num_bytes_ += plan->bytes_per_layer();
+    last_hidden_.assign(last_hidden.begin(), last_hidden.end());
+  }
 
   void on_layer_written(int layer, int32_t start, int32_t num_tokens,
                         std::span<const int32_t> pages) override {
@@ -33,14 +63,17 @@ class PrefillService::Exporter final : public engine::KvExportSink {
     const size_t l = static_cast<size_t>(layer);
     const transfer::KvLayerRemote dst{target_.k_regions[l], 0, target_.v_regions[l], 0};
     std::vector<transfer::RegionRuns> groups;
+    uint64_t bytes = 0;
     for (size_t rank = 0; rank < plans_.size(); ++rank) {
       if (!plans_[rank].is_writer()) continue;  // a replica of heads another rank sends
       const transfer::KvLayerRegions src{service_.k_regions_[rank][l], 0, service_.v_regions_[rank][l], 0};
       for (auto& g : plans_[rank].layer_writes(src, dst)) groups.push_back(std::move(g));
+      bytes += plans_[rank].bytes_per_layer();
     }
     auto id = transfer_.submit_scattered(groups, target_.reservation);
     if (!id) return void(error_ = id.status());
     batches_.push_back(*id);
+    num_bytes_ += bytes;
   }
 
   Status build_plans(std::span<const int32_t> pages) {
@@ -89,20 +122,32 @@ class PrefillService::Exporter final : public engine::KvExportSink {
     std::lock_guard lock(mutex_);
     return batches_.size();
   }
+  uint64_t num_bytes() const {  // of the batches submitted so far
+    std::lock_guard lock(mutex_);
+    return num_bytes_;
+  }
   std::vector<transfer::TransferId> batches() const {
     std::lock_guard lock(mutex_);
     return batches_;
   }
   const disagg::KvTarget& target() const { return target_; }
+  // Set once the MTP layer was submitted (the commit carries it); else empty.
+  std::vector<float> last_hidden() const {
+    std::lock_guard lock(mutex_);
+    return last_hidden_;
+  }
 
  private:
   transfer::TransferEngine& transfer_;
   const PrefillService& service_;
   const disagg::KvTarget target_;
   const int32_t num_prompt_tokens_;
+  const bool with_mtp_;
   mutable std::mutex mutex_;
   std::vector<transfer::KvTransferPlan> plans_;  // one per rank
   std::vector<transfer::TransferId> batches_;
+  uint64_t num_bytes_ = 0;
+  std::vector<float> last_hidden_;
   Status error_;
   std::function<void()> release_;  // from the engine, until the batches are done
   bool sent_ = false;              // every batch is done: release at once
@@ -126,11 +171,23 @@ Expected<std::unique_ptr<PrefillService>> PrefillService::create(engine::Engine&
     s->v_regions_.emplace_back();
     for (int layer = 0; layer < l.num_layers; ++layer) {
       const ops::PagedKv kv = cache->layer(layer);
-      MOE_ASSIGN_OR_RETURN(auto k, transfer.register_region(kv.k_pages.data(), kv.k_pages.num_bytes()));
-      MOE_ASSIGN_OR_RETURN(auto v, transfer.register_region(kv.v_pages.data(), kv.v_pages.num_bytes()));
+      MOE_ASSIGN_OR_RETURN(auto k, disagg::register_kv_pool(transfer, kv.k_pages));
+      MOE_ASSIGN_OR_RETURN(auto v, disagg::register_kv_pool(transfer, kv.v_pages));
       s->k_regions_.back().push_back(k);
       s->v_regions_.back().push_back(v);
     }
+  }
+  s->kv_on_device_ = rank_caches[0]->on_device();
+  MOE_ASSIGN_OR_RETURN(const transfer::RegionDescriptor first, transfer.describe(s->k_regions_[0][0]));
+  s->kv_transport_ = transfer::transport_name(first.transport);
+  log_info("prefill: KV of {} layers in {} (page size {}, {}), sent with the {} transport", l.num_layers,
+           s->kv_on_device_ ? fmt::format("the memory of GPU {}", rank_caches[0]->device().index)
+                            : std::string("host memory"),
+           l.page_size, dtype_name(l.dtype), s->kv_transport_);
+  if (const kv::KvCache* mtp = engine.mtp_cache()) {
+    const ops::PagedKv kv = mtp->layer(0);
+    MOE_ASSIGN_OR_RETURN(s->mtp_k_region_, transfer.register_region(kv.k_pages.data(), kv.k_pages.num_bytes()));
+    MOE_ASSIGN_OR_RETURN(s->mtp_v_region_, transfer.register_region(kv.v_pages.data(), kv.v_pages.num_bytes()));
   }
   return s;
 }
@@ -166,12 +223,21 @@ void PrefillService::handle_prefill(const HttpRequest& request,
                                                  "head_dim {}, {}) differs from this one's",
                                                  target.layout.num_layers, target.layout.num_kv_heads,
                                                  target.layout.head_dim, dtype_name(target.layout.dtype))));
+  // KV in GPU memory leaves only through CUDA IPC (no staging through host memory yet).
+  if (kv_on_device_ && !target.k_regions.empty() && target.k_regions[0].transport != transfer::TransportKind::kCudaIpc)
+    return ++num_rejected_,
+           exchange->respond(error_reply(unimplemented(
+               "this prefill instance's KV is in GPU memory and goes only to decode instances with their KV in GPU "
+               "memory of the same host (CUDA IPC); {} offers {} memory over {}",
+               target.decode_url, transfer::memory_kind_name(target.k_regions[0].memory),
+               transfer::transport_name(target.k_regions[0].transport))));
   const std::string endpoint = target.k_regions.empty() ? std::string() : target.k_regions[0].endpoint;
   const std::string key = endpoint + "/" + std::to_string(target.reservation);
   engine::EngineRequest req = disagg::to_engine_request(parsed->spec);
   req.max_tokens = 1;  // prefill only: the first token
   const auto num_prompt = static_cast<int32_t>(req.prompt.size());
-  auto exporter = std::make_shared<Exporter>(transfer_, *this, parsed->target, num_prompt);
+  auto exporter =
+      std::make_shared<Exporter>(transfer_, *this, parsed->target, num_prompt, sends_mtp(*parsed));
   req.kv_export = exporter;
   std::lock_guard lock(mutex_);
   if (jobs_.count(key))
@@ -188,6 +254,18 @@ void PrefillService::handle_prefill(const HttpRequest& request,
       [this, key] { worker_.post([this, key] { cancel_job(key, "the router closed the connection"); }); });
 }
 
+// Whether the MTP state goes with this prompt: both sides speculate, and the
+// decode instance will draft for it (no logprobs, a second token to come).
+// Without, the request decodes there without drafts (docs/speculative.md).
+bool PrefillService::sends_mtp(const disagg::PrefillRequest& request) {
+  const bool here = mtp_k_region_.has_value(), there = request.target.layout.num_mtp_layers > 0;
+  if (here != there && !warned_mtp_mismatch_.exchange(true))
+    log_warn("prefill: {} has {} MTP layer and this instance {}: its requests decode without drafts "
+             "(start both with the same --speculative-config and --speculative-model)",
+             request.target.decode_url, there ? "an" : "no", here ? "has one" : "has none");
+  return here && there && request.spec.num_logprobs < 0 && request.spec.max_tokens > 1;
+}
+
 void PrefillService::on_prefilled(const std::string& key, const engine::EngineOutput& out) {
   std::shared_ptr<Exporter> exporter;
   std::shared_ptr<HttpExchange> exchange;
@@ -200,6 +278,7 @@ void PrefillService::on_prefilled(const std::string& key, const engine::EngineOu
     exporter = it->second.exporter;
     exchange = it->second.exchange;
   }
+  num_kv_bytes_sent_ += static_cast<int64_t>(exporter->num_bytes());
   Status error = !out.error.is_ok() ? out.error : exporter->error();
   if (error.is_ok() && out.token < 0) error = aborted("the prefill was cancelled");
   if (!error.is_ok()) {
@@ -228,7 +307,8 @@ void PrefillService::commit(const std::string& key, disagg::PrefillResult result
     exchange = it->second.exchange;
   }
   const disagg::KvTarget& target = exporter->target();
-  disagg::CommitRequest msg{target.reservation, exporter->num_batches(), result.first_token};
+  disagg::CommitRequest msg{target.reservation, exporter->num_batches(), result.first_token,
+                            exporter->last_hidden()};
   auto url = HttpUrl::parse(target.decode_url);
   auto reply = url ? http_call(*url, "POST", "/internal/commit", disagg::to_json(msg).dump(),
                                options_.commit_timeout_s)
@@ -324,6 +404,12 @@ std::string PrefillService::metrics_text() const {
         "{}\n",
         label, pending_prompt_tokens_);
   }
+  out += fmt::format(
+      "# HELP moeserve:disagg_kv_transport_info Where this instance's KV is and how it leaves.\n"
+      "# TYPE moeserve:disagg_kv_transport_info gauge\n"
+      "moeserve:disagg_kv_transport_info{{{},memory=\"{}\",transport=\"{}\"}} 1\n",
+      label, kv_on_device_ ? "device" : "host", kv_transport_);
+  counter("disagg_kv_bytes_sent_total", "KV bytes of the batches submitted to decode instances.", num_kv_bytes_sent_);
   counter("disagg_prefills_total", "Prefills with a KV target accepted.", num_prefills_);
   counter("disagg_prefill_failures_total", "Prefills that failed (cancelled, transfer or commit error).",
           num_failed_);

@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "engine/engine.h"
@@ -64,6 +65,7 @@ class PrefillService {
 
   void handle_prefill(const HttpRequest& request, const std::shared_ptr<HttpExchange>& exchange);
   void handle_abort(const HttpRequest& request, const std::shared_ptr<HttpExchange>& exchange);
+  bool sends_mtp(const disagg::PrefillRequest& request);
   void on_prefilled(const std::string& key, const engine::EngineOutput& out);
   void commit(const std::string& key, disagg::PrefillResult result);
   void cancel_job(const std::string& key, const char* why);
@@ -76,12 +78,19 @@ class PrefillService {
   PrefillServiceOptions options_;
   disagg::KvLayout layout_;  // the model's: all k/v heads; a rank's page size and dtype
   int tp_size_ = 1;
+  bool kv_on_device_ = false;  // the CUDA runner's pool: sent with CUDA IPC only
+  std::string kv_transport_;   // of the registered KV regions, for logs and metrics
   std::vector<std::vector<transfer::RegionId>> k_regions_, v_regions_;  // [rank][layer]
+  // Speculative decoding: the engine's MTP layer (all k/v heads, on this
+  // rank), sent as one more layer to decode instances that have one.
+  std::optional<transfer::RegionId> mtp_k_region_, mtp_v_region_;
 
   mutable std::mutex mutex_;
   std::map<std::string, Job> jobs_;  // by "<decode endpoint>/<reservation>"
   int64_t pending_prompt_tokens_ = 0;
-  std::atomic<int64_t> num_prefills_{0}, num_failed_{0}, num_aborts_{0}, num_rejected_{0}, num_batches_{0};
+  std::atomic<int64_t> num_prefills_{0}, num_failed_{0}, num_aborts_{0}, num_rejected_{0}, num_batches_{0},
+      num_kv_bytes_sent_{0};
+  std::atomic<bool> warned_mtp_mismatch_{false};  // logged once per instance
   TaskWorker worker_;  // declared last: stopped first
 };
 

@@ -1,5 +1,7 @@
 #include "server/disagg_protocol.h"
 
+#include <cmath>
+#include <limits>
 #include <set>
 
 namespace moe::server::disagg {
@@ -80,6 +82,21 @@ class Reader {
       if (!x.is_number_integer() || x.get<int64_t>() < lo || x.get<int64_t>() > hi)
         return fail("{}: '{}' must hold integers in [{}, {}]", what_, name, lo, hi), std::vector<int32_t>();
       out.push_back(static_cast<int32_t>(x.get<int64_t>()));
+    }
+    return out;
+  }
+  // Finite numbers (f32 values, as the engine keeps them).
+  std::vector<float> floats(const char* name, size_t max_len) {
+    std::vector<float> out;
+    const json* v = field(name, false);
+    if (!v) return out;
+    if (!v->is_array()) return fail("{}: '{}' must be an array", what_, name), out;
+    if (v->size() > max_len) return fail("{}: '{}' has over {} entries", what_, name, max_len), out;
+    out.reserve(v->size());
+    for (const auto& x : *v) {
+      if (!x.is_number() || !(std::abs(x.get<double>()) <= std::numeric_limits<float>::max()))
+        return fail("{}: '{}' must hold finite numbers", what_, name), std::vector<float>();
+      out.push_back(static_cast<float>(x.get<double>()));
     }
     return out;
   }
@@ -191,6 +208,7 @@ json to_json(const KvTarget& t) {
           {"head_dim", t.layout.head_dim},
           {"page_size", t.layout.page_size},
           {"dtype", dtype_name(t.layout.dtype)},
+          {"num_mtp_layers", t.layout.num_mtp_layers},
           {"k_regions", k},
           {"v_regions", v}};
 }
@@ -198,7 +216,7 @@ json to_json(const KvTarget& t) {
 Expected<KvTarget> parse_kv_target(const json& j) {
   Reader r(j, "target",
            {"decode_url", "reservation", "pages", "num_layers", "num_kv_heads", "head_dim", "page_size",
-            "dtype", "k_regions", "v_regions"});
+            "dtype", "num_mtp_layers", "k_regions", "v_regions"});
   KvTarget t;
   t.decode_url = r.string("decode_url", 256);
   t.reservation = static_cast<uint32_t>(r.integer("reservation", 1, UINT32_MAX));
@@ -208,14 +226,16 @@ Expected<KvTarget> parse_kv_target(const json& j) {
   t.layout.head_dim = static_cast<int>(r.integer("head_dim", 1, 65536));
   t.layout.page_size = static_cast<int>(r.integer("page_size", 1, 1024));
   const std::string dtype = r.string("dtype", 16);
+  t.layout.num_mtp_layers = static_cast<int>(r.integer("num_mtp_layers", 0, 1, false, 0));
   MOE_RETURN_IF_ERROR(r.status());
   auto d = dtype_from_name(dtype);
   if (!d) return invalid_argument("target: unknown dtype '{}'", dtype);
   t.layout.dtype = *d;
+  const int num_regions = t.layout.num_layers + t.layout.num_mtp_layers;
   for (const char* name : {"k_regions", "v_regions"}) {
     const json& regions = j[name];
-    if (!regions.is_array() || static_cast<int>(regions.size()) != t.layout.num_layers)
-      return invalid_argument("target: '{}' must hold one region per layer", name);
+    if (!regions.is_array() || static_cast<int>(regions.size()) != num_regions)
+      return invalid_argument("target: '{}' must hold one region per layer (and the MTP layer's)", name);
     for (const auto& region : regions) {
       MOE_ASSIGN_OR_RETURN(auto desc, transfer::RegionDescriptor::from_json(region));
       (std::string(name) == "k_regions" ? t.k_regions : t.v_regions).push_back(std::move(desc));
@@ -285,18 +305,21 @@ Expected<PrefillResult> parse_prefill_result(const std::string& body) {
 }
 
 json to_json(const CommitRequest& r) {
-  return {{"reservation", r.reservation},
-          {"expected_batches", r.expected_batches},
-          {"first_token", r.first_token}};
+  json j = {{"reservation", r.reservation},
+            {"expected_batches", r.expected_batches},
+            {"first_token", r.first_token}};
+  if (!r.last_hidden.empty()) j["last_hidden"] = r.last_hidden;  // shortest round-trip decimals: exact f32
+  return j;
 }
 
 Expected<CommitRequest> parse_commit_request(const std::string& body) {
   MOE_ASSIGN_OR_RETURN(json j, parse_body(body, "commit"));
-  Reader r(j, "commit", {"reservation", "expected_batches", "first_token"});
+  Reader r(j, "commit", {"reservation", "expected_batches", "first_token", "last_hidden"});
   CommitRequest c;
   c.reservation = static_cast<uint32_t>(r.integer("reservation", 1, UINT32_MAX));
   c.expected_batches = static_cast<uint64_t>(r.integer("expected_batches", 0, 1 << 30));
   c.first_token = static_cast<int32_t>(r.integer("first_token", 0, kMaxTokenId));
+  c.last_hidden = r.floats("last_hidden", kMaxHiddenSize);
   MOE_RETURN_IF_ERROR(r.status());
   return c;
 }
@@ -319,16 +342,22 @@ Expected<AbortRequest> parse_abort_request(const std::string& body) {
 json to_json(const TokenEvent& e) {
   json j = {{"token", e.token}, {"finish", engine::finish_reason_name(e.finish)}};
   if (e.logprobs) j["logprobs"] = logprobs_json(*e.logprobs);
+  if (e.num_draft_tokens > 0) {
+    j["draft_tokens"] = e.num_draft_tokens;
+    j["accepted_tokens"] = e.num_accepted_draft_tokens;
+  }
   if (!e.error.is_ok())
     j["error"] = {{"code", status_code_name(e.error.code())}, {"message", e.error.message()}};
   return j;
 }
 
 Expected<TokenEvent> parse_token_event(const json& j) {
-  Reader r(j, "token event", {"token", "finish", "logprobs", "error"});
+  Reader r(j, "token event", {"token", "finish", "logprobs", "error", "draft_tokens", "accepted_tokens"});
   TokenEvent e;
   e.token = static_cast<int32_t>(r.integer("token", -1, kMaxTokenId));
   const std::string finish = r.string("finish", 16);
+  e.num_draft_tokens = static_cast<int>(r.integer("draft_tokens", 0, kMaxTokenId, false, 0));
+  e.num_accepted_draft_tokens = static_cast<int>(r.integer("accepted_tokens", 0, e.num_draft_tokens, false, 0));
   MOE_RETURN_IF_ERROR(r.status());
   if (finish == "stop")
     e.finish = engine::FinishReason::kStop;
@@ -400,6 +429,15 @@ InstanceLoad engine_load(const std::string& role, const engine::Engine& engine,
   l.prompt_tokens_total = m.prompt_tokens_total;
   l.busy_seconds_total = m.busy_seconds_total;
   return l;
+}
+
+Expected<transfer::RegionId> register_kv_pool(transfer::TransferEngine& transfer, const TensorView& pool) {
+  if (pool.device().kind != DeviceKind::kCuda)
+    return transfer.register_region(const_cast<void*>(pool.data()), pool.num_bytes());
+  auto id = transfer.register_region(const_cast<void*>(pool.data()), pool.num_bytes(), transfer::MemoryKind::kDevice,
+                                     pool.device().index);
+  if (!id) return id.status().with_context("the KV cache is in GPU memory, which only the CUDA IPC transport sends");
+  return id;
 }
 
 engine::EngineRequest to_engine_request(const GenerationSpec& s) {

@@ -30,6 +30,7 @@ namespace moe::server::disagg {
 
 inline constexpr size_t kMaxInternalBodyBytes = 8 << 20;
 inline constexpr int kMaxPromptTokens = 1 << 20;
+inline constexpr size_t kMaxHiddenSize = 1 << 16;  // CommitRequest::last_hidden
 
 // What the generation needs, shared by the decode and prefill requests.
 struct GenerationSpec {
@@ -46,6 +47,10 @@ struct GenerationSpec {
 struct KvLayout {
   int num_layers = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
   DType dtype = DType::kF32;
+  // Speculative decoding: 1 when the decode instance has an MTP layer, whose
+  // KV (the same heads, head_dim, page size and dtype, the same page ids)
+  // travels as one more layer after the model's: its regions come last.
+  int num_mtp_layers = 0;
 };
 
 // Where the prefill instance writes: a reservation on a decode instance.
@@ -54,7 +59,7 @@ struct KvTarget {
   uint32_t reservation = 0;  // also the imm of every write
   std::vector<int32_t> pages;
   KvLayout layout;
-  std::vector<transfer::RegionDescriptor> k_regions, v_regions;  // per layer
+  std::vector<transfer::RegionDescriptor> k_regions, v_regions;  // per layer, then the MTP layer's
 };
 
 struct DecodeRequest {
@@ -77,8 +82,11 @@ struct PrefillResult {
 
 struct CommitRequest {
   uint32_t reservation = 0;
-  uint64_t expected_batches = 0;
+  uint64_t expected_batches = 0;  // one per layer, + 1 when the MTP layer was sent
   int32_t first_token = -1;
+  // With the MTP layer: the target's hidden state at the prompt's last
+  // position (engine::PrefilledPrompt::last_hidden); empty otherwise.
+  std::vector<float> last_hidden;
 };
 
 struct AbortRequest {
@@ -93,6 +101,8 @@ struct TokenEvent {
   std::optional<engine::TokenLogprobs> logprobs;
   engine::FinishReason finish = engine::FinishReason::kNone;
   Status error;
+  // Speculative decoding, so far in the request (engine::EngineOutput's).
+  int num_draft_tokens = 0, num_accepted_draft_tokens = 0;
 };
 
 struct InstanceLoad {
@@ -109,6 +119,11 @@ struct InstanceLoad {
 // The fields every role reports from its engine and TransferEngine.
 InstanceLoad engine_load(const std::string& role, const engine::Engine& engine,
                          const transfer::TransferEngine& transfer);
+
+// One KV pool (a layer's K or V pages) as a TransferEngine region: device
+// memory (the CUDA runner's pool) goes to the CUDA IPC transport, host memory
+// to TCP (the CPU never reads or writes device pools).
+Expected<transfer::RegionId> register_kv_pool(transfer::TransferEngine& transfer, const TensorView& pool);
 
 nlohmann::json to_json(const GenerationSpec& spec);
 nlohmann::json to_json(const KvTarget& target);

@@ -1,5 +1,6 @@
 #include "server/router.h"
 
+#include <algorithm>
 #include <limits>
 #include <random>
 
@@ -95,6 +96,7 @@ class Router::Job {
   const double arrival_s_;
   double deadline_s_ = std::numeric_limits<double>::infinity();
   int num_output_tokens_ = 0;
+  int num_draft_tokens_ = 0, num_accepted_draft_tokens_ = 0;  // the decode instance's, so far
   bool finished_ = false;
   std::atomic<bool> cancelled_{false};
   std::mutex mutex_;  // guards the call slots
@@ -114,6 +116,8 @@ void Router::Job::emit(int32_t token, std::optional<engine::TokenLogprobs> logpr
   if (token >= 0) ++num_output_tokens_;
   out.num_prompt_tokens = static_cast<int>(request_.prompt.size());
   out.num_output_tokens = num_output_tokens_;
+  out.num_draft_tokens = num_draft_tokens_;
+  out.num_accepted_draft_tokens = num_accepted_draft_tokens_;
   finished_ = out.finish != engine::FinishReason::kNone;
   try {
     on_output_(out);
@@ -257,6 +261,8 @@ Router::Job::Outcome Router::Job::stream_decode(HttpCall& decode) {
       fail(token->error);
       return Outcome::kDone;
     }
+    num_draft_tokens_ = std::max(num_draft_tokens_, token->num_draft_tokens);
+    num_accepted_draft_tokens_ = std::max(num_accepted_draft_tokens_, token->num_accepted_draft_tokens);
     emit(token->token, token->logprobs, token->finish);
   }
   return Outcome::kDone;

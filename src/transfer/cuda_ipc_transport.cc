@@ -92,7 +92,7 @@ void CudaIpcTransport::shutdown() {
   cv_.notify_all();
   if (completion_thread_.joinable()) completion_thread_.join();
   DeviceGuard guard;
-  for (auto& [key, opened] : opened_) cudaIpcCloseMemHandle(opened.base);
+  for (auto& [key, base] : opened_) cudaIpcCloseMemHandle(base);
   for (auto& [device, table] : tables_) {
     cudaSetDevice(device);
     cudaFree(table.data);
@@ -146,11 +146,12 @@ Expected<uint8_t*> CudaIpcTransport::map_region(const RegionDescriptor& dst) {
   MOE_ASSIGN_OR_RETURN(ExportData data, parse_export(dst.export_data));
   if (data.pid == getpid()) return reinterpret_cast<uint8_t*>(dst.base_address);  // same address space
   std::lock_guard lock(mutex_);
-  const auto key = std::make_pair(dst.endpoint, dst.region_id);
-  if (auto it = opened_.find(key); it != opened_.end()) return it->second.base + it->second.offset;
+  // One mapping per allocation: the regions inside it share it.
+  const auto key = std::make_pair(dst.endpoint, dst.export_data.substr(0, dst.export_data.find(':')));
+  if (auto it = opened_.find(key); it != opened_.end()) return it->second + data.offset;
   void* base = nullptr;
   MOE_CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&base, data.handle, cudaIpcMemLazyEnablePeerAccess));
-  opened_[key] = Opened{static_cast<uint8_t*>(base), data.offset};
+  opened_[key] = static_cast<uint8_t*>(base);
   return static_cast<uint8_t*>(base) + data.offset;
 }
 

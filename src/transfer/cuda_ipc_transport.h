@@ -2,7 +2,9 @@
 //
 // A region is exported with cudaIpcGetMemHandle on its allocation (the
 // descriptor's export_data is "<handle hex>:<offset in allocation>:<pid>");
-// a writer in another process opens the handle once (cached per peer region)
+// a writer in another process opens the handle once per peer allocation (the
+// regions of one allocation, e.g. every layer's K and V pages of a KV pool,
+// share the mapping)
 // and copies with cudaMemcpyAsync on its own stream per device (peer copies
 // over NVLink when the GPUs have peer access). A writer in the same process
 // uses the region's address directly. When a batch's copies are done (its
@@ -52,10 +54,6 @@ class CudaIpcTransport final : public Transport {
     std::shared_ptr<BatchState> batch;
     std::string peer;
   };
-  struct Opened {
-    uint8_t* base = nullptr;  // the mapped allocation
-    uint64_t offset = 0;      // of the region inside it
-  };
 
   CudaIpcTransport(TcpTransport& control, BatchTracker& tracker, std::string host_id)
       : control_(control), tracker_(tracker), host_id_(std::move(host_id)) {}
@@ -85,7 +83,8 @@ class CudaIpcTransport final : public Transport {
   bool stopping_ = false;
   std::deque<Pending> pending_;
   std::vector<std::shared_ptr<BatchState>> in_progress_;  // popped, event not yet done
-  std::map<std::pair<std::string, RegionId>, Opened> opened_;
+  // Mapped peer allocations: (peer endpoint, handle) -> the allocation's base here.
+  std::map<std::pair<std::string, std::string>, uint8_t*> opened_;
   std::map<int, void*> streams_;
   std::map<int, std::vector<void*>> free_events_;  // cudaEvent_t per device, reused
   std::mutex issue_mutex_;                         // table upload + launch, per call

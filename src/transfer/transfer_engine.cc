@@ -259,6 +259,11 @@ class Engine final : public TransferEngine {
                                 transport_name(group.dst.transport));
       std::optional<LocalRegion> src = receiver_.find_region(group.src_region);
       if (!src) return not_found("source region {} is not registered", group.src_region);
+      // Only CUDA IPC reads device memory; the other transports would read it
+      // with the CPU (no staging through host memory yet).
+      if (src->memory == MemoryKind::kDevice && group.dst.transport != TransportKind::kCudaIpc)
+        return unimplemented("source region {} is device memory, which only CUDA IPC sends, not {} (to {})", src->id,
+                             transport_name(group.dst.transport), group.dst.endpoint);
       if (batch.dsts.empty()) {
         batch.src_memory = src->memory;
         batch.src_device = src->device;

@@ -71,15 +71,35 @@ TEST(Cli, SpeculativeGenerateAndItsErrors) {
       {base + "--device cuda --speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}' "
               "--speculative-model " + mtp,
        "CPU backend only"},
-      {"decode --model " + kGolden + " --speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}' "
-                                     "--speculative-model " + mtp,
-       "disaggregated serving"},
+      {"decode --model " + kGolden + " --device cuda --speculative-config "
+                                     "'{\"method\":\"mtp\",\"num_speculative_tokens\":2}' --speculative-model " + mtp,
+       "CPU backend only"},
+      {"serve --disagg --model " + kGolden + " --speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'",
+       "needs --speculative-model"},
   };
   for (const auto& [args, message] : errors) {
     CliRun r = run(args);
     EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
     EXPECT_NE(r.output.find(message), std::string::npos) << args << "\n" << r.output;
   }
+}
+
+// --gpu and the GPU disaggregated roles (docs/gpu.md, docs/disagg.md): clear
+// errors, whether or not this machine has a GPU.
+TEST(Cli, GpuSelectionErrors) {
+  CliRun cpu_gpu = run("generate --model " + kGolden + " --prompt-ids 1 --gpu 1");
+  EXPECT_EQ(cpu_gpu.exit_code, 1) << cpu_gpu.output;
+  EXPECT_NE(cpu_gpu.output.find("--gpu 1 only applies with --device cuda"), std::string::npos) << cpu_gpu.output;
+  CliRun cluster = run("serve --disagg --device cuda --model " + kGolden);
+  EXPECT_EQ(cluster.exit_code, 1) << cluster.output;
+  EXPECT_NE(cluster.output.find("serve --disagg starts CPU instances only"), std::string::npos) << cluster.output;
+  // No machine here has 1000 GPUs: refused before any model is loaded.
+  CliRun far = run("prefill --model " + kGolden + " --device cuda --gpu 1000 --port 0");
+  EXPECT_EQ(far.exit_code, 1) << far.output;
+  EXPECT_TRUE(far.output.find("no usable GPU") != std::string::npos ||
+              far.output.find("no CUDA backend") != std::string::npos ||
+              far.output.find("--gpu 1000: ") != std::string::npos)
+      << far.output;
 }
 
 TEST(Cli, BadArgumentsGiveAUsageErrorAndNonZeroExit) {

@@ -241,10 +241,10 @@ TEST(CudaModel, TensorCoreAttentionPathMatchesCpu) {
 }
 
 
-// FP8 experts (fp8-block) on the GPU against the CPU's quantized model on the
-// same weights: the experts through the FP8 grouped GEMM, the attention
-// projections dequantized to bf16 with their inputs quantized per 1 x 128 as
-// the CPU does. Looser than kLogitTolerance: the GPU quantizes bf16
+// FP8 experts (fp8-block, then mxfp8) on the GPU against the CPU's quantized
+// model on the same weights: the experts through the FP8 grouped GEMMs, the
+// attention projections dequantized to bf16 with their inputs quantized per
+// 1 x 128 (mxfp8: 1 x 32) as the CPU does. Looser than kLogitTolerance: the GPU quantizes bf16
 // activations, the CPU f32 ones, and a value near an E4M3 rounding boundary
 // can land on either side (1/16 relative).
 TEST(CudaModel, Fp8ExpertsMatchTheCpuQuantizedModel) {
@@ -257,31 +257,35 @@ TEST(CudaModel, Fp8ExpertsMatchTheCpuQuantizedModel) {
     "rope_theta": 1000000.0, "max_position_embeddings": 4096})"));
   ASSERT_TRUE(config.has_value()) << config.status().to_string();
   ThreadPool pool;
-  ModelWeights weights = ModelWeights::dummy(*config, 5, pool, ops::QuantFormat::kFp8Block);
-  Qwen3MoeModel cpu(weights);
-  CudaModelOptions options;
-  options.page_size = 16;
-  options.num_pages = 64;
-  options.max_num_tokens = 256;
-  auto gpu = CudaQwen3MoeModel::create(weights, options);
-  ASSERT_TRUE(gpu.has_value()) << gpu.status().to_string();
-  kv::KvCache cache({config->num_layers, 2, 128, 16, 64, DType::kF32});
-  std::vector<ops::PagedKv> layers;
-  for (int l = 0; l < config->num_layers; ++l) layers.push_back(cache.layer(l));
-  ForwardBatch batch;
-  for (int i = 0; i < 200; ++i) batch.token_ids.push_back((i * 53) % 1000), batch.positions.push_back(i);
-  batch.query_start = {0, 200};
-  for (int p = 0; p < 16; ++p) batch.page_table.push_back(p);
-  batch.max_pages_per_seq = 16;
-  batch.logits_rows = {0, 99, 199};
-  Tensor cpu_logits = cpu.forward(pool, batch, layers);
-  auto gpu_logits = (*gpu)->forward(batch);
-  ASSERT_TRUE(gpu_logits.has_value()) << gpu_logits.status().to_string();
-  for (size_t r = 0; r < batch.logits_rows.size(); ++r) {
-    std::vector<float> ref(cpu_logits.data_as<float>() + r * 1000, cpu_logits.data_as<float>() + (r + 1) * 1000);
-    const double error = relative_error(gpu_logits->data_as<float>() + r * 1000, ref);
-    std::printf("fp8 experts: row %zu relative logit error %.4f\n", r, error);
-    EXPECT_LT(error, 8e-2) << "row " << r;
+  for (const ops::QuantFormat format : {ops::QuantFormat::kFp8Block, ops::QuantFormat::kMxfp8}) {
+    const std::string name(ops::quant_format_name(format));
+    SCOPED_TRACE(name);
+    ModelWeights weights = ModelWeights::dummy(*config, 5, pool, format);
+    Qwen3MoeModel cpu(weights);
+    CudaModelOptions options;
+    options.page_size = 16;
+    options.num_pages = 64;
+    options.max_num_tokens = 256;
+    auto gpu = CudaQwen3MoeModel::create(weights, options);
+    ASSERT_TRUE(gpu.has_value()) << gpu.status().to_string();
+    kv::KvCache cache({config->num_layers, 2, 128, 16, 64, DType::kF32});
+    std::vector<ops::PagedKv> layers;
+    for (int l = 0; l < config->num_layers; ++l) layers.push_back(cache.layer(l));
+    ForwardBatch batch;
+    for (int i = 0; i < 200; ++i) batch.token_ids.push_back((i * 53) % 1000), batch.positions.push_back(i);
+    batch.query_start = {0, 200};
+    for (int p = 0; p < 16; ++p) batch.page_table.push_back(p);
+    batch.max_pages_per_seq = 16;
+    batch.logits_rows = {0, 99, 199};
+    Tensor cpu_logits = cpu.forward(pool, batch, layers);
+    auto gpu_logits = (*gpu)->forward(batch);
+    ASSERT_TRUE(gpu_logits.has_value()) << gpu_logits.status().to_string();
+    for (size_t r = 0; r < batch.logits_rows.size(); ++r) {
+      std::vector<float> ref(cpu_logits.data_as<float>() + r * 1000, cpu_logits.data_as<float>() + (r + 1) * 1000);
+      const double error = relative_error(gpu_logits->data_as<float>() + r * 1000, ref);
+      std::printf("%s experts: row %zu relative logit error %.4f\n", name.c_str(), r, error);
+      EXPECT_LT(error, 8e-2) << "row " << r;
+    }
   }
 }
 

@@ -199,15 +199,19 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
       const size_t bytes = k::mma_attention_workspace_bytes(c.new_tokens, c.q_heads, max_position);
       auto workspace = DeviceBuffer::allocate(bytes);
       ASSERT_TRUE(workspace.has_value());
-      for (bool split : {false, true}) {
-        Output mma_out = Output::make(static_cast<size_t>(c.new_tokens) * c.q_heads * c.dim * sizeof(bf16));
-        k::PagedAttentionParams pm = params;
-        pm.out = mma_out.get<bf16>();
-        ASSERT_EQ(k::mma_paged_attention(pm, max_position, split ? workspace->data_as<float>() : nullptr, split ? bytes : 0,
-                                         nullptr), cudaSuccess);
-        EXPECT_LT(scaled_error(as_floats(mma_out.download(), DType::kBF16), out.data_as<float>(), out.num_elements()), 2e-2)
-            << "tensor-core attention (split " << split << "), " << c.q_heads << " heads, prefix " << c.prefix;
-      }
+      for (bool split : {false, true})
+        for (int stages : {2, 3}) {
+          Output mma_out = Output::make(static_cast<size_t>(c.new_tokens) * c.q_heads * c.dim * sizeof(bf16));
+          k::PagedAttentionParams pm = params;
+          pm.out = mma_out.get<bf16>();
+          pm.decode_stages = stages;
+          ASSERT_EQ(k::mma_paged_attention(pm, max_position, split ? workspace->data_as<float>() : nullptr,
+                                           split ? bytes : 0, nullptr), cudaSuccess);
+          EXPECT_LT(scaled_error(as_floats(mma_out.download(), DType::kBF16), out.data_as<float>(), out.num_elements()),
+                    2e-2)
+              << "tensor-core attention (split " << split << ", " << stages << " stages), " << c.q_heads
+              << " heads, prefix " << c.prefix;
+        }
       // The prefill kernels (token groups sharing K/V blocks): mma.sync everywhere, wgmma on sm_90.
       struct PrefillKernel {
         const char* name;

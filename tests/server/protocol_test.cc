@@ -1,8 +1,13 @@
-// Request parsing (openai_protocol.h), the qwen3 reasoning split and the
-// Prometheus text format, without a server.
+// Request parsing (openai_protocol.h), the qwen3 reasoning split, the
+// Prometheus text format and the speculative-decoding fields of the
+// disaggregated messages (disagg_protocol.h), without a server.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
+
 #include "server/completion_run.h"
+#include "server/disagg_protocol.h"
 #include "server/metrics_text.h"
 #include "server/openai_protocol.h"
 
@@ -107,6 +112,93 @@ TEST(MetricsText, HistogramsAreCumulativeWithVllmNames) {
             std::string::npos);
   EXPECT_NE(text.find("moeserve:time_to_first_token_seconds_count{model_name=\"demo\"} 3\n"), std::string::npos);
   EXPECT_NE(text.find("# TYPE moeserve:kv_cache_usage_perc gauge"), std::string::npos);
+}
+
+// The MTP state of a commit is the target's f32 hidden state: it must arrive
+// bit for bit (the decode side drafts from it), and only finite numbers pass.
+TEST(DisaggProtocol, CommitCarriesTheHiddenStateExactly) {
+  disagg::CommitRequest c{7, 5, 42, {0.1f, -std::numeric_limits<float>::max(), 1e-45f, 1.17549435e-38f, 123456.789f, -0.0f}};
+  auto back = disagg::parse_commit_request(disagg::to_json(c).dump());
+  ASSERT_TRUE(back.has_value()) << back.status().to_string();
+  ASSERT_EQ(back->last_hidden.size(), c.last_hidden.size());
+  for (size_t i = 0; i < c.last_hidden.size(); ++i) {
+    EXPECT_EQ(back->last_hidden[i], c.last_hidden[i]) << i;
+    EXPECT_EQ(std::signbit(back->last_hidden[i]), std::signbit(c.last_hidden[i])) << i;
+  }
+  c.last_hidden.clear();
+  EXPECT_FALSE(disagg::to_json(c).contains("last_hidden"));
+  back = disagg::parse_commit_request(disagg::to_json(c).dump());
+  ASSERT_TRUE(back.has_value());
+  EXPECT_TRUE(back->last_hidden.empty());
+  for (const char* bad : {R"({"reservation":1,"expected_batches":2,"first_token":3,"last_hidden":[1,"x"]})",
+                          R"({"reservation":1,"expected_batches":2,"first_token":3,"last_hidden":[1e300]})",
+                          R"({"reservation":1,"expected_batches":2,"first_token":3,"last_hidden":{"a":1}})"}) {
+    auto r = disagg::parse_commit_request(bad);
+    ASSERT_FALSE(r.has_value()) << bad;
+    EXPECT_NE(r.status().message().find("last_hidden"), std::string::npos) << r.status().to_string();
+  }
+}
+
+// A target with the MTP layer lists its regions after the model's layers.
+TEST(DisaggProtocol, TargetCountsTheMtpLayersRegions) {
+  disagg::KvTarget t;
+  t.decode_url = "http://127.0.0.1:1";
+  t.reservation = 9;
+  t.pages = {3, 4};
+  t.layout = {2, 1, 8, 4, DType::kF32, 1};
+  transfer::RegionDescriptor d;
+  d.endpoint = "127.0.0.1:2";
+  d.length_bytes = 64;
+  t.k_regions = t.v_regions = {d, d};
+  EXPECT_FALSE(disagg::parse_kv_target(disagg::to_json(t)).has_value()) << "2 layers + the MTP layer need 3 regions";
+  t.k_regions = t.v_regions = {d, d, d};
+  auto back = disagg::parse_kv_target(disagg::to_json(t));
+  ASSERT_TRUE(back.has_value()) << back.status().to_string();
+  EXPECT_EQ(back->layout.num_mtp_layers, 1);
+  EXPECT_EQ(back->k_regions.size(), 3u);
+  nlohmann::json j = disagg::to_json(t);
+  j["num_mtp_layers"] = 2;
+  EXPECT_FALSE(disagg::parse_kv_target(j).has_value());
+  j.erase("num_mtp_layers");  // an instance without speculation
+  j["k_regions"].erase(2), j["v_regions"].erase(2);
+  back = disagg::parse_kv_target(j);
+  ASSERT_TRUE(back.has_value()) << back.status().to_string();
+  EXPECT_EQ(back->layout.num_mtp_layers, 0);
+}
+
+TEST(DisaggProtocol, TokenEventsCarryTheDraftCounts) {
+  disagg::TokenEvent e{5, {}, engine::FinishReason::kNone, {}, 12, 7};
+  auto back = disagg::parse_token_event(disagg::to_json(e));
+  ASSERT_TRUE(back.has_value()) << back.status().to_string();
+  EXPECT_EQ(back->num_draft_tokens, 12);
+  EXPECT_EQ(back->num_accepted_draft_tokens, 7);
+  EXPECT_FALSE(disagg::to_json(disagg::TokenEvent{5}).contains("draft_tokens"));
+  nlohmann::json j = disagg::to_json(e);
+  j["accepted_tokens"] = 13;  // more accepted than drafted
+  EXPECT_FALSE(disagg::parse_token_event(j).has_value());
+}
+
+// The roles register each KV pool where it lives: host pools go to TCP; a
+// pool marked as device memory (the CUDA runner's) only to CUDA IPC, never to
+// a transport that would read it with the CPU. Here the "device" pool is host
+// memory: refused whether or not the machine has a GPU (no CUDA IPC transport
+// without one; not cudaMalloc'ed memory with one), with a message saying why.
+TEST(DisaggProtocol, KvPoolsRegisterWhereTheyLive) {
+  auto transfer = transfer::TransferEngine::create({});
+  ASSERT_TRUE(transfer.has_value()) << transfer.status().to_string();
+  std::vector<float> memory(2 * 4 * 8);
+  const TensorView host(memory.data(), DType::kF32, {2, 1, 4, 8});
+  auto id = disagg::register_kv_pool(**transfer, host);
+  ASSERT_TRUE(id.has_value()) << id.status().to_string();
+  auto desc = (*transfer)->describe(*id);
+  ASSERT_TRUE(desc.has_value());
+  EXPECT_EQ(desc->transport, transfer::TransportKind::kTcp);
+  EXPECT_EQ(desc->memory, transfer::MemoryKind::kHost);
+  const TensorView device(memory.data(), DType::kF32, {2, 1, 4, 8}, Device::cuda(0));
+  auto refused = disagg::register_kv_pool(**transfer, device);
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_NE(refused.status().message().find("only the CUDA IPC transport sends"), std::string::npos)
+      << refused.status().to_string();
 }
 
 }  // namespace

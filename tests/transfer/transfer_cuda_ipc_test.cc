@@ -123,6 +123,28 @@ TEST(CudaIpc, PeerWritesBetweenTwoGpusOfOneProcess) {
   EXPECT_TRUE(download(dst.ptr, n) == want);
 }
 
+// Device memory goes out through CUDA IPC only: a write from a device region
+// into a host (TCP) region is refused before anything is sent, instead of the
+// TCP sender reading device memory with the CPU. Needs one GPU.
+TEST(CudaIpc, DeviceMemoryIsNotSentOverTcp) {
+  if (num_gpus() < 1) GTEST_SKIP() << "needs a CUDA device";
+  auto sender = make_engine();
+  auto receiver = make_engine();
+  const size_t n = 1 << 20;
+  DeviceMemory src(0, n);
+  auto src_id = sender->register_region(src.ptr, n, MemoryKind::kDevice, 0);
+  ASSERT_TRUE(src_id.has_value()) << src_id.status().to_string();
+  Buffer dst = registered(*receiver, std::vector<uint8_t>(n, 7));
+  ASSERT_EQ(dst.descriptor.transport, TransportKind::kTcp);
+  ASSERT_TRUE(receiver->arm(5).is_ok());
+  auto id = sender->submit_write(*src_id, 0, dst.descriptor, 0, n, 5);
+  ASSERT_FALSE(id.has_value());
+  EXPECT_EQ(id.status().code(), StatusCode::kUnimplemented) << id.status().to_string();
+  EXPECT_NE(id.status().message().find("only CUDA IPC"), std::string::npos) << id.status().to_string();
+  EXPECT_EQ(receiver->poll_imm(5).num_completed, 0u);
+  EXPECT_EQ(sender->stats().num_bytes_sent, 0u);
+}
+
 // Child mode: export a region on the last GPU, print its descriptor, wait for
 // one batch and check the bytes. transfer::Run only by the parent test below.
 TEST(CudaIpcChild, Receiver) {

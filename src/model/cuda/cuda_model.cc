@@ -7,6 +7,7 @@
 
 #include "core/cuda/device_buffer.h"
 #include "core/logging.h"
+#include "model/cuda/kv_pool.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/kernels.h"
 
@@ -40,7 +41,7 @@ Expected<DeviceTensor> upload_bf16(std::initializer_list<TensorView> parts) {
 struct LayerBuffers {
   DeviceTensor input_norm, post_attention_norm, qkv_proj, o_proj, q_norm, k_norm, router, w13, w2;
   DeviceTensor w13_scales, w2_scales;  // FP8 experts: 128 x 128 block scales (ops/quant.h, fp8-block)
-  DeviceTensor k_pages, v_pages;
+  TensorView k_pages, v_pages;  // views into State::kv_pool
   bool is_moe = false;
   // fp8-block projections run dequantized in bf16 take inputs quantized and
   // dequantized per 1 x 128 first, as the CPU reference computes them.
@@ -97,9 +98,17 @@ struct CudaQwen3MoeModel::State {
   DeviceTensor token_ids, positions, token_seq, page_table, logits_rows;
   DeviceTensor attention_workspace;  // split-KV partials of the tensor-core attention
   DeviceTensor attention_groups;     // prefill token groups
-  bool fp8_experts = false;          // MoE experts in FP8 (fp8-block), activations quantized per 1 x 128
+  bool fp8_experts = false;          // MoE experts in FP8 (fp8-block or mxfp8), activations quantized alike
+  bool mx_experts = false;           // mxfp8: E8M0 scales per 1 x 32 (x_scales, act_scales hold bytes)
   DeviceTensor x_fp8, x_scales, act_fp8, act_scales;
   DeviceTensor sample_rows;          // per-row sampling parameters
+  // Every layer's K and V pages in one allocation (model/cuda/kv_pool.h), so
+  // the disaggregated roles can hand it to the TransferEngine as one region.
+  DeviceBuffer kv_pool;
+  CudaKvPoolLayout kv_layout;
+  // Disaggregated prefill: called once a layer's KV is in the pool (set_layer_hook).
+  std::function<void(int)> layer_hook;
+  cudaEvent_t kv_written = nullptr;  // recorded after a layer's KV store while a hook is set
   std::map<int64_t, cudaGraphExec_t> graphs;  // decode step per (bucket of tokens << 32 | page-table stride)
   int max_pages_per_seq = 0;               // the page-table stride graphs use
   size_t bytes = 0;
@@ -107,16 +116,33 @@ struct CudaQwen3MoeModel::State {
 
   ~State() {
     for (auto& [bucket, exec] : graphs) cudaGraphExecDestroy(exec);
+    if (kv_written != nullptr) cudaEventDestroy(kv_written);
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
 };
 
 CudaQwen3MoeModel::CudaQwen3MoeModel(std::unique_ptr<State> state) : state_(std::move(state)) {}
-CudaQwen3MoeModel::~CudaQwen3MoeModel() = default;
+CudaQwen3MoeModel::~CudaQwen3MoeModel() {
+  // Frees on the model's device (a process may hold models on several GPUs),
+  // then gives the calling thread its current device back.
+  int current = 0;
+  const bool saved = cudaGetDevice(&current) == cudaSuccess;
+  if (state_) cudaSetDevice(state_->options.device);
+  state_.reset();
+  if (saved) cudaSetDevice(current);
+}
 const ModelConfig& CudaQwen3MoeModel::config() const { return state_->config; }
 size_t CudaQwen3MoeModel::device_bytes() const { return state_->bytes; }
 int32_t CudaQwen3MoeModel::num_pages() const { return state_->options.num_pages; }
 int CudaQwen3MoeModel::page_size() const { return state_->options.page_size; }
+int CudaQwen3MoeModel::device() const { return state_->options.device; }
+void* CudaQwen3MoeModel::kv_pool() const { return state_->kv_pool.data(); }
+const CudaKvPoolLayout& CudaQwen3MoeModel::kv_pool_layout() const { return state_->kv_layout; }
+ops::PagedKv CudaQwen3MoeModel::kv_layer(int layer) const {
+  const LayerBuffers& b = state_->layers.at(static_cast<size_t>(layer));
+  return {b.k_pages, b.v_pages};
+}
+void CudaQwen3MoeModel::set_layer_hook(std::function<void(int)> hook) { state_->layer_hook = std::move(hook); }
 
 Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create(const ModelWeights& weights,
                                                                        const CudaModelOptions& options) {
@@ -166,18 +192,19 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   s->attention_factor = rope.attention_factor;
   MOE_RETURN_IF_ERROR(track(s->inv_freq, DeviceTensor::upload(TensorView(const_cast<float*>(rope.inv_freq.data()),
                                                                          DType::kF32, {c.head_dim / 2}))));
-  // Experts in FP8: a checkpoint in fp8-block keeps them so (other formats are
-  // dequantized to bf16 here), dummy weights when options ask.
+  // Experts in FP8: a checkpoint in fp8-block or mxfp8 keeps them so (other
+  // formats are dequantized to bf16 here), dummy weights when options ask.
   const ops::QuantFormat expert_format = weights ? weights->quant_format() : options.dummy_expert_format;
   if (!weights && expert_format != ops::QuantFormat::kNone && expert_format != ops::QuantFormat::kFp8Block)
-    return unimplemented("dummy {} experts on the GPU: only fp8-block has GPU kernels yet",
+    return unimplemented("dummy {} experts on the GPU: only fp8-block dummy weights are generated on the GPU",
                          ops::quant_format_name(expert_format));
-  if (expert_format == ops::QuantFormat::kMxfp8)
-    return unimplemented("mxfp8 weights on the GPU: the CUDA backend has no MXFP8 kernels yet (fp8-block, nvfp4 and "
-                         "mxfp4 checkpoints run; use --device cpu)");
-  s->fp8_experts = expert_format == ops::QuantFormat::kFp8Block;
+  s->fp8_experts = expert_format == ops::QuantFormat::kFp8Block || expert_format == ops::QuantFormat::kMxfp8;
+  s->mx_experts = expert_format == ops::QuantFormat::kMxfp8;
   if (s->fp8_experts && !k::hopper_kernels_available())
-    return unimplemented("FP8 experts need an sm_90 GPU (the FP8 grouped GEMM is a wgmma kernel)");
+    return unimplemented("{} experts need an sm_90 GPU (the FP8 grouped GEMMs are wgmma kernels)",
+                         ops::quant_format_name(expert_format));
+  if (s->mx_experts && (hidden % 128 != 0 || c.moe_intermediate_size % 128 != 0))
+    return unimplemented("mxfp8 experts on the GPU need hidden and moe_intermediate sizes that are multiples of 128");
   auto fp8_experts = [&](LayerBuffers& b, const LayerWeights* w, int64_t experts, int64_t inter, float up_magnitude,
                          float down_magnitude, uint64_t layer_seed) -> Status {
     const int64_t hidden_blocks = (hidden + 127) / 128, inter_blocks = (inter + 127) / 128;
@@ -207,8 +234,8 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
     };
     LayerBuffers b;
     b.is_moe = c.layer_is_moe(l);
-    b.fake_quant_attention = w && expert_format == ops::QuantFormat::kFp8Block && !w->q_proj_quant.empty();
-    b.fake_quant_mlp = w && expert_format == ops::QuantFormat::kFp8Block && !b.is_moe && !w->w13_quant.empty();
+    b.fake_quant_attention = w && s->fp8_experts && !w->q_proj_quant.empty();
+    b.fake_quant_mlp = w && s->fp8_experts && !b.is_moe && !w->w13_quant.empty();
     MOE_RETURN_IF_ERROR(weight(b.input_norm, {part(&LayerWeights::input_norm)}, {hidden}, 1.0f, 0.1f));
     MOE_RETURN_IF_ERROR(weight(b.post_attention_norm, {part(&LayerWeights::post_attention_norm)}, {hidden}, 1.0f, 0.1f));
     MOE_RETURN_IF_ERROR(weight(b.qkv_proj, {projection(&LayerWeights::q_proj, &LayerWeights::q_proj_quant),
@@ -290,27 +317,29 @@ size_t CudaQwen3MoeModel::kv_page_bytes() const {
   return static_cast<size_t>(c.num_layers) * 2 * c.num_kv_heads * state_->options.page_size * c.head_dim * 2;
 }
 
-// (Re)allocates every layer's K and V pages: num_pages + 1, the last being
-// the scratch page that padding tokens of graph replays use.
+// (Re)allocates the KV pool: every layer's K and V pages, num_pages + 1 per
+// pool, the last being the scratch page that padding tokens of graph replays
+// use, in one allocation laid out as model/cuda/kv_pool.h says.
 Status CudaQwen3MoeModel::allocate_kv_pool(int32_t num_pages) {
   State& s = *state_;
   const ModelConfig& c = config();
-  for (auto& b : s.layers) {
-    s.bytes -= b.k_pages.num_bytes() + b.v_pages.num_bytes();
-    b.k_pages = DeviceTensor();
-    b.v_pages = DeviceTensor();
-  }
+  for (auto& b : s.layers) b.k_pages = b.v_pages = TensorView();
+  s.bytes -= s.kv_pool.size();
+  s.kv_pool = DeviceBuffer();
   for (auto& [key, exec] : s.graphs) cudaGraphExecDestroy(exec);  // they captured the old pool's addresses
   s.graphs.clear();
+  s.kv_layout = {c.num_layers, c.num_kv_heads, c.head_dim, s.options.page_size, num_pages + 1};
+  MOE_ASSIGN_OR_RETURN(s.kv_pool, DeviceBuffer::allocate(s.kv_layout.num_bytes()));
+  s.bytes += s.kv_pool.size();
+  // Finite contents from the start: positions past a sequence's end are
+  // masked, but the tensor cores still multiply them by zero.
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(s.kv_pool.data(), 0, s.kv_pool.size(), s.stream));
   const Shape kv_shape{num_pages + 1, c.num_kv_heads, s.options.page_size, c.head_dim};
-  for (auto& b : s.layers) {
-    MOE_ASSIGN_OR_RETURN(b.k_pages, DeviceTensor::allocate(DType::kBF16, kv_shape));
-    MOE_ASSIGN_OR_RETURN(b.v_pages, DeviceTensor::allocate(DType::kBF16, kv_shape));
-    // Finite contents from the start: positions past a sequence's end are
-    // masked, but the tensor cores still multiply them by zero.
-    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(b.k_pages.data(), 0, b.k_pages.num_bytes(), s.stream));
-    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(b.v_pages.data(), 0, b.v_pages.num_bytes(), s.stream));
-    s.bytes += b.k_pages.num_bytes() + b.v_pages.num_bytes();
+  auto* base = s.kv_pool.data_as<uint8_t>();
+  for (int l = 0; l < c.num_layers; ++l) {
+    LayerBuffers& b = s.layers[l];
+    b.k_pages = TensorView(base + s.kv_layout.k_offset(l), DType::kBF16, kv_shape, Device::cuda(s.options.device));
+    b.v_pages = TensorView(base + s.kv_layout.v_offset(l), DType::kBF16, kv_shape, Device::cuda(s.options.device));
   }
   s.options.num_pages = num_pages;
   return cuda_status(cudaStreamSynchronize(s.stream), "KV pool allocation");
@@ -385,6 +414,12 @@ Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, in
     }
   }
   if (s.page_table.data() == nullptr || s.page_table.num_bytes() < page_table.size() * sizeof(int32_t)) {
+    // The captured decode graphs read the old buffer: drop them (each is
+    // captured again on its next use). Without this a graph replayed after a
+    // larger batch grew the table read freed memory (compute-sanitizer, two
+    // requests of different page counts on an engine with a fixed pool).
+    for (auto& [key, exec] : s.graphs) cudaGraphExecDestroy(exec);
+    s.graphs.clear();
     MOE_ASSIGN_OR_RETURN(s.page_table, DeviceTensor::allocate(DType::kI32, {static_cast<int64_t>(page_table.size())}));
   }
   auto copy_in = [&](const DeviceTensor& dst, const std::vector<int32_t>& src) {
@@ -420,7 +455,7 @@ int CudaQwen3MoeModel::graph_stride(int max_pages_per_seq) const {
 int CudaQwen3MoeModel::graph_bucket(const ForwardBatch& batch) const {
   const State& s = *state_;
   const int T = batch.num_tokens();
-  if (!s.options.use_cuda_graphs || T == 0 || batch.max_pages_per_seq > s.max_pages_per_seq) return 0;
+  if (!s.options.use_cuda_graphs || s.layer_hook || T == 0 || batch.max_pages_per_seq > s.max_pages_per_seq) return 0;
   if (static_cast<int>(batch.query_start.size()) != T + 1 || static_cast<int>(batch.logits_rows.size()) != T) return 0;
   for (int t = 0; t < T; ++t)
     if (batch.query_start[t + 1] != t + 1 || batch.logits_rows[t] != t) return 0;
@@ -431,6 +466,8 @@ int CudaQwen3MoeModel::graph_bucket(const ForwardBatch& batch) const {
 
 Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
   State& s = *state_;
+  // The engine thread is not the one that created the model: make its device current.
+  MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(s.options.device));
   const int T = batch.num_tokens();
   if (T > s.options.max_num_tokens)
     return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
@@ -465,35 +502,59 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
   const int max_position = shape.max_position;
   const bool prefill = shape.prefill;
 #define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
-  // In place: x [T, cols] bf16 -> bf16(e4m3(x / s) * s) per 1 x 128 group.
+  // In place: x [T, cols] bf16 -> bf16(e4m3(x / s) * s) per 1 x 128 group (mxfp8: per 1 x 32, E8M0 s).
   auto fake_quantize = [&](DeviceTensor& x, int cols) -> Status {
-    MOE_LAUNCH(k::quantize_fp8_groups({x.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), nullptr, T, cols,
-                                       x.data_as<bf16>()}, s.stream));
+    if (s.mx_experts) {
+      MOE_LAUNCH(k::quantize_mxfp8({x.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), nullptr, T, cols,
+                                    x.data_as<bf16>()}, s.stream));
+    } else {
+      MOE_LAUNCH(k::quantize_fp8_groups({x.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), nullptr, T, cols,
+                                         x.data_as<bf16>()}, s.stream));
+    }
     return Status::ok();
   };
-  // FP8 experts: activations quantized per 1 x 128, block-scaled grouped GEMMs.
+  // FP8 experts: activations quantized per 1 x 128 (mxfp8: per 1 x 32), scaled grouped GEMMs.
+  // Prefill-sized batches (experts average >= 64 rows) take the compute-bound
+  // kernels with 128-row tiles; decode steps, CUDA graphs and mxfp8 the 64-row ones.
+  const int moe_tile_rows = c.num_experts > 0 && !s.mx_experts
+                                ? k::moe_tile_rows(int64_t{T} * c.num_experts_per_tok, c.num_experts)
+                                : k::kGroupedGemmTileRows;
+  const bool prefill_gemm = moe_tile_rows == k::kPrefillGemmTileRows;
   auto fp8_experts_step = [&](const LayerBuffers& b, int max_tiles) -> Status {
     const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
-    MOE_LAUNCH(k::quantize_fp8_groups({s.normed.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(),
-                                       T, H}, s.stream));
-    MOE_LAUNCH(k::fp8_grouped_gemm({s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(),
-                                    s.sorted_token.data_as<int32_t>(), b.w13.data_as<uint8_t>(),
-                                    b.w13_scales.data_as<float>(), s.expert_offsets.data_as<int32_t>(),
-                                    s.tile_offsets.data_as<int32_t>(), s.act.data(), inter, H, E, max_tiles, true},
-                                   s.stream));
-    MOE_LAUNCH(k::quantize_fp8_groups({s.act.data_as<bf16>(), s.act_fp8.data_as<uint8_t>(),
-                                       s.act_scales.data_as<float>(), T * topk, inter}, s.stream));
-    MOE_LAUNCH(k::fp8_grouped_gemm({s.act_fp8.data_as<uint8_t>(), s.act_scales.data_as<float>(), nullptr,
-                                    b.w2.data_as<uint8_t>(), b.w2_scales.data_as<float>(),
-                                    s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(),
-                                    s.expert_rows.data(), H, inter, E, max_tiles, false}, s.stream));
-    return Status::ok();
+    // One expert GEMM: quantize `in` [rows, K], then gate_up (gathered by sorted_token) or down.
+    auto gemm = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows, int K,
+                    const int32_t* gather, const DeviceTensor& w, const DeviceTensor& w_scales, void* out, int N,
+                    bool gate_up) -> Status {
+      if (s.mx_experts) {  // 64-row tiles only (moe_tile_rows)
+        MOE_LAUNCH(k::quantize_mxfp8({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows, K},
+                                     s.stream));
+        MOE_LAUNCH(k::mxfp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather,
+                                          w.data_as<uint8_t>(), w_scales.data_as<uint8_t>(),
+                                          s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), out,
+                                          N, K, E, max_tiles, gate_up}, s.stream));
+        return Status::ok();
+      }
+      MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows, K},
+                                        s.stream));
+      MOE_LAUNCH((prefill_gemm ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
+          {in_q.data_as<uint8_t>(), in_s.data_as<float>(), gather, w.data_as<uint8_t>(), w_scales.data_as<float>(),
+           s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), out, N, K, E, max_tiles, gate_up},
+          s.stream));
+      return Status::ok();
+    };
+    MOE_RETURN_IF_ERROR(gemm(s.normed, s.x_fp8, s.x_scales, T, H, s.sorted_token.data_as<int32_t>(), b.w13,
+                             b.w13_scales, s.act.data(), inter, true));
+    return gemm(s.act, s.act_fp8, s.act_scales, T * topk, inter, nullptr, b.w2, b.w2_scales, s.expert_rows.data(), H,
+                false);
   };
   MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
                            static_cast<int>(c.vocab_size)}, s.stream));
   MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.layers[0].input_norm.data_as<bf16>(),
                               s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
   const int qkv_width = c.q_size() + 2 * c.kv_size();
+  if (s.layer_hook && s.kv_written == nullptr)
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.kv_written, cudaEventDisableTiming));
   for (int l = 0; l < c.num_layers; ++l) {
     LayerBuffers& b = s.layers[l];
     // Attention.
@@ -506,6 +567,7 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
                                    b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(), T, c.num_q_heads,
                                    c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
                                    c.rms_norm_eps}, s.stream));
+    if (s.layer_hook) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
     const k::PagedAttentionParams attention{s.q.data_as<bf16>(), b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(),
                                             s.positions.data_as<int32_t>(), s.token_seq.data_as<int32_t>(),
                                             s.page_table.data_as<int32_t>(), s.attended.data_as<bf16>(), T, c.num_q_heads,
@@ -534,15 +596,16 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
                                 s.expert_weights.data_as<float>(), T, E, topk, c.norm_topk_prob}, s.stream));
       MOE_LAUNCH(k::moe_permute({s.expert_ids.data_as<int32_t>(), s.expert_offsets.data_as<int32_t>(),
                                  s.tile_offsets.data_as<int32_t>(), s.sorted_token.data_as<int32_t>(),
-                                 s.row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, s.stream));
-      const int max_tiles = (T * topk + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
+                                 s.row_of.data_as<int32_t>(), T, topk, E, moe_tile_rows}, s.stream));
+      const int max_tiles = (T * topk + moe_tile_rows - 1) / moe_tile_rows + E;
+      const auto gemm = prefill_gemm ? k::wgmma_grouped_gemm_prefill : k::grouped_gemm;
       if (s.fp8_experts) {
         MOE_RETURN_IF_ERROR(fp8_experts_step(b, max_tiles));
       } else {
-        MOE_LAUNCH(k::grouped_gemm({s.normed.data_as<bf16>(), s.sorted_token.data_as<int32_t>(), b.w13.data_as<bf16>(),
+        MOE_LAUNCH(gemm({s.normed.data_as<bf16>(), s.sorted_token.data_as<int32_t>(), b.w13.data_as<bf16>(),
                                     s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), s.act.data(),
                                     inter, H, E, max_tiles, true}, s.stream));
-        MOE_LAUNCH(k::grouped_gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(),
+        MOE_LAUNCH(gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(),
                                     s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(),
                                     s.expert_rows.data(), H, inter, E, max_tiles, false}, s.stream));
       }
@@ -561,6 +624,13 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
     const bf16* next_norm = l + 1 < c.num_layers ? s.layers[l + 1].input_norm.data_as<bf16>() : s.final_norm.data_as<bf16>();
     MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(), next_norm,
                                 s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+    if (s.layer_hook) {
+      // The rest of this layer is queued behind the KV store, so the GPU keeps
+      // working while the hook hands the layer's pages to the transfer engine
+      // (whose copies run on streams of their own and see the stored KV).
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.kv_written));
+      s.layer_hook(l);
+    }
   }
   const int rows = shape.num_rows;
   MOE_LAUNCH(k::gather_rows({s.normed.data_as<bf16>(), s.logits_rows.data_as<int32_t>(), s.logit_rows.data_as<bf16>(),
@@ -574,7 +644,7 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
 Status CudaQwen3MoeModel::fill_kv_random(uint64_t seed) {
   uint64_t id = 0;
   for (auto& layer : state_->layers)
-    for (DeviceTensor* t : {&layer.k_pages, &layer.v_pages})
+    for (TensorView* t : {&layer.k_pages, &layer.v_pages})
       MOE_RETURN_IF_ERROR(cuda_status(k::fill_random({t->data_as<bf16>(), t->shape().num_elements(), seed + ++id, 0.0f,
                                                       1.0f}, state_->stream), "fill_random"));
   return cuda_status(cudaStreamSynchronize(state_->stream), "fill_kv_random");

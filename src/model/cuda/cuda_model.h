@@ -11,12 +11,14 @@
 // Not thread-safe: one thread drives a model (it owns a stream and buffers).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
 
 #include "core/status.h"
 #include "core/tensor.h"
+#include "model/cuda/kv_pool.h"
 #include "model/qwen3_moe.h"
 #include "model/weights.h"
 #include "ops/cuda/kernels.h"
@@ -25,7 +27,7 @@
 namespace moe::model {
 
 struct CudaModelOptions {
-  int device = 0;
+  int device = 0;              // CUDA ordinal; made current on every thread that calls into the model
   int page_size = 16;
   int32_t num_pages = 0;       // KV pages per layer; 0: sized from gpu_memory_utilization after a warm-up pass
   double gpu_memory_utilization = 0.9;  // share of the GPU's memory this process may hold in all
@@ -65,6 +67,21 @@ class CudaQwen3MoeModel {
   Status fill_kv_random(uint64_t seed);
   int32_t num_pages() const;
   int page_size() const;
+  int device() const;
+  // The KV pool: one device allocation (kv_pool_layout() says where each
+  // layer's pages are; its num_pages is num_pages() + 1, the scratch page of
+  // graph replays last), and one layer's K/V pages as device views. A pool is
+  // allocated once the model is created; the pointers stay valid until it is
+  // destroyed.
+  void* kv_pool() const;
+  const CudaKvPoolLayout& kv_pool_layout() const;
+  ops::PagedKv kv_layer(int layer) const;
+  // Disaggregated prefill (engine/model_runner.h set_layer_hook): with a hook
+  // set, the forward passes call hook(layer) on the calling thread once that
+  // layer's KV of the whole batch is stored in the pool (its KV-store kernel
+  // has completed; the kernels after it keep running), and run eagerly (no
+  // CUDA graphs). Empty: no hook.
+  void set_layer_hook(std::function<void(int)> hook);
   // Bytes of device memory held (weights, KV, activations).
   size_t device_bytes() const;
 

@@ -327,9 +327,14 @@ __global__ void quantize_mxfp8_kernel(QuantizeMxfp8Params p) {
   }
   if (col < p.cols) {
     const float element = code == 255 ? v : ldexpf(v, 127 - code);
-    p.out[row * p.cols + col] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(element, __NV_SATFINITE, __NV_E4M3));
+    const auto e4m3 = static_cast<uint8_t>(__nv_cvt_float_to_fp8(element, __NV_SATFINITE, __NV_E4M3));
+    p.out[row * p.cols + col] = e4m3;
+    if (p.dequantized != nullptr) {
+      const float q = __half2float(__half(__nv_cvt_fp8_to_halfraw(e4m3, __NV_E4M3)));
+      p.dequantized[row * p.cols + col] = __float2bfloat16(code == 255 ? NAN : q * e8m0_to_float(code));
+    }
   }
-  if (lane == 0) p.scales[row * groups + col / kMxGroup] = static_cast<uint8_t>(code);
+  if (lane == 0 && p.scales != nullptr) p.scales[row * groups + col / kMxGroup] = static_cast<uint8_t>(code);
 }
 
 template <bool kMx>

@@ -69,6 +69,9 @@ struct PagedAttentionParams {
   bf16* out;                  // [num_tokens, num_q_heads * head_dim]
   int num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, max_pages_per_seq;
   float scale;
+  // mma_paged_attention: K/V chunks each warp has loading (2 or 3; 0 chooses:
+  // 3 for small grids, latency-bound, else 2 for occupancy).
+  int decode_stages = 0;
 };
 // head_dim <= 128 and num_q_heads / num_kv_heads <= 16.
 cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
@@ -190,8 +193,9 @@ cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream)
 struct QuantizeMxfp8Params {
   const bf16* in;   // [rows, cols]
   uint8_t* out;     // [rows, cols] E4M3
-  uint8_t* scales;  // [rows, ceil(cols / 32)] E8M0
+  uint8_t* scales;  // [rows, ceil(cols / 32)] E8M0, or nullptr
   int rows, cols;
+  bf16* dequantized = nullptr;  // optional [rows, cols]: bf16(out * scale), may be `in` (in place)
 };
 cudaError_t quantize_mxfp8(const QuantizeMxfp8Params& p, cudaStream_t stream);
 

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Disaggregated serving on a machine with two NVIDIA GPUs (docs/disagg.md):
+# `moeserve prefill --device cuda --gpu 0` and `moeserve decode --device cuda
+# --gpu 1` behind `moeserve router`, the KV moved GPU to GPU by the CUDA IPC
+# transport, for the golden models moe_basic and moe_dense_layer and the demo
+# model. Checks (tools/gpu/disagg_check.py):
+#   - greedy tokens of every golden prompt, sent one at a time, equal
+#     `moeserve generate --device cuda` on one GPU token for token, and
+#     transformers' goldens up to the first step whose golden margin is below
+#     bf16 noise (0.1, as model_cuda_test);
+#   - every prompt twice at once (batched, prefix-cache hits): the goldens rule;
+#   - the instances' metrics: KV in device memory, transport cuda_ipc, bytes sent;
+# and first runs disagg_cuda_test (the same path in one process, no HTTP).
+# Binaries come from
+#   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOE_STATIC_RUNTIME=ON
+#   cmake --build build-gpu --target moeserve disagg_cuda_test
+# Run from anywhere: bash tools/gpu/disagg_check.sh (BIN, OUT, MODELS override).
+# Logs in $OUT (default /tmp/out, 8 files): summary.txt, disagg_cuda_test.log,
+# generate.log, prefill.log, decode.log, router.log, metrics.txt,
+# results.jsonl. Exit status 0 when everything passed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+BIN=${BIN:-build-gpu/bin}
+MODELS=${MODELS:-"tests/data/golden/moe_basic tests/data/golden/moe_dense_layer models/moeserve-demo"}
+SOURCE_DIR=${SOURCE_DIR:-/work/main}  # compiled into disagg_cuda_test (its data path): mapped to this checkout
+PREFILL_PORT=18601 DECODE_PORT=18602 ROUTER_PORT=18600
+mkdir -p "$OUT"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+rm -f "$OUT"/{summary.txt,disagg_cuda_test.log,generate.log,prefill.log,decode.log,router.log,metrics.txt,results.jsonl}
+if [[ "$(pwd)" != "$SOURCE_DIR" && ! -e "$SOURCE_DIR" ]]; then
+  mkdir -p "$(dirname "$SOURCE_DIR")" && ln -s "$(pwd)" "$SOURCE_DIR"
+fi
+status=0
+say() { echo "$*" | tee -a "$OUT/summary.txt"; }
+
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/summary.txt"
+nvidia-smi topo -m 2>/dev/null | head -4 >> "$OUT/summary.txt"
+num_gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [[ $num_gpus -lt 2 ]]; then
+  say "=== FAILED: needs 2 GPUs, found $num_gpus"
+  exit 1
+fi
+
+say "=== disagg_cuda_test (prefill engine on GPU 0 -> CUDA IPC -> decode engine on GPU 1, one process)"
+if "$BIN/disagg_cuda_test" --gtest_color=no > "$OUT/disagg_cuda_test.log" 2>&1; then
+  grep -E "^(moe_|tests|models).*GPU 0 -> GPU|PASSED|SKIPPED \]" "$OUT/disagg_cuda_test.log" | tee -a "$OUT/summary.txt"
+  if grep -q "SKIPPED \]" "$OUT/disagg_cuda_test.log"; then
+    say "  FAILED: disagg_cuda_test skipped tests on a machine with $num_gpus GPUs"
+    status=1
+  fi
+else
+  status=1
+  grep -E -A4 "Failure|CHECK failed" "$OUT/disagg_cuda_test.log" | head -40 | tee -a "$OUT/summary.txt"
+  grep -E "^\[  FAILED" "$OUT/disagg_cuda_test.log" | tee -a "$OUT/summary.txt"
+fi
+
+# Waits until URL/health answers 200 (or the process PID is gone).
+wait_healthy() {
+  local url=$1 pid=$2
+  for _ in $(seq 1 600); do
+    curl -sf "$url/health" > /dev/null && return 0
+    kill -0 "$pid" 2>/dev/null || return 1
+    sleep 0.2
+  done
+  return 1
+}
+stop() {
+  for pid in "$@"; do kill -TERM "$pid" 2>/dev/null; done
+  for pid in "$@"; do wait "$pid" 2>/dev/null; done
+}
+
+for model in $MODELS; do
+  name=$(basename "$model")
+  say "=== $name: reference, moeserve generate --device cuda --gpu 0 (one prompt per run)"
+  if ! python3 tools/gpu/disagg_check.py reference --bin "$BIN" --model "$model" --gpu 0 \
+      --out "$work/reference_$name.json" --log "$OUT/generate.log" | tee -a "$OUT/summary.txt"; then
+    status=1
+    continue
+  fi
+  say "=== $name: router :$ROUTER_PORT, prefill --device cuda --gpu 0 :$PREFILL_PORT," \
+    "decode --device cuda --gpu 1 :$DECODE_PORT"
+  common=(--model "$model" --device cuda --gpu-memory-utilization 0.5 --host 127.0.0.1)
+  echo "=== $name" | tee -a "$OUT/prefill.log" "$OUT/decode.log" "$OUT/router.log" > /dev/null
+  "$BIN/moeserve" prefill "${common[@]}" --gpu 0 --port $PREFILL_PORT >> "$OUT/prefill.log" 2>&1 &
+  prefill=$!
+  "$BIN/moeserve" decode "${common[@]}" --gpu 1 --port $DECODE_PORT >> "$OUT/decode.log" 2>&1 &
+  decode=$!
+  if ! wait_healthy "http://127.0.0.1:$PREFILL_PORT" $prefill ||
+     ! wait_healthy "http://127.0.0.1:$DECODE_PORT" $decode; then
+    say "  FAILED: an instance did not start (prefill.log, decode.log)"
+    tail -5 "$OUT/prefill.log" "$OUT/decode.log" | tee -a "$OUT/summary.txt"
+    stop $prefill $decode
+    status=1
+    continue
+  fi
+  "$BIN/moeserve" router --model "$model" --port $ROUTER_PORT --prefill "http://127.0.0.1:$PREFILL_PORT" \
+    --decode "http://127.0.0.1:$DECODE_PORT" >> "$OUT/router.log" 2>&1 &
+  router=$!
+  if ! wait_healthy "http://127.0.0.1:$ROUTER_PORT" $router; then
+    say "  FAILED: the router did not become healthy (router.log)"
+    stop $router $prefill $decode
+    status=1
+    continue
+  fi
+  python3 tools/gpu/disagg_check.py serve --router "http://127.0.0.1:$ROUTER_PORT" \
+    --prefill "http://127.0.0.1:$PREFILL_PORT" --decode "http://127.0.0.1:$DECODE_PORT" --model "$model" \
+    --reference "$work/reference_$name.json" --out "$OUT/results.jsonl" --metrics "$OUT/metrics.txt" \
+    | tee -a "$OUT/summary.txt"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  stop $router
+  stop $prefill $decode
+  # Where each instance put its KV and how it moved, as they logged it (this model's part of the logs).
+  for log in "$OUT/prefill.log" "$OUT/decode.log"; do
+    awk -v header="=== $name" '$0 == header {on = 1; next} /^=== / {on = 0} on' "$log" \
+      | grep -E "prefill: KV of|decode: KV of|CUDA model on device" | sed 's/^/  /' | tee -a "$OUT/summary.txt"
+  done
+done
+grep -hE "ERROR|error|CHECK failed|Segmentation" "$OUT/prefill.log" "$OUT/decode.log" "$OUT/router.log" | head -10 \
+  | sed 's/^/  log: /' | tee -a "$OUT/summary.txt"
+say "=== $([[ $status -eq 0 ]] && echo PASSED || echo FAILED) (logs in $OUT)"
+exit $status
