@@ -32,9 +32,11 @@ constexpr int kChunkBytes = kChunk * kRowBytes;
 // A decode warp's shared memory: kStages chunks of K and V. Two stages (one
 // chunk loading while the warp attends to another) keep three blocks resident
 // per SM; three stages hide more latency but fit two (measured on an H200:
-// batch 64 x 1k 0.069 -> 0.052 ms, every larger shape 10-16% slower), so the
-// launcher takes three only for grids of at most two waves of the two-stage
-// kernel (batch 64 x 1k: 768 blocks in 3 splits; the larger shapes have more).
+// batch 64 x 1k 0.069 -> 0.052 ms with one split, every larger shape 10-16%
+// slower). Picking per launch needs the split choice and the depth modelled
+// together: choosing three stages for grids of at most two waves of the
+// two-stage plan made batch 64 x 1k slower (0.077 ms, three splits) and
+// batch 64 x 8k too, so the default stays two until that model exists.
 template <int kStages>
 constexpr int kWarpSmem = kStages * 2 /*K, V*/ * kChunkBytes;
 constexpr int kMergeBytes = kWarps * kRows * (kD + 2) * sizeof(float);
@@ -464,8 +466,7 @@ cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position,
     args.partial_o = workspace;
     args.partial_ml = workspace + entries * kD;
   }
-  const int64_t num_blocks = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads * args.num_splits;
-  const int stages = p.decode_stages != 0 ? p.decode_stages : num_blocks <= 2 * decode_block_slots<2>() ? 3 : 2;
+  const int stages = p.decode_stages != 0 ? p.decode_stages : 2;
   if (stages != 2 && stages != 3) return cudaErrorInvalidValue;
   auto kernel = stages == 3 ? mma_attention_kernel<3> : mma_attention_kernel<2>;
   const int smem = stages == 3 ? kDecodeSmem<3> : kDecodeSmem<2>;

@@ -69,8 +69,8 @@ struct PagedAttentionParams {
   bf16* out;                  // [num_tokens, num_q_heads * head_dim]
   int num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, max_pages_per_seq;
   float scale;
-  // mma_paged_attention: K/V chunks each warp has loading (2 or 3; 0 chooses:
-  // 3 for small grids, latency-bound, else 2 for occupancy).
+  // mma_paged_attention: K/V chunks each warp has loading (2 or 3; 0: 2, see
+  // attention_mma.cu).
   int decode_stages = 0;
 };
 // head_dim <= 128 and num_q_heads / num_kv_heads <= 16.
