@@ -665,10 +665,10 @@ Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_sample(const ForwardBa
   if (rows.size() != batch.logits_rows.size())
     return invalid_argument("{} sampling rows for {} logits rows", rows.size(), batch.logits_rows.size());
   State& s = *state_;
+  MOE_RETURN_IF_ERROR(run(batch));  // first: it makes the model's device current for the allocation below
   if (s.sample_rows.data() == nullptr || s.sample_rows.num_bytes() < rows.size_bytes()) {
     MOE_ASSIGN_OR_RETURN(s.sample_rows, DeviceTensor::allocate(DType::kU8, {static_cast<int64_t>(rows.size_bytes())}));
   }
-  MOE_RETURN_IF_ERROR(run(batch));
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.sample_rows.data(), rows.data(), rows.size_bytes(), cudaMemcpyHostToDevice,
                                            s.stream));
   MOE_CUDA_RETURN_IF_ERROR(ops::cuda::sample({s.logits.data_as<float>(), s.sample_rows.data_as<ops::cuda::SampleRow>(),
