@@ -2,11 +2,12 @@
 // (bit-exact, every size from 1 element to 64 MB, one-shot and two-shot,
 // chunked through small buffers), the fused all-reduce + add + RMSNorm against
 // all-reduce then ops::cpu::add_rms_norm, broadcast, barriers, ranks as
-// threads and as forked processes, timeouts naming the missing rank, and the
-// NVLS refusal rule.
+// threads and as forked processes, timeouts naming the missing rank, a killed
+// rank named at once, and the NVLS refusal rule.
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 
@@ -192,6 +193,48 @@ TEST(ShmTimeout, RankThatSkipsACollectiveIsNamed) {
   threads[2].join();
   EXPECT_FALSE(failure.is_ok());
   EXPECT_EQ(count_segments(name), 0);
+}
+
+// A rank killed while its peers wait in a collective: they fail within
+// milliseconds naming it, not at the 30 s deadline. The child is not reaped
+// until afterwards, so the waiting rank sees a zombie, as a leader whose
+// follower just died does.
+TEST(ShmLiveness, RankKilledDuringACollectiveIsNamedAtOnce) {
+  const std::string name = unique_name("k");
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    auto comm = open_shm_communicator(group(name, 1, 2, 64 << 10, 30000));
+    if (!comm.has_value()) _exit(2);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the parent is waiting by now
+    raise(SIGKILL);
+  }
+  auto comm = open_shm_communicator(group(name, 0, 2, 64 << 10, 30000));
+  ASSERT_TRUE(comm.has_value()) << comm.status().to_string();
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<float> data(100, 1.0f);
+  const Status s = (*comm)->all_reduce_sum(data);
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();
+  EXPECT_NE(s.message().find(fmt::format("rank(s) 1 (pid {}) exited", child)), std::string::npos) << s.message();
+  EXPECT_LT(elapsed, std::chrono::seconds(5));
+  EXPECT_EQ((*comm)->barrier().code(), StatusCode::kAborted);  // out of step from now on
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  EXPECT_EQ(count_segments(name), 0);
+}
+
+// Ranks that are threads of one process share its pid: a slow rank is never
+// taken for an exited one.
+TEST(ShmLiveness, SlowThreadRankIsWaitedFor) {
+  run_threads(2, 64 << 10, [](Communicator& comm) {
+    if (comm.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    std::vector<float> data(10, 1.0f);
+    const Status s = comm.all_reduce_sum(data);
+    EXPECT_TRUE(s.is_ok()) << s.to_string();
+    EXPECT_EQ(data[0], 2.0f);
+  });
 }
 
 TEST(ShmOpen, MismatchedBufferSizeIsAnError) {

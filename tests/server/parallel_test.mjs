@@ -6,9 +6,9 @@
 // above float32 rounding).
 // - TP 2 + EP 2 and TP 4 (k/v heads replicated) give the single-rank output,
 //   under concurrency;
-// - kill -9 of a follower: the requests fail with an explicit error within
-//   the communicator's timeout, none hangs, the server reports itself
-//   unhealthy;
+// - kill -9 of a follower, between steps and while a request decodes: the
+//   requests fail with an explicit error within seconds, none hangs, the
+//   server reports itself unhealthy;
 // - SIGTERM to the leader stops every rank; kill -9 of the leader makes the
 //   followers exit on their own.
 import { test, before, after } from 'node:test';
@@ -71,14 +71,40 @@ test('kill -9 of a follower: requests fail with an error, none hangs; the leader
     const victim = followerPids(server)[0];
     process.kill(victim, 'SIGKILL');
     // Dead before the next step: the leader learns it from the plan socket at
-    // once. (A rank lost inside a step fails it after the communicator's 30 s
-    // timeout; tests/comm covers that path.)
+    // once. (A rank lost inside a step: the next test.)
     assert.ok(await waitFor(() => gone(victim), 10000));
     const started = Date.now();
     const results = await Promise.allSettled(prompts.map((p) => ids(server.url, p, 64)));
     assert.ok(results.every((r) => r.status === 'rejected'), 'no request completes without a rank');
     for (const r of results) assert.match(String(r.reason?.message ?? r.reason), /rank|engine|unavailable|503|500/i);
     assert.ok(Date.now() - started < 20000, 'the failure is prompt (seconds, not a timeout)');
+    const health = await fetch(`${server.url}/health`);
+    assert.notEqual(health.status, 200);
+  } finally {
+    await server.stop();
+  }
+});
+
+// Killed while the ranks are stepping: the leader, waiting for it in a
+// collective, sees its process gone within milliseconds (not at the
+// communicator's 30 s deadline) and ends the stream with an error.
+test('kill -9 of a follower while a request decodes: its stream ends with an error at once', async () => {
+  const server = await startProcess('serve', [...base, '--tp', '2', '--ep', '2']);
+  try {
+    const victim = followerPids(server)[0];
+    const stream = await client(server.url).completions.create({ model: 'moeserve-demo', prompt: prompts[2],
+                                                                 max_tokens: 1000, ignore_eos: true, stream: true });
+    let tokens = 0, killedAt = 0, error = null;
+    try {
+      for await (const chunk of stream) {
+        tokens += chunk.choices.length;
+        if (tokens === 4) { process.kill(victim, 'SIGKILL'); killedAt = Date.now(); }
+      }
+    } catch (e) { error = e; }
+    assert.ok(killedAt > 0, 'the request was decoding when the rank was killed');
+    assert.ok(error !== null || tokens < 1000, 'the stream did not complete');
+    assert.ok(Date.now() - killedAt < 10000, `the stream ended ${Date.now() - killedAt} ms after the kill`);
+    assert.match(server.stderr(), /rank|exited|gone/);
     const health = await fetch(`${server.url}/health`);
     assert.notEqual(health.status, 200);
   } finally {

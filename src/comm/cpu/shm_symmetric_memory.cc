@@ -9,10 +9,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <thread>
@@ -36,6 +38,8 @@ struct SegmentHeader {
   uint64_t world_size;
   uint64_t rank;
   uint64_t buffer_bytes;
+  uint64_t pid;          // the owner process and its start time (/proc/<pid>/stat
+  uint64_t start_ticks;  // field 22), so a peer can tell it has exited
   alignas(64) uint64_t mapped_all;  // 1 once the owner has mapped every segment
   alignas(64) uint64_t control[kControlWords];
 };
@@ -56,6 +60,43 @@ bool valid_name(const std::string& name) {
 }
 
 std::string errno_text() { return std::strerror(errno); }
+
+// The state letter and start time of a process from /proc/<pid>/stat; state
+// 0 when there is no such process. The command name (field 2) may hold spaces
+// and parentheses, so the fields are counted after its last ')'.
+struct ProcStat {
+  char state = 0;
+  uint64_t start_ticks = 0;
+};
+ProcStat read_proc_stat(uint64_t pid) {
+  ProcStat out;
+  const std::string path = fmt::format("/proc/{}/stat", pid);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return out;
+  char text[1024];
+  const ssize_t n = ::read(fd, text, sizeof(text) - 1);
+  ::close(fd);
+  if (n <= 0) return out;
+  text[n] = 0;
+  const char* p = std::strrchr(text, ')');
+  if (p == nullptr || p[1] != ' ') return out;
+  p += 2;  // field 3, the state
+  out.state = *p;
+  for (int field = 3; field < 22 && *p != 0; ++p)
+    if (*p == ' ') ++field;
+  out.start_ticks = std::strtoull(p, nullptr, 10);
+  return out;
+}
+
+// A rank's process is gone: no such pid, a zombie (exited, not yet reaped by
+// its parent), or the pid reused by a process started later.
+bool process_exited(uint64_t pid, uint64_t start_ticks) {
+  const ProcStat now = read_proc_stat(pid);
+  return now.state == 0 || now.state == 'Z' || now.state == 'X' || now.start_ticks != start_ticks;
+}
+
+// How often a waiting rank looks whether the ranks it waits for still live.
+constexpr int64_t kLivenessCheckNs = 20'000'000;
 
 }  // namespace
 
@@ -148,6 +189,8 @@ Status ShmSymmetricMemory::create_local() {
   header->world_size = static_cast<uint64_t>(world_size_);
   header->rank = static_cast<uint64_t>(rank_);
   header->buffer_bytes = buffer_bytes_;
+  header->pid = static_cast<uint64_t>(getpid());
+  header->start_ticks = read_proc_stat(header->pid).start_ticks;
   store_release(header->magic, kMagic);
   return Status::ok();
 }
@@ -233,16 +276,38 @@ Status ShmSymmetricMemory::barrier(std::string_view what) {
   ++sequence_;
   for (int r = 0; r < world_size_; ++r) store_release(*flag_slot(r, rank_), sequence_);
   const int64_t deadline_ns = monotonic_ns() + static_cast<int64_t>(timeout_ms_) * 1'000'000;
-  std::string missing;
+  // Wait in slices; between slices, a peer whose process has exited fails the
+  // barrier at once instead of at the deadline.
+  std::string missing, exited;
   for (int r = 0; r < world_size_; ++r) {
     uint64_t& flag = *flag_slot(rank_, r);
-    if (!wait_until([&] { return load_acquire(flag) >= sequence_; }, deadline_ns))
-      missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+    const auto arrived = [&] { return load_acquire(flag) >= sequence_; };
+    for (;;) {
+      const int64_t slice_end = std::min(deadline_ns, monotonic_ns() + kLivenessCheckNs);
+      if (wait_until(arrived, slice_end)) break;
+      if (peer_exited(r)) {
+        exited += fmt::format("{}{} (pid {})", exited.empty() ? "" : ", ", r, header_of(segments_[r])->pid);
+        break;
+      }
+      if (monotonic_ns() > deadline_ns) {
+        missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+        break;
+      }
+    }
   }
-  if (missing.empty()) return Status::ok();
+  if (missing.empty() && exited.empty()) return Status::ok();
   broken_ = true;
+  if (!exited.empty())
+    return unavailable("shm group '{}' rank {}: rank(s) {} exited before arriving at {} (barrier #{})", name_,
+                       rank_, exited, what, sequence_);
   return deadline_exceeded("shm group '{}' rank {}: rank(s) {} did not arrive at {} (barrier #{}) within {} ms", name_,
                            rank_, missing, what, sequence_, timeout_ms_);
+}
+
+bool ShmSymmetricMemory::peer_exited(int r) const {
+  const SegmentHeader* header = header_of(segments_[r]);
+  if (header->pid == static_cast<uint64_t>(getpid())) return false;  // ranks as threads of this process
+  return process_exited(header->pid, header->start_ticks);
 }
 
 }  // namespace moe::comm

@@ -21,7 +21,10 @@
 // Nothing is ever reset, so consecutive barriers cannot race. Data written
 // before barrier() is visible to every peer after its barrier() (release on
 // the flag store, acquire on the flag load). A wait spins, then yields, and
-// fails with DeadlineExceeded naming the ranks that did not arrive.
+// fails with DeadlineExceeded naming the ranks that did not arrive, or, as
+// soon as it sees one (it looks every 20 ms), with Unavailable naming a rank
+// whose process has exited: the header records each owner's pid and start
+// time, and a zombie counts as exited.
 //
 // Threads: one thread per rank uses its ShmSymmetricMemory.
 #pragma once
@@ -87,6 +90,7 @@ class ShmSymmetricMemory {
   Status wait_all_mapped(int64_t deadline_ns);
   void unlink_own_name();
   uint64_t* flag_slot(int owner, int writer) const;
+  bool peer_exited(int r) const;
   std::string segment_name(int r) const;
 
   std::string name_;
