@@ -80,7 +80,11 @@ Expected<model::ModelConfig> load_config(const GenerateArgs& args) {
 
 Status run_generate(const GenerateArgs& args) {
   // Before the device check: a GPU request with speculation is refused the same way with or without a GPU.
-  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec, check_speculative(args.speculative, args.device));
+  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec, check_speculative(args.speculative, args.device, false));
+  if (args.load_format == "dummy" && args.device.cuda() && spec.enabled())
+    return unimplemented("--speculative-config with --load-format dummy on --device cuda: the MTP layer runs on the "
+                         "CPU and needs the target's embedding and lm_head there, and dummy weights are generated on "
+                         "the GPU only");
   MOE_RETURN_IF_ERROR(check_device(args.device));
   MOE_ASSIGN_OR_RETURN(model::ModelConfig config, load_config(args));
   if (args.num_layers > 0) {
@@ -149,17 +153,17 @@ Status run_generate(const GenerateArgs& args) {
   std::optional<model::MtpModel> mtp_model;
   std::unique_ptr<engine::ModelRunner> runner;
   std::optional<engine::Generator> generator;
+  if (spec.enabled()) {  // on the CPU, also when the target runs on the GPU
+    MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(args.speculative, config, dummy));
+    mtp_weights.emplace(std::move(mtp));
+    mtp_model.emplace(*mtp_weights, *weights);
+    options.mtp = &*mtp_model;
+    options.num_speculative_tokens = spec.num_speculative_tokens;
+    log_info("speculative decoding: MTP, {} draft tokens per step ({} MLP)", spec.num_speculative_tokens,
+             mtp_weights->layer().is_moe ? "MoE" : "dense");
+  }
   if (!args.device.cuda()) {
     cpu_model.emplace(*weights);
-    if (spec.enabled()) {
-      MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(args.speculative, config, dummy));
-      mtp_weights.emplace(std::move(mtp));
-      mtp_model.emplace(*mtp_weights, *weights);
-      options.mtp = &*mtp_model;
-      options.num_speculative_tokens = spec.num_speculative_tokens;
-      log_info("speculative decoding: MTP, {} draft tokens per step ({} MLP)", spec.num_speculative_tokens,
-               mtp_weights->layer().is_moe ? "MoE" : "dense");
-    }
     generator.emplace(*cpu_model, pool, options);
   } else {
 #ifdef MOE_WITH_CUDA
@@ -176,7 +180,7 @@ Status run_generate(const GenerateArgs& args) {
                          engine::CudaRunner::create(config, weights ? &*weights : nullptr, 0, cuda));
     const int32_t num_pages = cuda_runner->num_pages();
     runner = std::move(cuda_runner);
-    generator.emplace(*runner, num_pages, options);
+    generator.emplace(*runner, num_pages, options, &pool);
 #endif
   }
   MOE_ASSIGN_OR_RETURN(auto results, generator->generate(requests));

@@ -377,7 +377,8 @@ Expected<model::ModelWeights> load_weights(const std::string& model_dir, const m
 }  // namespace
 
 Status run_serve(ServeArgs args) {
-  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec, check_speculative(args.speculative, args.device));
+  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec,
+                       check_speculative(args.speculative, args.device, args.role != "colocated"));
   if (args.disagg) {  // the instances load the MTP layer: refuse here what would stop them all
     if (spec.enabled() && args.speculative.model_dir.empty())
       return invalid_argument("--speculative-config needs --speculative-model DIR: the MTP layer's checkpoint");
@@ -435,7 +436,7 @@ Status run_serve(ServeArgs args) {
   server::HttpServer http;  // declared first: destroyed after everything that may hold a connection
   std::unique_ptr<engine::MtpDrafter> drafter;
   if (spec.enabled()) {
-    CHECK(runner.runner->supports_hidden_states(), "the CPU runner returns hidden states");
+    CHECK(runner.runner->supports_hidden_states(), "the CPU and CUDA runners return hidden states");
     drafter = std::make_unique<engine::MtpDrafter>(*mtp_model, pool, layout, spec.num_speculative_tokens);
     log_info("speculative decoding: MTP layer from {}, {} draft tokens per step", args.speculative.model_dir,
              spec.num_speculative_tokens);

@@ -24,9 +24,12 @@ struct SpeculativeArgs {
 
 void add_speculative_options(CLI::App* cmd, SpeculativeArgs& args);
 
-// The parsed config (method "mtp", 1..8 tokens; off when no flag), refused on
-// a device that cannot speculate yet (CUDA).
-Expected<engine::SpeculativeConfig> check_speculative(const SpeculativeArgs& args, const DeviceArgs& device);
+// The parsed config (method "mtp", 1..8 tokens; off when no flag), refused
+// where speculation does not run yet (the prefill and decode roles on CUDA).
+// With --device cuda the MTP layer runs on the CPU from the target's
+// hidden states (docs/speculative.md).
+Expected<engine::SpeculativeConfig> check_speculative(const SpeculativeArgs& args, const DeviceArgs& device,
+                                                      bool disaggregated_role);
 
 // The MTP weights: --speculative-model DIR, or random ones with dummy target
 // weights (an MoE MLP when the target has experts).

@@ -39,6 +39,13 @@ class CudaRunner final : public ModelRunner {
                                                     std::span<const RowSampling> rows) override;
   bool supports_layer_hook() const override { return true; }
   void set_layer_hook(std::function<void(int layer)> hook) override { model_->set_layer_hook(std::move(hook)); }
+  // Speculative decoding: the target's hidden states come back to the host,
+  // where the MTP draft layer runs for now (docs/speculative.md).
+  bool supports_hidden_states() const override { return true; }
+  Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                       Tensor& hidden) override {
+    return model_->forward_with_hidden(batch, hidden_rows, hidden);
+  }
   int32_t num_pages() const { return model_->num_pages(); }
   // The device KV pool as a cache over device memory (never touched by the CPU).
   const kv::KvCache& cache() const { return *cache_; }

@@ -38,8 +38,8 @@ Status validate_requests(const std::vector<GenerationRequest>& requests, int64_t
 Generator::Generator(const model::Qwen3MoeModel& model, ThreadPool& pool, GeneratorOptions options)
     : model_(&model), pool_(&pool), options_(std::move(options)) {}
 
-Generator::Generator(ModelRunner& runner, int32_t runner_num_pages, GeneratorOptions options)
-    : runner_(&runner), runner_num_pages_(runner_num_pages), options_(std::move(options)) {}
+Generator::Generator(ModelRunner& runner, int32_t runner_num_pages, GeneratorOptions options, ThreadPool* pool)
+    : pool_(pool), runner_(&runner), runner_num_pages_(runner_num_pages), options_(std::move(options)) {}
 
 Expected<std::vector<GenerationResult>> Generator::generate(const std::vector<GenerationRequest>& requests) {
   const int64_t vocab_size = runner_ ? runner_->vocab_size() : model_->config().vocab_size;
@@ -69,8 +69,9 @@ Expected<std::vector<GenerationResult>> Generator::run(const std::vector<Generat
   // chunked prefill (decodes first) and preemption when pages run out.
   std::unique_ptr<MtpDrafter> drafter;
   if (options_.mtp != nullptr && options_.num_speculative_tokens > 0) {
-    if (!runner.supports_hidden_states() || pool_ == nullptr)
-      return unimplemented("speculative decoding runs on the CPU backend only for now");
+    if (!runner.supports_hidden_states())
+      return unimplemented("speculative decoding needs a model runner that returns hidden states");
+    if (pool_ == nullptr) return invalid_argument("speculative decoding needs a thread pool for the MTP layer");
     const model::ModelConfig& c = options_.mtp->config();
     drafter = std::make_unique<MtpDrafter>(
         *options_.mtp, *pool_,

@@ -48,8 +48,8 @@ struct GeneratorOptions {
   DType kv_dtype = DType::kF32;
   int max_tokens_per_step = 0;        // prefill chunk budget; 0: unlimited
   std::vector<int32_t> eos_token_ids;
-  // Speculative decoding (engine/speculative.h) with this MTP model, k > 0
-  // drafts per step; CPU model only (a runner without hidden states fails).
+  // Speculative decoding (engine/speculative.h) with this MTP model (run on
+  // the CPU), k > 0 drafts per step; the runner must return hidden states.
   const model::MtpModel* mtp = nullptr;
   int num_speculative_tokens = 0;
 };
@@ -72,7 +72,8 @@ class Generator {
   Generator(const model::Qwen3MoeModel& model, ThreadPool& pool, GeneratorOptions options);
   // On any runner (the CUDA one), whose KV pool of `runner_num_pages` pages
   // the scheduler's page ids index; options.num_pages, if set, uses fewer.
-  Generator(ModelRunner& runner, int32_t runner_num_pages, GeneratorOptions options);
+  // `pool` runs the MTP draft layer (options.mtp) on the CPU; none: no speculation.
+  Generator(ModelRunner& runner, int32_t runner_num_pages, GeneratorOptions options, ThreadPool* pool = nullptr);
 
   // Runs every request to completion. A request that could never fit in the
   // KV cache, or has bad parameters, makes the call fail before any work.

@@ -16,7 +16,7 @@ Expected<Tensor> Qwen3Runner::forward(const model::ForwardBatch& batch) {
 }
 
 Expected<Tensor> ModelRunner::forward_with_hidden(const model::ForwardBatch&, std::span<const int32_t>, Tensor&) {
-  return unimplemented("this model runner does not return hidden states (speculative decoding is CPU-only for now)");
+  return unimplemented("this model runner does not return hidden states (needed by speculative decoding)");
 }
 
 Expected<Tensor> Qwen3Runner::forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,

@@ -50,7 +50,7 @@ class ModelRunner {
   virtual void leave() {}
   // Speculative decoding (engine/speculative.h): forward() that also returns
   // the last hidden state of `hidden_rows` ([rows, hidden] f32, after the
-  // final norm) in `hidden`. Runners without it say so here (the CUDA one, for now).
+  // final norm) in `hidden`. Runners without it say so here.
   virtual bool supports_hidden_states() const { return false; }
   virtual Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                                Tensor& hidden);

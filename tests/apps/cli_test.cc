@@ -68,12 +68,12 @@ TEST(Cli, SpeculativeGenerateAndItsErrors) {
       {base + "--speculative-config 'mtp'", "must be a JSON object"},
       {base + "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'",
        "needs --speculative-model"},
-      {base + "--device cuda --speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}' "
-              "--speculative-model " + mtp,
-       "CPU backend only"},
+      {"generate --model " + kGolden + " --prompt-ids 1 --load-format dummy --device cuda --speculative-config "
+                                       "'{\"method\":\"mtp\",\"num_speculative_tokens\":2}'",
+       "dummy weights are generated on the GPU only"},
       {"decode --model " + kGolden + " --device cuda --speculative-config "
                                      "'{\"method\":\"mtp\",\"num_speculative_tokens\":2}' --speculative-model " + mtp,
-       "CPU backend only"},
+       "not in the prefill and decode roles"},
       {"serve --disagg --model " + kGolden + " --speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'",
        "needs --speculative-model"},
   };

@@ -367,7 +367,9 @@ void check_disagg_speculation(SpecModel& m, const std::vector<EngineRequest>& re
                 static_cast<long long>(decode.engine->metrics().spec_decode_num_draft_tokens_total),
                 static_cast<long long>(decode.engine->metrics().spec_decode_num_accepted_tokens_total));
     EXPECT_EQ(decode.engine->metrics().spec_decode_num_accepted_tokens_total, accepted);
-    if (expect_acceptance) EXPECT_GT(accepted, 0) << "k " << k;
+    if (expect_acceptance) {
+      EXPECT_GT(accepted, 0) << "k " << k;
+    }
     EXPECT_EQ(flushed_kv_usage(*prefill.engine), 0) << "k " << k;
     EXPECT_EQ(flushed_kv_usage(*decode.engine), 0) << "k " << k;
     EXPECT_GT(prefill.engine->metrics().prefix_cache_hits_total, 0);

@@ -651,12 +651,34 @@ Status CudaQwen3MoeModel::fill_kv_random(uint64_t seed) {
 }
 
 Expected<Tensor> CudaQwen3MoeModel::forward(const ForwardBatch& batch) {
+  Tensor unused;
+  return forward_with_hidden(batch, {}, unused);
+}
+
+Expected<Tensor> CudaQwen3MoeModel::forward_with_hidden(const ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                                        Tensor& hidden) {
+  State& s = *state_;
+  const int T = batch.num_tokens();
+  const int64_t H = config().hidden_size;
+  for (int32_t row : hidden_rows)
+    if (row < 0 || row >= T) return invalid_argument("hidden state row {} of a {}-token batch", row, T);
   MOE_RETURN_IF_ERROR(run(batch));
   const auto rows = static_cast<int64_t>(batch.logits_rows.size());
   Tensor logits(DType::kF32, {rows, config().vocab_size});
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data(), state_->logits.data(), logits.num_bytes(),
-                                           cudaMemcpyDeviceToHost, state_->stream));
-  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(state_->stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data(), s.logits.data(), logits.num_bytes(), cudaMemcpyDeviceToHost,
+                                           s.stream));
+  // After the last layer, `normed` holds every token's final-normed state.
+  std::vector<uint16_t> normed(hidden_rows.empty() ? 0 : static_cast<size_t>(T) * H);
+  if (!normed.empty())
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(normed.data(), s.normed.data(), normed.size() * sizeof(uint16_t),
+                                             cudaMemcpyDeviceToHost, s.stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
+  if (!hidden_rows.empty()) {
+    hidden = Tensor(DType::kF32, {static_cast<int64_t>(hidden_rows.size()), H});
+    float* out = hidden.data_as<float>();
+    for (size_t i = 0; i < hidden_rows.size(); ++i)
+      for (int64_t j = 0; j < H; ++j) out[i * H + j] = bf16_to_float(normed[hidden_rows[i] * H + j]);
+  }
   return logits;
 }
 

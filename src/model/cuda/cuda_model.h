@@ -60,6 +60,11 @@ class CudaQwen3MoeModel {
   // The same forward, with each logits row's token sampled on the GPU
   // (ops/cuda/kernels.h: sample), so the logits never leave the device.
   Expected<std::vector<int32_t>> forward_sample(const ForwardBatch& batch, std::span<const ops::cuda::SampleRow> rows);
+  // The same forward, also returning the last hidden state of `hidden_rows`
+  // (row indices into the batch's tokens) in `hidden` [rows, hidden] f32:
+  // after the final norm, what lm_head reads (bf16 on the GPU, widened), the
+  // MTP draft layer's input (model/mtp.h).
+  Expected<Tensor> forward_with_hidden(const ForwardBatch& batch, std::span<const int32_t> hidden_rows, Tensor& hidden);
   // The same forward, with the greedy token of each logits row chosen on the GPU.
   Expected<std::vector<int32_t>> forward_greedy(const ForwardBatch& batch);
   // Random KV contents, for benchmarks that time decode at a long context
