@@ -391,15 +391,14 @@ TEST_F(CudaOps, QuantizeMxfp8MatchesTheCpuQuantizer) {
   EXPECT_EQ(std::memcmp(got.data(), values.data(), got.size()), 0) << "E4M3 values";
 }
 
-// MXFP8 experts (weights and activations per 1 x 32, E8M0 scales) against the
-// CPU's quantized MoE. Hopper has no MXFP8 MMA; the kernel promotes every
-// 32-wide slice itself.
-TEST_F(CudaOps, Mxfp8GroupedGemmMatchesTheCpuQuantizedMoe) {
-  if (!k::hopper_kernels_available()) GTEST_SKIP() << "the MXFP8 grouped GEMM needs an sm_90 device";
+// MXFP8 experts (weights and activations per 1 x 32, E8M0 scales) through one
+// MXFP8 grouped GEMM kernel against the CPU's quantized MoE.
+using Mxfp8Gemm = cudaError_t (*)(const k::Mxfp8GroupedGemmParams&, cudaStream_t);
+void expect_mxfp8_moe_matches_cpu(Mxfp8Gemm gemm, const char* name, std::mt19937& rng, ThreadPool& pool) {
   struct Case { int tokens, hidden, inter, experts, topk; };
   for (const Case& c : {Case{16, 4096, 1536, 8, 4}, Case{300, 256, 128, 16, 4}, Case{37, 384, 640, 6, 2}}) {
-    Host x = random_bf16({c.tokens, c.hidden}, rng_);
-    Host logits = random_bf16({c.tokens, c.experts}, rng_, 3.0f);
+    Host x = random_bf16({c.tokens, c.hidden}, rng);
+    Host logits = random_bf16({c.tokens, c.experts}, rng, 3.0f);
     auto quantized = [&](int64_t rows, int64_t cols, float scale) {
       struct Q { Tensor values, scales; QuantizedTensor view; };
       Q q;
@@ -407,7 +406,7 @@ TEST_F(CudaOps, Mxfp8GroupedGemmMatchesTheCpuQuantizedMoe) {
       q.scales = Tensor(DType::kE8M0, {int64_t{c.experts}, rows, cols / 32});
       q.view = QuantizedTensor{QuantFormat::kMxfp8, q.values.view(), q.scales.view(), TensorView(), 0};
       for (int e = 0; e < c.experts; ++e) {
-        Host w = random_bf16({rows, cols}, rng_, scale);
+        Host w = random_bf16({rows, cols}, rng, scale);
         quantize_matrix(w.f32.data_as<float>(), q.view.slice0(e));
       }
       return q;
@@ -415,8 +414,8 @@ TEST_F(CudaOps, Mxfp8GroupedGemmMatchesTheCpuQuantizedMoe) {
     auto q13 = quantized(2 * c.inter, c.hidden, 1.0f / std::sqrt(static_cast<float>(c.hidden)));
     auto q2 = quantized(c.hidden, c.inter, 1.0f / std::sqrt(static_cast<float>(c.inter)));
     Tensor ids(DType::kI32, {c.tokens, c.topk}), weights(DType::kF32, {c.tokens, c.topk}), ref(DType::kF32, {c.tokens, c.hidden});
-    cpu::route_topk(pool_, logits.f32, c.topk, true, ids, weights);
-    cpu::moe_experts(pool_, x.f32, ids, weights, q13.view, q2.view, ref);
+    cpu::route_topk(pool, logits.f32, c.topk, true, ids, weights);
+    cpu::moe_experts(pool, x.f32, ids, weights, q13.view, q2.view, ref);
 
     const int pairs = c.tokens * c.topk;
     DeviceTensor d_x = upload(x.bf16), d_ids = upload(ids), d_weights = upload(weights);
@@ -434,22 +433,36 @@ TEST_F(CudaOps, Mxfp8GroupedGemmMatchesTheCpuQuantizedMoe) {
     ASSERT_EQ(k::moe_permute({d_ids.data_as<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), sorted.get<int32_t>(),
                               row_of.get<int32_t>(), c.tokens, c.topk, c.experts, k::kGroupedGemmTileRows}, nullptr),
               cudaSuccess);
-    ASSERT_EQ(k::mxfp8_grouped_gemm({x_q.get<uint8_t>(), x_s.get<uint8_t>(), sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
-                                     d_s13.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), act.get<void>(),
-                                     c.inter, c.hidden, c.experts, max_tiles, true}, nullptr), cudaSuccess);
+    ASSERT_EQ(gemm({x_q.get<uint8_t>(), x_s.get<uint8_t>(), sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
+                    d_s13.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), act.get<void>(), c.inter,
+                    c.hidden, c.experts, max_tiles, true}, nullptr), cudaSuccess) << name;
     ASSERT_EQ(k::quantize_mxfp8({act.get<bf16>(), act_q.get<uint8_t>(), act_s.get<uint8_t>(), pairs, c.inter}, nullptr),
               cudaSuccess);
-    ASSERT_EQ(k::mxfp8_grouped_gemm({act_q.get<uint8_t>(), act_s.get<uint8_t>(), nullptr, d_w2.data_as<uint8_t>(),
-                                     d_s2.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(),
-                                     c.hidden, c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess);
+    ASSERT_EQ(gemm({act_q.get<uint8_t>(), act_s.get<uint8_t>(), nullptr, d_w2.data_as<uint8_t>(),
+                    d_s2.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(), c.hidden,
+                    c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess) << name;
     ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.data_as<float>(), out.get<float>(),
                                 c.tokens, c.topk, c.hidden}, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
     x_q.download();
     act_q.download();
     EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 3e-2)
-        << "mxfp8: " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden << ", inter " << c.inter;
+        << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden << ", inter " << c.inter;
   }
+}
+
+// Hopper has no MXFP8 MMA; the kernel promotes every 32-wide slice itself.
+TEST_F(CudaOps, Mxfp8GroupedGemmMatchesTheCpuQuantizedMoe) {
+  if (!k::hopper_kernels_available()) GTEST_SKIP() << "the MXFP8 grouped GEMM needs an sm_90 device";
+  expect_mxfp8_moe_matches_cpu(k::mxfp8_grouped_gemm, "mxfp8 wgmma", rng_, pool_);
+}
+
+// Blackwell's block-scaled tcgen05 MMA (grouped_gemm_sm100.cu). Compiled, never
+// run: no compute capability 10.0 device has executed this test yet.
+TEST_F(CudaOps, Mxfp8GroupedGemmSm100MatchesTheCpuQuantizedMoe) {
+  if (!k::sm100_kernels_available())
+    GTEST_SKIP() << "the tcgen05 MXFP8 grouped GEMM needs a compute capability 10.0 device (sm_100a code)";
+  expect_mxfp8_moe_matches_cpu(k::mxfp8_grouped_gemm_sm100, "mxfp8 tcgen05", rng_, pool_);
 }
 
 TEST_F(CudaOps, ArgmaxTakesTheLowestIndexOnTies) {

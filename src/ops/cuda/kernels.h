@@ -216,6 +216,15 @@ struct Mxfp8GroupedGemmParams {
   bool gate_up;
 };
 cudaError_t mxfp8_grouped_gemm(const Mxfp8GroupedGemmParams& p, cudaStream_t stream);
+// The same GEMM on Blackwell (grouped_gemm_sm100.cu): tcgen05 block-scaled
+// MMAs (kind::mxf8f6f4, the E8M0 scales applied by the tensor core), the same
+// params and tile_offsets (kGroupedGemmTileRows), K a multiple of 128.
+// COMPILED ONLY, NEVER RUN: no Blackwell GPU has executed it, and the model
+// does not call it. cudaErrorNotSupported unless sm100_kernels_available().
+cudaError_t mxfp8_grouped_gemm_sm100(const Mxfp8GroupedGemmParams& p, cudaStream_t stream);
+// True on a compute capability 10.0 device (B200, GB200): the tcgen05 kernels
+// are compiled for sm_100a, whose code runs on 10.0 only.
+bool sm100_kernels_available();
 
 // The same two GEMMs for prefill-sized batches (grouped_gemm_prefill.cu:
 // compute-bound, 128-row tiles, two consumer warpgroups): tile_offsets must
