@@ -81,10 +81,6 @@ Expected<model::ModelConfig> load_config(const GenerateArgs& args) {
 Status run_generate(const GenerateArgs& args) {
   // Before the device check: a GPU request with speculation is refused the same way with or without a GPU.
   MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec, check_speculative(args.speculative, args.device, false));
-  if (args.load_format == "dummy" && args.device.cuda() && spec.enabled())
-    return unimplemented("--speculative-config with --load-format dummy on --device cuda: the MTP layer runs on the "
-                         "CPU and needs the target's embedding and lm_head there, and dummy weights are generated on "
-                         "the GPU only");
   MOE_RETURN_IF_ERROR(check_device(args.device));
   MOE_ASSIGN_OR_RETURN(model::ModelConfig config, load_config(args));
   if (args.num_layers > 0) {
@@ -107,6 +103,11 @@ Status run_generate(const GenerateArgs& args) {
   MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
   if (kv_dtype != DType::kF32 && kv_dtype != DType::kBF16) return invalid_argument("--kv-dtype must be f32 or bf16");
   if (args.page_size < 1 || args.page_size > 1024) return invalid_argument("--page-size must be in [1, 1024]");
+  std::optional<MtpSource> mtp_source;  // found before the target loads: a missing MTP layer fails at once
+  if (spec.enabled()) {
+    MOE_ASSIGN_OR_RETURN(auto source, find_mtp_source(args.speculative, args.model, dummy));
+    mtp_source = std::move(source);
+  }
 
   std::vector<engine::GenerationRequest> requests;
   for (const auto& text : args.prompt_ids) {
@@ -153,17 +154,19 @@ Status run_generate(const GenerateArgs& args) {
   std::optional<model::MtpModel> mtp_model;
   std::unique_ptr<engine::ModelRunner> runner;
   std::optional<engine::Generator> generator;
-  if (spec.enabled()) {  // on the CPU, also when the target runs on the GPU
-    MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(args.speculative, config, dummy));
+  if (spec.enabled()) {  // on the device the target runs on
+    MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(*mtp_source, config));
     mtp_weights.emplace(std::move(mtp));
-    mtp_model.emplace(*mtp_weights, *weights);
-    options.mtp = &*mtp_model;
     options.num_speculative_tokens = spec.num_speculative_tokens;
-    log_info("speculative decoding: MTP, {} draft tokens per step ({} MLP)", spec.num_speculative_tokens,
-             mtp_weights->layer().is_moe ? "MoE" : "dense");
+    log_info("speculative decoding: MTP layer from {}, {} draft tokens per step ({} MLP)", mtp_source->describe(),
+             spec.num_speculative_tokens, mtp_weights->layer().is_moe ? "MoE" : "dense");
   }
   if (!args.device.cuda()) {
     cpu_model.emplace(*weights);
+    if (mtp_weights) {
+      mtp_model.emplace(*mtp_weights, *weights);
+      options.mtp = &*mtp_model;
+    }
     generator.emplace(*cpu_model, pool, options);
   } else {
 #ifdef MOE_WITH_CUDA
@@ -176,11 +179,13 @@ Status run_generate(const GenerateArgs& args) {
     cuda.gpu_memory_utilization = args.device.gpu_memory_utilization;
     cuda.use_cuda_graphs = !args.device.enforce_eager;
     cuda.dummy_expert_format = dummy_format;  // used by dummy weights only
+    cuda.mtp = mtp_weights ? &*mtp_weights : nullptr;
     MOE_ASSIGN_OR_RETURN(auto cuda_runner,
                          engine::CudaRunner::create(config, weights ? &*weights : nullptr, 0, cuda));
     const int32_t num_pages = cuda_runner->num_pages();
+    if (mtp_weights) options.make_mtp_runner = [gpu = cuda_runner.get()] { return gpu->mtp_runner(); };
     runner = std::move(cuda_runner);
-    generator.emplace(*runner, num_pages, options, &pool);
+    generator.emplace(*runner, num_pages, options);
 #endif
   }
   MOE_ASSIGN_OR_RETURN(auto results, generator->generate(requests));

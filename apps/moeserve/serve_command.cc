@@ -286,15 +286,18 @@ Status rank_group_ready(RankGroup& g, const ParallelArgs& par) {
 struct Runner {
   std::unique_ptr<engine::ModelRunner> runner;
   std::vector<const kv::KvCache*> rank_caches;  // every rank's KV (the roles send it; the GPU's is device memory)
+  std::unique_ptr<engine::MtpRunner> mtp;       // the MTP layer on the GPU (with `mtp` given to make_runner)
 };
 
 // The model runner of this rank: CUDA, a DP rank's, a TP/EP leader's, or the
 // single CPU rank's. Sets the page count (the GPU's comes from its memory).
+// On the GPU, `mtp` (speculative decoding) runs there too.
 Expected<Runner> make_runner(const ServeArgs& args, const model::ModelConfig& config,
                              const model::ModelWeights& weights, const model::Qwen3MoeModel& model, ThreadPool& pool,
-                             kv::KvCacheLayout& layout, engine::SchedulerOptions& sched, RankGroup& group) {
+                             kv::KvCacheLayout& layout, engine::SchedulerOptions& sched, RankGroup& group,
+                             const model::MtpWeights* mtp) {
   Runner r;
-  (void)config, (void)weights;
+  (void)config, (void)weights, (void)mtp;
 #ifdef MOE_WITH_CUDA
   if (args.device.cuda()) {
     // The KV pool takes what --gpu-memory-utilization leaves after the weights.
@@ -306,10 +309,12 @@ Expected<Runner> make_runner(const ServeArgs& args, const model::ModelConfig& co
     cuda.max_model_len = sched.max_model_len;
     cuda.gpu_memory_utilization = args.device.gpu_memory_utilization;
     cuda.use_cuda_graphs = !args.device.enforce_eager;
+    cuda.mtp = mtp;
     MOE_ASSIGN_OR_RETURN(auto cuda_runner, engine::CudaRunner::create(config, &weights, 0, cuda));
     sched.num_pages = cuda_runner->num_pages();
     layout.num_pages = sched.num_pages;
     r.rank_caches = {&cuda_runner->cache()};
+    r.mtp = cuda_runner->mtp_runner();
     r.runner = std::move(cuda_runner);
     return r;
   }
@@ -380,8 +385,8 @@ Status run_serve(ServeArgs args) {
   MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec,
                        check_speculative(args.speculative, args.device, args.role != "colocated"));
   if (args.disagg) {  // the instances load the MTP layer: refuse here what would stop them all
-    if (spec.enabled() && args.speculative.model_dir.empty())
-      return invalid_argument("--speculative-config needs --speculative-model DIR: the MTP layer's checkpoint");
+    if (args.model.empty()) args.model = find_default_model();
+    if (spec.enabled()) MOE_RETURN_IF_ERROR(find_mtp_source(args.speculative, args.model, false).status());
     return run_cluster(std::move(args));
   }
   MOE_RETURN_IF_ERROR(check_serve_args(args));
@@ -391,6 +396,11 @@ Status run_serve(ServeArgs args) {
   const bool dp = par.dp > 1;  // each rank a decode instance of its own (docs/parallel.md)
   if (par.follower() && !dp) return run_rank_follower(args, config);
   if (par.follower()) args.port = 0, args.transfer_port = 0;
+  std::optional<MtpSource> mtp_source;  // found before the target loads: a missing MTP layer fails at once
+  if (spec.enabled()) {
+    MOE_ASSIGN_OR_RETURN(auto source, find_mtp_source(args.speculative, args.model, false));
+    mtp_source = std::move(source);
+  }
   const model::ParallelPlan plan{par.tp, 0, par.ep, dp ? par.internal_rank : 0, dp, nullptr};
 
   std::optional<tokenizer::Tokenizer> tok;
@@ -420,16 +430,17 @@ Status run_serve(ServeArgs args) {
   std::optional<model::MtpWeights> mtp_weights;
   std::optional<model::MtpModel> mtp_model;
   if (spec.enabled()) {
-    MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(args.speculative, config, false));
+    MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(*mtp_source, config));
     mtp_weights.emplace(std::move(mtp));
-    mtp_model.emplace(*mtp_weights, weights);
+    if (!args.device.cuda()) mtp_model.emplace(*mtp_weights, weights);
   }
   MOE_ASSIGN_OR_RETURN(RankGroup group, join_rank_group(par, plan, layout, sched.num_pages));
   model::ParallelPlan rank_plan = plan;
   rank_plan.comm = group.comm.get();
   model::Qwen3MoeModel model(weights, rank_plan);
   MOE_RETURN_IF_ERROR(rank_group_ready(group, par));
-  MOE_ASSIGN_OR_RETURN(Runner runner, make_runner(args, config, weights, model, pool, layout, sched, group));
+  MOE_ASSIGN_OR_RETURN(Runner runner, make_runner(args, config, weights, model, pool, layout, sched, group,
+                                                  mtp_weights ? &*mtp_weights : nullptr));
   log_startup(args, sched, layout, pool.num_threads());
 
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
@@ -437,8 +448,9 @@ Status run_serve(ServeArgs args) {
   std::unique_ptr<engine::MtpDrafter> drafter;
   if (spec.enabled()) {
     CHECK(runner.runner->supports_hidden_states(), "the CPU and CUDA runners return hidden states");
-    drafter = std::make_unique<engine::MtpDrafter>(*mtp_model, pool, layout, spec.num_speculative_tokens);
-    log_info("speculative decoding: MTP layer from {}, {} draft tokens per step", args.speculative.model_dir,
+    drafter = runner.mtp ? std::make_unique<engine::MtpDrafter>(std::move(runner.mtp), spec.num_speculative_tokens)
+                         : std::make_unique<engine::MtpDrafter>(*mtp_model, pool, layout, spec.num_speculative_tokens);
+    log_info("speculative decoding: MTP layer from {}, {} draft tokens per step", mtp_source->describe(),
              spec.num_speculative_tokens);
   }
   engine::Engine engine(std::move(runner.runner), engine_options(config, sched, args, tok ? &*tok : nullptr),

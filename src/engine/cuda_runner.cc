@@ -46,6 +46,30 @@ Expected<std::unique_ptr<CudaRunner>> CudaRunner::create(const model::ModelConfi
   return std::unique_ptr<CudaRunner>(new CudaRunner(std::move(made).value()));
 }
 
+namespace {
+// The MTP forward of a CUDA model, its KV pool seen as a one-layer kv::KvCache.
+class CudaMtpRunner final : public MtpRunner {
+ public:
+  explicit CudaMtpRunner(model::CudaQwen3MoeModel& model)
+      : model_(model), cache_(kv_cache_layout(model.mtp_kv_pool_layout()), model.mtp_kv_pool(),
+                              Device::cuda(model.device())) {}
+  int64_t hidden_size() const override { return model_.config().hidden_size; }
+  Expected<model::MtpOutput> forward(const model::MtpBatch& batch, TensorView hidden) override {
+    return model_.forward_mtp(batch, hidden);
+  }
+  const kv::KvCache& cache() const override { return cache_; }
+
+ private:
+  model::CudaQwen3MoeModel& model_;
+  kv::KvCache cache_;
+};
+}  // namespace
+
+std::unique_ptr<MtpRunner> CudaRunner::mtp_runner() {
+  if (!model_->has_mtp()) return nullptr;
+  return std::make_unique<CudaMtpRunner>(*model_);
+}
+
 Expected<std::vector<int32_t>> CudaRunner::forward_and_sample(const model::ForwardBatch& batch,
                                                               std::span<const RowSampling> rows) {
   std::vector<ops::cuda::SampleRow> device_rows;

@@ -14,6 +14,7 @@
 #include <optional>
 
 #include "engine/model_runner.h"
+#include "engine/speculative.h"
 #include "kv/kv_cache.h"
 #include "model/cuda/cuda_model.h"
 
@@ -40,15 +41,24 @@ class CudaRunner final : public ModelRunner {
   bool supports_layer_hook() const override { return true; }
   void set_layer_hook(std::function<void(int layer)> hook) override { model_->set_layer_hook(std::move(hook)); }
   // Speculative decoding: the target's hidden states come back to the host,
-  // where the MTP draft layer runs for now (docs/speculative.md).
+  // for the MTP layer: on the GPU (mtp_runner(), when the model was created
+  // with one) or on the CPU (docs/speculative.md).
   bool supports_hidden_states() const override { return true; }
   Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                        Tensor& hidden) override {
     return model_->forward_with_hidden(batch, hidden_rows, hidden);
   }
+  Expected<std::vector<int32_t>> forward_greedy_with_hidden(const model::ForwardBatch& batch,
+                                                            std::span<const int32_t> hidden_rows,
+                                                            Tensor& hidden) override {
+    return model_->forward_greedy_with_hidden(batch, hidden_rows, hidden);
+  }
   int32_t num_pages() const { return model_->num_pages(); }
   // The device KV pool as a cache over device memory (never touched by the CPU).
   const kv::KvCache& cache() const { return *cache_; }
+  // The MTP layer on the GPU (model options.mtp), for an MtpDrafter; it must
+  // not outlive this runner. nullptr when the model has none.
+  std::unique_ptr<MtpRunner> mtp_runner();
 
  private:
   explicit CudaRunner(std::unique_ptr<model::CudaQwen3MoeModel> model);

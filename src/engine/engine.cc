@@ -442,31 +442,40 @@ void Engine::export_mtp(const StepPlan& plan, const model::ForwardBatch& batch, 
 Status Engine::run_speculative(const StepPlan& plan, const model::ForwardBatch& batch,
                                std::vector<std::vector<int32_t>>& runs, ChunkLogprobs& logprobs, Tensor& hidden) {
   std::vector<RowSampling> rows;
+  bool greedy = true;  // every request greedy, none with logprobs: argmax ids are all the step needs
   for (const ScheduledChunk& chunk : plan.chunks) {
     if (!chunk.sample) continue;
     const Active& a = active_.at(chunk.id);
     rows.push_back({a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
+    greedy &= a.request.sampling.is_greedy() && a.request.num_logprobs < 0;
   }
   std::vector<int32_t> all_rows(static_cast<size_t>(batch.num_tokens()));
   std::iota(all_rows.begin(), all_rows.end(), 0);
   Status status;
   runner_->set_layer_hook(export_hook(plan));
   try {
-    auto logits = runner_->forward_with_hidden(batch, all_rows, hidden);
-    status = logits.status();
-    if (logits) {
-      runs = sample_runs(plan, batch, *logits, rows);
-      int64_t row = 0;
-      size_t next = 0;
-      for (const ScheduledChunk& chunk : plan.chunks) {
-        if (!chunk.sample) continue;
-        const Active& a = active_.at(chunk.id);
-        if (a.request.num_logprobs >= 0)
-          logprobs.emplace_back(chunk.id, compute_logprobs(std::span<const float>(logits->data_as<float>() + row * vocab_size_,
-                                                                                  static_cast<size_t>(vocab_size_)),
-                                                           runs[next][0], a.request.num_logprobs));
-        row += chunk.num_drafts + 1;
-        ++next;
+    if (greedy) {
+      auto ids = runner_->forward_greedy_with_hidden(batch, all_rows, hidden);
+      status = ids.status();
+      if (ids) runs = greedy_runs(plan, batch, *ids);
+    } else {
+      auto logits = runner_->forward_with_hidden(batch, all_rows, hidden);
+      status = logits.status();
+      if (logits) {
+        runs = sample_runs(plan, batch, *logits, rows);
+        int64_t row = 0;
+        size_t next = 0;
+        for (const ScheduledChunk& chunk : plan.chunks) {
+          if (!chunk.sample) continue;
+          const Active& a = active_.at(chunk.id);
+          if (a.request.num_logprobs >= 0)
+            logprobs.emplace_back(chunk.id,
+                                  compute_logprobs(std::span<const float>(logits->data_as<float>() + row * vocab_size_,
+                                                                          static_cast<size_t>(vocab_size_)),
+                                                   runs[next][0], a.request.num_logprobs));
+          row += chunk.num_drafts + 1;
+          ++next;
+        }
       }
     }
   } catch (const std::exception& e) {

@@ -68,10 +68,15 @@ Expected<std::vector<GenerationResult>> Generator::run(const std::vector<Generat
   // The serving scheduler, driven synchronously: continuous batching with
   // chunked prefill (decodes first) and preemption when pages run out.
   std::unique_ptr<MtpDrafter> drafter;
-  if (options_.mtp != nullptr && options_.num_speculative_tokens > 0) {
-    if (!runner.supports_hidden_states())
-      return unimplemented("speculative decoding needs a model runner that returns hidden states");
-    if (pool_ == nullptr) return invalid_argument("speculative decoding needs a thread pool for the MTP layer");
+  const bool speculate = (options_.mtp != nullptr || options_.make_mtp_runner) && options_.num_speculative_tokens > 0;
+  if (speculate && !runner.supports_hidden_states())
+    return unimplemented("speculative decoding needs a model runner that returns hidden states");
+  if (speculate && options_.make_mtp_runner) {
+    std::unique_ptr<MtpRunner> mtp_runner = options_.make_mtp_runner();
+    if (mtp_runner == nullptr) return invalid_argument("make_mtp_runner gave no MTP runner");
+    drafter = std::make_unique<MtpDrafter>(std::move(mtp_runner), options_.num_speculative_tokens);
+  } else if (speculate) {
+    if (pool_ == nullptr) return invalid_argument("speculative decoding on the CPU needs a thread pool for the MTP layer");
     const model::ModelConfig& c = options_.mtp->config();
     drafter = std::make_unique<MtpDrafter>(
         *options_.mtp, *pool_,
@@ -145,8 +150,14 @@ Expected<std::vector<std::vector<int32_t>>> Generator::forward_step(ModelRunner&
     std::vector<int32_t> all_rows(static_cast<size_t>(batch.num_tokens()));
     std::iota(all_rows.begin(), all_rows.end(), 0);
     Tensor hidden;
-    MOE_ASSIGN_OR_RETURN(Tensor logits, runner.forward_with_hidden(batch, all_rows, hidden));
-    runs = sample_runs(plan, batch, logits, rows);
+    const bool greedy = std::all_of(rows.begin(), rows.end(), [](const RowSampling& r) { return r.params.is_greedy(); });
+    if (greedy) {
+      MOE_ASSIGN_OR_RETURN(auto ids, runner.forward_greedy_with_hidden(batch, all_rows, hidden));
+      runs = greedy_runs(plan, batch, ids);
+    } else {
+      MOE_ASSIGN_OR_RETURN(Tensor logits, runner.forward_with_hidden(batch, all_rows, hidden));
+      runs = sample_runs(plan, batch, logits, rows);
+    }
     updates = scheduler.complete_step(plan, std::span<const std::vector<int32_t>>(runs));
     drafter->propose(scheduler, plan, batch, hidden, [](uint64_t) { return true; });
     return runs;

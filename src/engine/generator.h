@@ -12,6 +12,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,9 +49,11 @@ struct GeneratorOptions {
   DType kv_dtype = DType::kF32;
   int max_tokens_per_step = 0;        // prefill chunk budget; 0: unlimited
   std::vector<int32_t> eos_token_ids;
-  // Speculative decoding (engine/speculative.h) with this MTP model (run on
-  // the CPU), k > 0 drafts per step; the runner must return hidden states.
+  // Speculative decoding (engine/speculative.h), k > 0 drafts per step, the
+  // runner returning hidden states: with this MTP model on the CPU, or with
+  // the MtpRunner make_mtp_runner() gives (the GPU's, CudaRunner::mtp_runner).
   const model::MtpModel* mtp = nullptr;
+  std::function<std::unique_ptr<MtpRunner>()> make_mtp_runner;
   int num_speculative_tokens = 0;
 };
 

@@ -19,6 +19,17 @@ Expected<Tensor> ModelRunner::forward_with_hidden(const model::ForwardBatch&, st
   return unimplemented("this model runner does not return hidden states (needed by speculative decoding)");
 }
 
+Expected<std::vector<int32_t>> ModelRunner::forward_greedy_with_hidden(const model::ForwardBatch& batch,
+                                                                       std::span<const int32_t> hidden_rows,
+                                                                       Tensor& hidden) {
+  MOE_ASSIGN_OR_RETURN(Tensor logits, forward_with_hidden(batch, hidden_rows, hidden));
+  const int64_t rows = logits.view().dim(0), vocab = logits.view().dim(1);
+  std::vector<int32_t> ids(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r)
+    ids[r] = argmax(std::span<const float>(logits.data_as<float>() + r * vocab, static_cast<size_t>(vocab)));
+  return ids;
+}
+
 Expected<Tensor> Qwen3Runner::forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                                   Tensor& hidden) {
   return model_.try_forward(pool_, batch, layers_, hook_, hidden_rows, &hidden);

@@ -54,6 +54,12 @@ class ModelRunner {
   virtual bool supports_hidden_states() const { return false; }
   virtual Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                                Tensor& hidden);
+  // The same with the argmax token of each logits row instead of the logits:
+  // the speculative step when every request is greedy, so a runner whose
+  // logits are on a device sends back ids only (default: argmax here).
+  virtual Expected<std::vector<int32_t>> forward_greedy_with_hidden(const model::ForwardBatch& batch,
+                                                                    std::span<const int32_t> hidden_rows,
+                                                                    Tensor& hidden);
 };
 
 // The Qwen3-MoE CPU forward over its own paged KV cache.

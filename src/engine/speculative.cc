@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "core/logging.h"
 
 namespace moe::engine {
 namespace {
@@ -133,6 +135,27 @@ std::vector<std::vector<int32_t>> sample_runs(const StepPlan& plan, const model:
   return runs;
 }
 
+std::vector<std::vector<int32_t>> greedy_runs(const StepPlan& plan, const model::ForwardBatch& batch,
+                                              std::span<const int32_t> argmax_ids) {
+  std::vector<std::vector<int32_t>> runs;
+  size_t row = 0;
+  for (size_t c = 0; c < plan.chunks.size(); ++c) {
+    const ScheduledChunk& chunk = plan.chunks[c];
+    if (!chunk.sample) continue;
+    const int32_t* drafts = batch.token_ids.data() + batch.query_start[c + 1] - chunk.num_drafts;
+    CHECK(row + chunk.num_drafts < argmax_ids.size(), "an argmax id for every verified row");
+    std::vector<int32_t> run;
+    for (int32_t j = 0; j <= chunk.num_drafts; ++j) {  // accept while the draft is the target's token
+      run.push_back(argmax_ids[row + j]);
+      if (j < chunk.num_drafts && run.back() != drafts[j]) break;
+    }
+    runs.push_back(std::move(run));
+    row += static_cast<size_t>(chunk.num_drafts) + 1;
+  }
+  CHECK(row == argmax_ids.size(), "{} argmax ids used of {}", row, argmax_ids.size());
+  return runs;
+}
+
 SpecStepStats spec_step_stats(const StepPlan& plan, std::span<const std::vector<int32_t>> runs) {
   SpecStepStats stats;
   size_t next = 0;
@@ -147,15 +170,30 @@ SpecStepStats spec_step_stats(const StepPlan& plan, std::span<const std::vector<
   return stats;
 }
 
-MtpDrafter::MtpDrafter(const model::MtpModel& mtp, ThreadPool& pool, const kv::KvCacheLayout& target_layout,
-                       int num_speculative_tokens)
+CpuMtpRunner::CpuMtpRunner(const model::MtpModel& mtp, ThreadPool& pool, const kv::KvCacheLayout& target_layout)
     : mtp_(mtp),
       pool_(pool),
       cache_(kv::KvCacheLayout{1, mtp.config().num_kv_heads, mtp.config().head_dim, target_layout.page_size,
-                               target_layout.num_pages, target_layout.dtype}),
-      num_speculative_tokens_(num_speculative_tokens) {
+                               target_layout.num_pages, target_layout.dtype}) {}
+
+MtpDrafter::MtpDrafter(const model::MtpModel& mtp, ThreadPool& pool, const kv::KvCacheLayout& target_layout,
+                       int num_speculative_tokens)
+    : MtpDrafter(std::make_unique<CpuMtpRunner>(mtp, pool, target_layout), num_speculative_tokens) {}
+
+MtpDrafter::MtpDrafter(std::unique_ptr<MtpRunner> runner, int num_speculative_tokens)
+    : runner_(std::move(runner)), num_speculative_tokens_(num_speculative_tokens) {
+  CHECK(runner_ != nullptr, "an MTP drafter needs a runner");
   CHECK(num_speculative_tokens >= 1 && num_speculative_tokens <= kMaxSpeculativeTokens, "k = {}",
         num_speculative_tokens);
+}
+
+std::optional<model::MtpOutput> MtpDrafter::run(const model::MtpBatch& batch, TensorView hidden) {
+  auto out = runner_->forward(batch, hidden);
+  if (out) return std::move(out).value();
+  if (!std::exchange(warned_, true))
+    log_error("speculative decoding: the MTP forward failed ({}); sequences decode without drafts when it does",
+              out.status().to_string());
+  return std::nullopt;
 }
 
 namespace {
@@ -203,23 +241,24 @@ std::vector<MtpDrafter::Drafting> MtpDrafter::first_pass(Scheduler& scheduler, c
   }
   if (ids.empty()) return {};
   fill_page_table(scheduler, ids, mb);
-  const int64_t h = mtp_.config().hidden_size;
+  const int64_t h = hidden_size();
   Tensor input(DType::kF32, {mb.num_tokens(), h});
   for (size_t r = 0; r < hidden_rows.size(); ++r)
     std::copy_n(hidden.data_as<float>() + hidden_rows[r] * h, h, input.data_as<float>() + static_cast<int64_t>(r) * h);
-  model::MtpOutput out = mtp_.forward(pool_, mb, input, cache_.layer(0));
-  const int64_t vocab = out.logits.view().dim(1);
+  std::optional<model::MtpOutput> out = run(mb, input);
+  if (!out) return {};
+  const int64_t vocab = out->logits.view().dim(1);
   for (size_t i = 0; i < drafting.size(); ++i)
     drafting[i].drafts.push_back(
-        argmax(std::span<const float>(out.logits.data_as<float>() + static_cast<int64_t>(i) * vocab, vocab)));
-  out_hidden = std::move(out.hidden);
+        argmax(std::span<const float>(out->logits.data_as<float>() + static_cast<int64_t>(i) * vocab, vocab)));
+  out_hidden = std::move(out->hidden);
   return drafting;
 }
 
 // Chained steps: each runs at the next position with the previous step's
 // output as h and its draft as the token, until every sequence has its drafts.
 void MtpDrafter::chain(Scheduler& scheduler, std::vector<Drafting>& drafting, Tensor hidden) {
-  const int64_t h = mtp_.config().hidden_size;
+  const int64_t h = hidden_size();
   std::vector<size_t> limit(drafting.size());
   for (size_t i = 0; i < drafting.size(); ++i) {
     const int32_t k = std::min(num_speculative_tokens_, scheduler.max_drafts(drafting[i].id));
@@ -246,12 +285,16 @@ void MtpDrafter::chain(Scheduler& scheduler, std::vector<Drafting>& drafting, Te
                   input.data_as<float>() + static_cast<int64_t>(a) * h);
     }
     fill_page_table(scheduler, ids, mb);
-    model::MtpOutput out = mtp_.forward(pool_, mb, input, cache_.layer(0));
-    const int64_t vocab = out.logits.view().dim(1);
+    std::optional<model::MtpOutput> out = run(mb, input);
+    if (!out) {  // keep the drafts made so far
+      for (size_t a : active) limit[a] = drafting[a].drafts.size();
+      continue;
+    }
+    const int64_t vocab = out->logits.view().dim(1);
     for (size_t a = 0; a < active.size(); ++a) {
       drafting[active[a]].drafts.push_back(
-          argmax(std::span<const float>(out.logits.data_as<float>() + static_cast<int64_t>(a) * vocab, vocab)));
-      std::copy_n(out.hidden.data_as<float>() + static_cast<int64_t>(a) * h, h,
+          argmax(std::span<const float>(out->logits.data_as<float>() + static_cast<int64_t>(a) * vocab, vocab)));
+      std::copy_n(out->hidden.data_as<float>() + static_cast<int64_t>(a) * h, h,
                   hidden.data_as<float>() + static_cast<int64_t>(active[a]) * h);
     }
   }
@@ -279,15 +322,15 @@ void MtpDrafter::write_prompt_kv(const Scheduler& scheduler, const StepPlan& pla
   }
   if (ids.empty()) return;
   fill_page_table(scheduler, ids, mb);
-  const int64_t h = mtp_.config().hidden_size;
+  const int64_t h = hidden_size();
   Tensor input(DType::kF32, {mb.num_tokens(), h});
   for (size_t r = 0; r < hidden_rows.size(); ++r)
     std::copy_n(hidden.data_as<float>() + hidden_rows[r] * h, h, input.data_as<float>() + static_cast<int64_t>(r) * h);
-  (void)mtp_.forward(pool_, mb, input, cache_.layer(0));  // KV only: no output rows
+  (void)run(mb, input);  // KV only: no output rows
 }
 
 void MtpDrafter::start_prefilled(Scheduler& scheduler, uint64_t id, std::span<const float> last_hidden) {
-  const int64_t h = mtp_.config().hidden_size;
+  const int64_t h = hidden_size();
   CHECK(static_cast<int64_t>(last_hidden.size()) == h, "sequence {}: a hidden state of {} values, not {}", id,
         last_hidden.size(), h);
   if (!scheduler.is_running(id) || scheduler.max_drafts(id) <= 0) return;
@@ -301,10 +344,11 @@ void MtpDrafter::start_prefilled(Scheduler& scheduler, uint64_t id, std::span<co
   fill_page_table(scheduler, ids, mb);
   Tensor input(DType::kF32, {1, h});
   std::copy(last_hidden.begin(), last_hidden.end(), input.data_as<float>());
-  model::MtpOutput out = mtp_.forward(pool_, mb, input, cache_.layer(0));
-  const int64_t vocab = out.logits.view().dim(1);
-  std::vector<Drafting> drafting = {{id, computed, {argmax(std::span<const float>(out.logits.data_as<float>(), vocab))}}};
-  chain(scheduler, drafting, std::move(out.hidden));
+  std::optional<model::MtpOutput> out = run(mb, input);
+  if (!out) return;
+  const int64_t vocab = out->logits.view().dim(1);
+  std::vector<Drafting> drafting = {{id, computed, {argmax(std::span<const float>(out->logits.data_as<float>(), vocab))}}};
+  chain(scheduler, drafting, std::move(out->hidden));
   scheduler.set_drafts(id, std::move(drafting[0].drafts));
 }
 

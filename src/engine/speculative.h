@@ -29,6 +29,8 @@
 #pragma once
 
 #include <functional>
+#include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -83,6 +85,11 @@ std::vector<int32_t> verify_drafts(std::span<const float> rows, int64_t vocab, s
 std::vector<std::vector<int32_t>> sample_runs(const StepPlan& plan, const model::ForwardBatch& batch,
                                               const Tensor& logits, std::span<const RowSampling> rows);
 
+// sample_runs when every sampling chunk of `plan` is greedy, from the argmax
+// token of each logits row (batch.logits_rows order) instead of the logits.
+std::vector<std::vector<int32_t>> greedy_runs(const StepPlan& plan, const model::ForwardBatch& batch,
+                                              std::span<const int32_t> argmax_ids);
+
 // Per-step speculation counts, for metrics.
 struct SpecStepStats {
   int64_t num_draft_tokens = 0;     // drafts verified
@@ -91,16 +98,45 @@ struct SpecStepStats {
 };
 SpecStepStats spec_step_stats(const StepPlan& plan, std::span<const std::vector<int32_t>> runs);
 
+// Where the MTP forward runs, over the MTP layer's one-layer KV cache (page
+// ids shared with the target's): the CPU (CpuMtpRunner) or the GPU
+// (engine/cuda_runner.h). forward() fails only on a device error.
+class MtpRunner {
+ public:
+  virtual ~MtpRunner() = default;
+  virtual int64_t hidden_size() const = 0;
+  virtual Expected<model::MtpOutput> forward(const model::MtpBatch& batch, TensorView hidden) = 0;
+  virtual const kv::KvCache& cache() const = 0;
+};
+
+// MtpModel on the CPU, its KV cache one layer of `target_layout`'s shape and page count.
+class CpuMtpRunner final : public MtpRunner {
+ public:
+  CpuMtpRunner(const model::MtpModel& mtp, ThreadPool& pool, const kv::KvCacheLayout& target_layout);
+  int64_t hidden_size() const override { return mtp_.config().hidden_size; }
+  Expected<model::MtpOutput> forward(const model::MtpBatch& batch, TensorView hidden) override {
+    return mtp_.forward(pool_, batch, hidden, cache_.layer(0));
+  }
+  const kv::KvCache& cache() const override { return cache_; }
+
+ private:
+  const model::MtpModel& mtp_;
+  ThreadPool& pool_;
+  kv::KvCache cache_;
+};
+
 class MtpDrafter {
  public:
-  // The MTP's KV cache has one layer of `target_layout`'s shape and page count.
+  // On the CPU: the MTP's KV cache has one layer of `target_layout`'s shape and page count.
   MtpDrafter(const model::MtpModel& mtp, ThreadPool& pool, const kv::KvCacheLayout& target_layout,
              int num_speculative_tokens);
+  // On any MtpRunner (the GPU's).
+  MtpDrafter(std::unique_ptr<MtpRunner> runner, int num_speculative_tokens);
 
   int num_speculative_tokens() const { return num_speculative_tokens_; }
-  size_t cache_bytes() const { return cache_.num_bytes(); }
-  const kv::KvCache& cache() const { return cache_; }
-  int64_t hidden_size() const { return mtp_.config().hidden_size; }
+  size_t cache_bytes() const { return runner_->cache().num_bytes(); }
+  const kv::KvCache& cache() const { return runner_->cache(); }
+  int64_t hidden_size() const { return runner_->hidden_size(); }
 
   // After scheduler.complete_step(plan, ...): extends the MTP's KV over the
   // positions the step computed (hidden: the target's last hidden state of
@@ -134,11 +170,13 @@ class MtpDrafter {
                                    const Tensor& hidden, const std::function<bool(uint64_t)>& may_speculate,
                                    Tensor& out_hidden);
   void chain(Scheduler& scheduler, std::vector<Drafting>& drafting, Tensor hidden);
+  // runner_->forward(); on an error (a device failure), logged once per
+  // drafter, no output: the sequences decode without drafts this step.
+  std::optional<model::MtpOutput> run(const model::MtpBatch& batch, TensorView hidden);
 
-  const model::MtpModel& mtp_;
-  ThreadPool& pool_;
-  kv::KvCache cache_;
+  std::unique_ptr<MtpRunner> runner_;
   int num_speculative_tokens_;
+  bool warned_ = false;
 };
 
 }  // namespace moe::engine

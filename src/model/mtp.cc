@@ -1,5 +1,6 @@
 #include "model/mtp.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -35,6 +36,12 @@ Tensor random_tensor(DType dtype, Shape shape, uint64_t seed, uint64_t stream, f
 
 }  // namespace
 
+Expected<bool> has_mtp_tensors(const std::string& dir) {
+  MOE_ASSIGN_OR_RETURN(auto checkpoint, SafetensorsCheckpoint::open(dir));
+  const std::vector<std::string> names = checkpoint.tensor_names();
+  return std::any_of(names.begin(), names.end(), [](const std::string& name) { return is_mtp_tensor(name); });
+}
+
 MtpWeights::MtpWeights(ModelConfig config) : config_(std::move(config)) {}
 MtpWeights::MtpWeights(MtpWeights&&) noexcept = default;
 MtpWeights& MtpWeights::operator=(MtpWeights&&) noexcept = default;
@@ -45,13 +52,14 @@ TensorView MtpWeights::own(Tensor tensor) {
   return owned_.back().view();
 }
 
-Expected<MtpWeights> MtpWeights::load(const std::string& dir, const ModelConfig& config) {
+Expected<MtpWeights> MtpWeights::load(const std::string& dir, const ModelConfig& config, MtpCheckpoint kind) {
   if (config.quantization.format != ops::QuantFormat::kNone)
     return unimplemented("MTP weights for a quantized target model are not supported yet");
   MOE_ASSIGN_OR_RETURN(auto checkpoint, SafetensorsCheckpoint::open(dir));
   MtpWeights w(config);
   w.checkpoint_ = std::make_unique<SafetensorsCheckpoint>(std::move(checkpoint));
   TensorFetcher fetch(*w.checkpoint_);
+  const bool in_model = kind == MtpCheckpoint::kModel;  // only the mtp.* tensors are this loader's
   const int64_t hidden = config.hidden_size, head_dim = config.head_dim;
   auto name = [](const char* suffix) { return std::string(kLayer) + suffix; };
   auto load_all = [&]() -> Status {
@@ -102,9 +110,10 @@ Expected<MtpWeights> MtpWeights::load(const std::string& dir, const ModelConfig&
       std::memcpy(static_cast<char*>(w13.data()) + gate.num_bytes(), up.data(), up.num_bytes());
       lw.w13 = w.own(std::move(w13));
     }
-    return fetch.check_all_used();
+    return in_model ? fetch.check_all_used(is_mtp_tensor) : fetch.check_all_used();
   };
-  if (Status s = load_all(); !s.is_ok()) return s.with_context(fmt::format("MTP checkpoint {}", dir));
+  const char* what = in_model ? "MTP layer (mtp.*) of the model checkpoint" : "MTP checkpoint";
+  if (Status s = load_all(); !s.is_ok()) return s.with_context(fmt::format("{} {}", what, dir));
   return w;
 }
 

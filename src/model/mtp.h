@@ -29,8 +29,9 @@
 // token as x, writing MTP KV at t + j. Those slots are overwritten with the
 // target's true hidden states once the drafts are verified.
 //
-// Tensor names (a Qwen3.5 checkpoint's `mtp.*`, also the layout of the side
-// checkpoint given by --speculative-model for Qwen3-MoE):
+// Tensor names (a Qwen3.5 checkpoint's `mtp.*`, beside the target's own
+// tensors in the model directory; also the layout of the side checkpoint
+// given by --speculative-model for Qwen3-MoE):
 //   mtp.pre_fc_norm_embedding.weight [hidden], mtp.pre_fc_norm_hidden.weight [hidden],
 //   mtp.fc.weight [hidden, 2 * hidden], mtp.norm.weight [hidden],
 //   mtp.layers.0.{input_layernorm, post_attention_layernorm}.weight [hidden],
@@ -59,6 +60,16 @@ namespace moe::model {
 
 class SafetensorsCheckpoint;
 
+// Which directory MtpWeights::load reads, and so which of its tensors it answers for.
+enum class MtpCheckpoint {
+  kSide,   // a checkpoint of the MTP layer alone (--speculative-model): any other tensor is an error
+  kModel,  // the target model's own checkpoint: only the mtp.* tensors are read; the rest are the target's
+};
+
+// Whether DIR's checkpoint holds any mtp.* tensor (an MTP layer shipped in
+// the model's own files). Errors: DIR has no readable checkpoint.
+Expected<bool> has_mtp_tensors(const std::string& dir);
+
 class MtpWeights {
  public:
   MtpWeights(MtpWeights&&) noexcept;
@@ -73,9 +84,12 @@ class MtpWeights {
   const LayerWeights& layer() const { return layer_; }     // the decoder block (plain weights)
 
   // Reads DIR's safetensors: every tensor above must be there with its shape
-  // and a float dtype, and any other tensor is an error. The MLP is MoE when
-  // mtp.layers.0.mlp.gate.weight is present (the target needs experts then).
-  static Expected<MtpWeights> load(const std::string& dir, const ModelConfig& target_config);
+  // and a float dtype, and any other tensor is an error (with kModel: any
+  // other mtp.* tensor; the target's tensors are left to ModelWeights, and the
+  // files are mapped a second time, sharing the page cache). The MLP is MoE
+  // when mtp.layers.0.mlp.gate.weight is present (the target needs experts then).
+  static Expected<MtpWeights> load(const std::string& dir, const ModelConfig& target_config,
+                                   MtpCheckpoint kind = MtpCheckpoint::kSide);
   // Random weights of the right shapes (norms near 1, projections uniform in
   // +-1/sqrt(fan_in)), deterministic in `seed`; `moe` picks the MLP kind.
   static MtpWeights dummy(const ModelConfig& target_config, uint64_t seed, bool moe);

@@ -5,8 +5,10 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <set>
 #include <string>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -52,11 +54,13 @@ class TensorFetcher {
     return view;
   }
 
-  // Every tensor of the checkpoint must have been used.
-  Status check_all_used() const {
+  // Every tensor of the checkpoint that `owned` says is this loader's (all of
+  // them when empty) must have been used; the others belong to another loader
+  // of the same directory (the target's and the MTP layer's, model/mtp.h).
+  Status check_all_used(const std::function<bool(std::string_view)>& owned = {}) const {
     std::vector<std::string> unused;
     for (const auto& name : checkpoint_.tensor_names())
-      if (!used_.count(name)) unused.push_back(name);
+      if ((!owned || owned(name)) && !used_.count(name)) unused.push_back(name);
     if (unused.empty()) return Status::ok();
     const size_t shown = std::min<size_t>(unused.size(), 5);
     return invalid_argument("{} tensor(s) in the checkpoint are not used by the config's model: {}{}", unused.size(),

@@ -199,7 +199,8 @@ Expected<ModelWeights> ModelWeights::load(const std::string& model_dir, const Mo
   }
   for (int l = 0; l < config.num_layers; ++l)
     if (auto status = w.load_layer(fetch, l); !status.is_ok()) return status.with_context(model_dir);
-  if (auto status = fetch.check_all_used(); !status.is_ok()) return status.with_context(model_dir);
+  const auto target_tensor = [](std::string_view name) { return !is_mtp_tensor(name); };
+  if (auto status = fetch.check_all_used(target_tensor); !status.is_ok()) return status.with_context(model_dir);
   return w;
 }
 

@@ -12,6 +12,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/tensor.h"
@@ -43,6 +44,11 @@ struct LayerWeights {
   ops::QuantizedTensor q_proj_quant, k_proj_quant, v_proj_quant, o_proj_quant, w13_quant, w2_quant;
 };
 
+// Tensors named mtp.* are an MTP layer's (model/mtp.h), which Qwen3.5 and
+// Qwen3-Next checkpoints ship in the model's own safetensors: the target's
+// loader leaves them to MtpWeights.
+inline bool is_mtp_tensor(std::string_view name) { return name.starts_with("mtp."); }
+
 enum class LoadFormat { kAuto, kSafetensors, kDummy };
 
 struct LoadOptions {
@@ -66,7 +72,8 @@ class ModelWeights {
   size_t num_bytes() const;
 
   // Reads DIR's safetensors and checks every tensor: present, expected shape,
-  // float dtype; a tensor the model does not use is an error too.
+  // float dtype; a tensor the model does not use is an error too, except the
+  // mtp.* tensors (is_mtp_tensor): those are the MTP layer's (MtpWeights).
   static Expected<ModelWeights> load(const std::string& model_dir, const ModelConfig& config, ThreadPool& pool);
   // Random weights (uniform in +-1/sqrt(fan_in), norms near 1) in config.dtype.
   // With a quantization format, the projections (experts, dense MLPs and

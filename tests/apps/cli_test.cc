@@ -3,9 +3,13 @@
 
 #include <array>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sys/wait.h>
+#include <unistd.h>
+
+#include "model/safetensors.h"
 
 namespace {
 
@@ -31,6 +35,7 @@ CliRun run(const std::string& args) {
 }
 
 const std::string kGolden = std::string(MOE_SOURCE_DIR) + "/tests/data/golden/moe_basic";
+const std::string kMtp = std::string(MOE_SOURCE_DIR) + "/tests/data/mtp_golden";  // its MTP layer
 
 TEST(Cli, GenerateJsonMatchesTheGoldenGreedyTokens) {
   std::ifstream in(kGolden + "/golden.json");
@@ -52,7 +57,7 @@ TEST(Cli, GenerateJsonMatchesTheGoldenGreedyTokens) {
 // MTP drafts (the golden model with a random MTP layer from its golden
 // checkpoint), and clear start-up errors for what is not supported.
 TEST(Cli, SpeculativeGenerateAndItsErrors) {
-  const std::string mtp = std::string(MOE_SOURCE_DIR) + "/tests/data/mtp_golden";
+  const std::string& mtp = kMtp;
   const std::string base = "generate --model " + kGolden + " --prompt-ids 1,17,99,250 --max-tokens 12 --ignore-eos ";
   CliRun plain = run(base);
   ASSERT_EQ(plain.exit_code, 0) << plain.output;
@@ -67,10 +72,7 @@ TEST(Cli, SpeculativeGenerateAndItsErrors) {
       {base + "--speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":2}'", "not supported"},
       {base + "--speculative-config 'mtp'", "must be a JSON object"},
       {base + "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'",
-       "needs --speculative-model"},
-      {"generate --model " + kGolden + " --prompt-ids 1 --load-format dummy --device cuda --speculative-config "
-                                       "'{\"method\":\"mtp\",\"num_speculative_tokens\":2}'",
-       "dummy weights are generated on the GPU only"},
+       "has no mtp.* tensors either"},
       {"decode --model " + kGolden + " --device cuda --speculative-config "
                                      "'{\"method\":\"mtp\",\"num_speculative_tokens\":2}' --speculative-model " + mtp,
        "not in the prefill and decode roles"},
@@ -82,6 +84,77 @@ TEST(Cli, SpeculativeGenerateAndItsErrors) {
     EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.output;
     EXPECT_NE(r.output.find(message), std::string::npos) << args << "\n" << r.output;
   }
+}
+
+// The golden model with the golden MTP layer inside its own checkpoint, as
+// Qwen3.5 ships it (a second shard of mtp.* tensors behind
+// model.safetensors.index.json), in a directory removed at the end.
+class ModelWithMtpLayer {
+ public:
+  ModelWithMtpLayer() {
+    namespace fs = std::filesystem;
+    dir_ = fs::path(testing::TempDir()) / ("cli_mtp_in_model_" + std::to_string(getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    for (const char* file : {"config.json", "generation_config.json"})
+      fs::copy_file(kGolden + "/" + file, dir_ / file);
+    auto target = moe::model::SafetensorsFile::open(kGolden + "/model.safetensors");
+    auto mtp = moe::model::SafetensorsFile::open(kMtp + "/model.safetensors");
+    EXPECT_TRUE(target.has_value() && mtp.has_value());
+    std::vector<std::pair<std::string, moe::TensorView>> tensors;
+    for (const auto* file : {&*target, &*mtp})
+      for (const auto& info : file->tensors()) tensors.emplace_back(info.name, file->view(info));
+    // A shard as large as the target's data: the first MTP tensor opens the second.
+    EXPECT_TRUE(moe::model::write_sharded_safetensors(dir_.string(), tensors, target->data_size()).is_ok());
+  }
+  ~ModelWithMtpLayer() { std::filesystem::remove_all(dir_); }
+  std::string dir() const { return dir_.string(); }
+
+ private:
+  std::filesystem::path dir_;
+};
+
+// Without --speculative-model, the mtp.* tensors of the model directory are
+// the MTP layer: the same greedy tokens, drafts verified, and the start-up
+// log says where the layer came from; --speculative-model still wins.
+TEST(Cli, SpeculativeGenerateWithTheMtpLayerInTheModelDirectory) {
+  const ModelWithMtpLayer model;
+  const std::string prompt = " --prompt-ids 1,17,99,250 --max-tokens 12 --ignore-eos ";
+  const std::string speculate = "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":3}' ";
+  CliRun plain = run("generate --model " + kGolden + prompt);
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  CliRun target_only = run("generate --model " + model.dir() + prompt);  // the target leaves mtp.* alone
+  ASSERT_EQ(target_only.exit_code, 0) << target_only.output;
+  EXPECT_EQ(target_only.stdout_only, plain.stdout_only);
+  CliRun spec = run("generate --model " + model.dir() + prompt + speculate);
+  ASSERT_EQ(spec.exit_code, 0) << spec.output;
+  EXPECT_EQ(spec.stdout_only, plain.stdout_only);
+  EXPECT_NE(spec.output.find("speculative: "), std::string::npos) << spec.output;
+  EXPECT_NE(spec.output.find("MTP layer from the mtp.* tensors of the model checkpoint " + model.dir()),
+            std::string::npos)
+      << spec.output;
+  CliRun side = run("generate --model " + model.dir() + prompt + speculate + "--speculative-model " + kMtp);
+  ASSERT_EQ(side.exit_code, 0) << side.output;
+  EXPECT_EQ(side.stdout_only, plain.stdout_only);
+  EXPECT_NE(side.output.find("MTP layer from " + kMtp + " (--speculative-model)"), std::string::npos)
+      << side.output;
+
+  // `serve` and the prefill and decode roles (what `serve --disagg` starts)
+  // load it too: they log where it came from, then fail on the host given to
+  // stop them there. `serve --disagg` checks before starting any instance;
+  // its refusal of --device cuda comes after that check.
+  const std::string stop = " --host 256.0.0.1 --port 0 --threads 1 --kv-cache-gb 0.01 ";
+  for (const char* role : {"serve", "prefill", "decode"}) {
+    CliRun r = run(std::string(role) + " --model " + model.dir() + stop + speculate);
+    EXPECT_EQ(r.exit_code, 1) << role << "\n" << r.output;
+    EXPECT_NE(r.output.find("MTP layer from the mtp.* tensors of the model checkpoint"), std::string::npos)
+        << role << "\n" << r.output;
+    EXPECT_NE(r.output.find("256.0.0.1: not an IP address"), std::string::npos) << role << "\n" << r.output;
+  }
+  CliRun cluster = run("serve --disagg --device cuda --model " + model.dir() + " " + speculate);
+  EXPECT_EQ(cluster.exit_code, 1) << cluster.output;
+  EXPECT_NE(cluster.output.find("serve --disagg starts CPU instances only"), std::string::npos)
+      << cluster.output;
 }
 
 // --gpu and the GPU disaggregated roles (docs/gpu.md, docs/disagg.md): clear

@@ -120,6 +120,50 @@ TEST(RejectionSampling, GreedyAcceptsWhileDraftsMatchTheArgmax) {
   EXPECT_EQ(verify_drafts(rows, 3, std::vector<int32_t>{2, 0}, greedy, 0, 0), (std::vector<int32_t>{1}));
 }
 
+// Greedy verification from argmax ids (what a GPU runner sends back) equals
+// verification from the logits, over chunks with and without drafts,
+// accepted and rejected, and a chunk that does not sample.
+TEST(RejectionSampling, GreedyRunsFromArgmaxIdsEqualSampleRuns) {
+  const int64_t vocab = 11;
+  StepPlan plan;
+  model::ForwardBatch batch;
+  batch.query_start = {0};
+  const std::vector<std::pair<int, bool>> chunks = {{3, true}, {0, true}, {2, true}, {0, false}, {4, true}};
+  uint64_t id = 1;
+  for (const auto& [drafts, sample] : chunks) {
+    ScheduledChunk chunk;
+    chunk.id = id++;
+    chunk.num_tokens = 1 + drafts;
+    chunk.num_drafts = drafts;
+    chunk.sample = sample;
+    plan.chunks.push_back(chunk);
+    for (int t = 0; t <= drafts; ++t) batch.token_ids.push_back(static_cast<int32_t>((t * 5 + id) % vocab));
+    batch.query_start.push_back(batch.num_tokens());
+  }
+  for (uint64_t seed = 0; seed < 50; ++seed) {
+    std::vector<float> logits;
+    std::vector<int32_t> ids;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      if (!chunks[c].second) continue;
+      for (int r = 0; r <= chunks[c].first; ++r) {
+        std::vector<float> row(vocab);
+        // Rows whose argmax often equals the draft at that row, so runs of accepted drafts happen.
+        const int32_t draft = batch.token_ids[batch.query_start[c + 1] - chunks[c].first + std::min(r, chunks[c].first - 1)];
+        for (int64_t v = 0; v < vocab; ++v) row[v] = static_cast<float>(uniform_draw(seed, c * 100 + r * vocab + v));
+        if (chunks[c].first > 0 && uniform_draw(seed + 7, c * 10 + r) < 0.7) row[draft] += 2.0f;
+        ids.push_back(argmax(row));
+        logits.insert(logits.end(), row.begin(), row.end());
+      }
+    }
+    const int64_t rows = static_cast<int64_t>(ids.size());
+    Tensor t(DType::kF32, {rows, vocab});
+    std::copy(logits.begin(), logits.end(), t.data_as<float>());
+    std::vector<RowSampling> sampling(4);  // greedy (temperature 0)
+    for (auto& r : sampling) r.params.temperature = 0;
+    EXPECT_EQ(greedy_runs(plan, batch, ids), sample_runs(plan, batch, t, sampling)) << "seed " << seed;
+  }
+}
+
 std::string golden_dir(const std::string& name) { return std::string(MOE_SOURCE_DIR) + "/tests/data/golden/" + name; }
 
 struct Loaded {

@@ -1,10 +1,10 @@
 // Speculative decoding with the target on the GPU (docs/speculative.md): the
-// CUDA model's hidden states against the CPU reference's, and greedy outputs
-// with MTP drafts (the MTP layer on the CPU, fed the GPU's hidden states)
-// equal to plain greedy decoding on the GPU for k = 1..4, on the golden model
-// with a random MTP layer and on the demo model with its trained one (whose
-// drafts must be accepted). Prints acceptance and the decode speed with and
-// without drafts. Skips without a GPU.
+// CUDA model's hidden states and its MTP forward against the CPU reference's,
+// and greedy outputs with MTP drafts (the MTP layer on the GPU, and on the CPU
+// fed the GPU's hidden states) equal to plain greedy decoding on the GPU for
+// k = 1..4, on the golden model with a random MoE MTP layer and on the demo
+// model with its trained dense one (whose drafts must be accepted). Prints
+// acceptance and the decode speed with and without drafts. Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -38,7 +38,8 @@ struct Loaded {
   std::unique_ptr<CudaRunner> runner;
 };
 
-std::unique_ptr<Loaded> load(const std::string& dir, const std::string& mtp_dir) {
+// The MTP layer runs on the GPU when `gpu_mtp` (CudaRunner::mtp_runner), else on the CPU.
+std::unique_ptr<Loaded> load(const std::string& dir, const std::string& mtp_dir, bool gpu_mtp = true) {
   auto l = std::make_unique<Loaded>();
   auto config = model::load_model_config(dir);
   EXPECT_TRUE(config.has_value()) << config.status().to_string();
@@ -57,6 +58,7 @@ std::unique_ptr<Loaded> load(const std::string& dir, const std::string& mtp_dir)
   options.page_size = 16;
   options.num_pages = 256;
   options.max_num_tokens = 256;
+  options.mtp = gpu_mtp ? &*l->mtp_weights : nullptr;
   auto runner = CudaRunner::create(l->config, &*l->weights, 0, options);
   EXPECT_TRUE(runner.has_value()) << runner.status().to_string();
   if (!runner) return nullptr;
@@ -75,7 +77,11 @@ GenRun generate(Loaded& l, const std::vector<GenerationRequest>& requests, int k
   options.page_size = 16;
   options.kv_dtype = DType::kBF16;
   options.max_tokens_per_step = max_tokens_per_step;
-  options.mtp = k > 0 ? &*l.mtp : nullptr;
+  if (k > 0 && l.runner->mtp_runner() != nullptr) {
+    options.make_mtp_runner = [&l] { return l.runner->mtp_runner(); };
+  } else if (k > 0) {
+    options.mtp = &*l.mtp;
+  }
   options.num_speculative_tokens = k;
   Generator generator(*l.runner, l.runner->num_pages(), options, &l.pool);
   const auto start = std::chrono::steady_clock::now();
@@ -127,6 +133,60 @@ TEST(CudaSpeculation, HiddenStatesMatchTheCpuReference) {
       << "a row past the batch is refused";
 }
 
+// One MTP forward and a chained step that reads the KV the first wrote, on
+// the GPU against MtpModel on the CPU: the MoE MTP layer of the golden
+// checkpoint and the demo's dense one, fed the same hidden states.
+TEST(CudaMtp, ForwardMatchesTheCpuMtpLayer) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const auto& [dir, mtp_dir] : {std::pair{source("tests/data/golden/moe_basic"), source("tests/data/mtp_golden")},
+                                     std::pair{source("models/moeserve-demo"), source("models/moeserve-demo-mtp")}}) {
+    auto l = load(dir, mtp_dir, true);
+    ASSERT_NE(l, nullptr);
+    auto gpu = l->runner->mtp_runner();
+    ASSERT_NE(gpu, nullptr);
+    const int64_t H = l->config.hidden_size, V = l->config.vocab_size;
+    kv::KvCache cpu_cache({1, l->config.num_kv_heads, l->config.head_dim, 16, l->runner->num_pages() + 1, DType::kF32});
+    // Two sequences (pages 3 and 5), 9 and 4 positions, then one chained token each.
+    model::MtpBatch first;
+    first.query_start = {0, 9, 13};
+    for (int t = 0; t < 13; ++t) {
+      first.token_ids.push_back(static_cast<int32_t>((37 * t + 11) % V));
+      first.positions.push_back(t < 9 ? t : t - 9);
+    }
+    first.page_table = {3, 5};
+    first.max_pages_per_seq = 1;
+    first.output_rows = {8, 12};
+    Tensor hidden(DType::kF32, {13, H});
+    for (int64_t i = 0; i < hidden.num_elements(); ++i)
+      hidden.data_as<float>()[i] = std::sin(0.37f * static_cast<float>(i)) * 2.0f;
+    auto got = gpu->forward(first, hidden.view());
+    ASSERT_TRUE(got.has_value()) << got.status().to_string();
+    const model::MtpOutput want = l->mtp->forward(l->pool, first, hidden.view(), cpu_cache.layer(0));
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_LT(relative_error(got->logits.data_as<float>() + r * V, want.logits.data_as<float>() + r * V, V), 3e-2)
+          << dir << " row " << r;
+      EXPECT_LT(relative_error(got->hidden.data_as<float>() + r * H, want.hidden.data_as<float>() + r * H, H), 3e-2)
+          << dir << " row " << r;
+    }
+    model::MtpBatch next;
+    next.query_start = {0, 1, 2};
+    next.token_ids = {7, 9};
+    next.positions = {9, 4};
+    next.page_table = {3, 5};
+    next.max_pages_per_seq = 1;
+    next.output_rows = {0, 1};
+    auto got2 = gpu->forward(next, want.hidden.view());
+    ASSERT_TRUE(got2.has_value()) << got2.status().to_string();
+    const model::MtpOutput want2 = l->mtp->forward(l->pool, next, want.hidden.view(), cpu_cache.layer(0));
+    for (int r = 0; r < 2; ++r)
+      EXPECT_LT(relative_error(got2->logits.data_as<float>() + r * V, want2.logits.data_as<float>() + r * V, V), 3e-2)
+          << dir << " chained row " << r;
+    model::MtpBatch bad = next;
+    bad.output_rows = {2};
+    EXPECT_FALSE(gpu->forward(bad, want.hidden.view()).has_value()) << "an output row past the batch is refused";
+  }
+}
+
 std::vector<GenerationRequest> requests_of(const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
   std::vector<GenerationRequest> out;
   for (const auto& p : prompts) {
@@ -146,11 +206,13 @@ void expect_same_tokens(const GenRun& spec, const GenRun& plain, int k) {
     EXPECT_EQ(spec.results[i].token_ids, plain.results[i].token_ids) << "k " << k << " request " << i;
 }
 
+class CudaSpeculation : public testing::TestWithParam<bool> {};  // the MTP layer on the GPU?
+
 // A random MTP layer (tests/data/mtp_golden): drafts are nearly all rejected,
 // and the output is plain greedy's, with chunked prefill mixed in.
-TEST(CudaSpeculation, GoldenGreedyEqualsPlainForEveryK) {
+TEST_P(CudaSpeculation, GoldenGreedyEqualsPlainForEveryK) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  auto l = load(source("tests/data/golden/moe_basic"), source("tests/data/mtp_golden"));
+  auto l = load(source("tests/data/golden/moe_basic"), source("tests/data/mtp_golden"), GetParam());
   ASSERT_NE(l, nullptr);
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < 4; ++i) {
@@ -168,10 +230,11 @@ TEST(CudaSpeculation, GoldenGreedyEqualsPlainForEveryK) {
 
 // The demo model's trained MTP layer: the same greedy tokens, most drafts
 // accepted; prints acceptance and decode speed against plain GPU decoding
-// (the MTP layer runs on the CPU: this is not yet the speed-up a GPU MTP gives).
-TEST(CudaSpeculation, DemoTrainedMtpIsAcceptedAndExact) {
+// (the demo is tiny: step time is launch-bound, so this shows the mechanics,
+// not the speed-up on a large model).
+TEST_P(CudaSpeculation, DemoTrainedMtpIsAcceptedAndExact) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  auto l = load(source("models/moeserve-demo"), source("models/moeserve-demo-mtp"));
+  auto l = load(source("models/moeserve-demo"), source("models/moeserve-demo-mtp"), GetParam());
   ASSERT_NE(l, nullptr);
   const auto requests = requests_of({{1, 317, 201, 386, 330, 263, 409, 16, 2, 201, 1, 319, 201},
                                      {1, 317, 201, 454, 330, 263, 453, 355, 1096, 16, 2, 201, 1, 319, 201},
@@ -179,19 +242,24 @@ TEST(CudaSpeculation, DemoTrainedMtpIsAcceptedAndExact) {
                                     64);
   (void)generate(*l, requests, 0, 0);  // warm-up: graphs captured, kernels loaded
   const GenRun plain = generate(*l, requests, 0, 0);
+  const char* where = GetParam() ? "GPU" : "CPU";
   std::printf("demo on the GPU, plain: %d steps, %.3f s\n", plain.stats.num_steps, plain.seconds);
   for (int k = 1; k <= 4; ++k) {
     const GenRun spec = generate(*l, requests, k, 0);
     expect_same_tokens(spec, plain, k);
     const double acceptance = static_cast<double>(spec.stats.num_accepted_tokens) /
                               static_cast<double>(std::max<int64_t>(1, spec.stats.num_draft_tokens));
-    std::printf("demo on the GPU, k=%d: %lld drafts, %lld accepted (%.1f%%), %d steps, %.3f s (%.2fx plain)\n", k,
+    std::printf("demo on the GPU, MTP on the %s, k=%d: %lld drafts, %lld accepted (%.1f%%), %d steps, %.3f s "
+                "(%.2fx plain)\n", where, k,
                 static_cast<long long>(spec.stats.num_draft_tokens),
                 static_cast<long long>(spec.stats.num_accepted_tokens), 100 * acceptance, spec.stats.num_steps,
                 spec.seconds, plain.seconds / spec.seconds);
     EXPECT_GT(acceptance, k == 1 ? 0.2 : 0.1) << "k " << k;  // random MTP weights accept ~0
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(MtpPlacement, CudaSpeculation, testing::Values(true, false),
+                         [](const testing::TestParamInfo<bool>& info) { return info.param ? "GpuMtp" : "CpuMtp"; });
 
 }  // namespace
 }  // namespace moe::engine

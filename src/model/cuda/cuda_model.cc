@@ -38,16 +38,6 @@ Expected<DeviceTensor> upload_bf16(std::initializer_list<TensorView> parts) {
   return DeviceTensor::upload(host);
 }
 
-struct LayerBuffers {
-  DeviceTensor input_norm, post_attention_norm, qkv_proj, o_proj, q_norm, k_norm, router, w13, w2;
-  DeviceTensor w13_scales, w2_scales;  // FP8 experts: 128 x 128 block scales (ops/quant.h, fp8-block)
-  TensorView k_pages, v_pages;  // views into State::kv_pool
-  bool is_moe = false;
-  // fp8-block projections run dequantized in bf16 take inputs quantized and
-  // dequantized per 1 x 128 first, as the CPU reference computes them.
-  bool fake_quant_attention = false, fake_quant_mlp = false;
-};
-
 // A projection the model runs in bf16: the checkpoint's plain tensor, or its
 // quantized one dequantized here (kept alive in `keep`).
 TensorView plain_or_dequantized(TensorView plain, const ops::QuantizedTensor& quant, std::vector<Tensor>& keep) {
@@ -83,6 +73,17 @@ Status dummy_fp8_experts(DeviceTensor& values, DeviceTensor& scales, int64_t row
 
 }  // namespace
 
+struct CudaQwen3MoeModel::LayerBuffers {
+  DeviceTensor input_norm, post_attention_norm, qkv_proj, o_proj, q_norm, k_norm, router, w13, w2;
+  DeviceTensor w13_scales, w2_scales;  // FP8 experts: 128 x 128 block scales (ops/quant.h, fp8-block)
+  TensorView k_pages, v_pages;  // views into State::kv_pool (the MTP layer's: into State::mtp_kv_pool)
+  bool is_moe = false;
+  bool fp8_experts = false, mx_experts = false;  // MoE experts in FP8 (State::fp8_experts), mxfp8 scales
+  // fp8-block projections run dequantized in bf16 take inputs quantized and
+  // dequantized per 1 x 128 first, as the CPU reference computes them.
+  bool fake_quant_attention = false, fake_quant_mlp = false;
+};
+
 struct CudaQwen3MoeModel::State {
   ModelConfig config;
   CudaModelOptions options;
@@ -102,6 +103,13 @@ struct CudaQwen3MoeModel::State {
   bool mx_experts = false;           // mxfp8: E8M0 scales per 1 x 32 (x_scales, act_scales hold bytes)
   DeviceTensor x_fp8, x_scales, act_fp8, act_scales;
   DeviceTensor sample_rows;          // per-row sampling parameters
+  // The MTP layer (options.mtp): its norms and fc, its decoder block, and its
+  // one-layer KV pool; mtp_h [T, H] f32 takes the host's hidden states, the
+  // normed embedding and hidden states meet in mtp_concat [T, 2H] bf16.
+  std::unique_ptr<LayerBuffers> mtp_layer;
+  DeviceTensor mtp_embed_norm, mtp_hidden_norm, mtp_fc, mtp_final_norm, mtp_h, mtp_g, mtp_concat;
+  DeviceBuffer mtp_kv_pool;
+  CudaKvPoolLayout mtp_kv_layout;
   // Every layer's K and V pages in one allocation (model/cuda/kv_pool.h), so
   // the disaggregated roles can hand it to the TransferEngine as one region.
   DeviceBuffer kv_pool;
@@ -137,6 +145,9 @@ int32_t CudaQwen3MoeModel::num_pages() const { return state_->options.num_pages;
 int CudaQwen3MoeModel::page_size() const { return state_->options.page_size; }
 int CudaQwen3MoeModel::device() const { return state_->options.device; }
 void* CudaQwen3MoeModel::kv_pool() const { return state_->kv_pool.data(); }
+bool CudaQwen3MoeModel::has_mtp() const { return state_->mtp_layer != nullptr; }
+void* CudaQwen3MoeModel::mtp_kv_pool() const { return state_->mtp_kv_pool.data(); }
+const CudaKvPoolLayout& CudaQwen3MoeModel::mtp_kv_pool_layout() const { return state_->mtp_kv_layout; }
 const CudaKvPoolLayout& CudaQwen3MoeModel::kv_pool_layout() const { return state_->kv_layout; }
 ops::PagedKv CudaQwen3MoeModel::kv_layer(int layer) const {
   const LayerBuffers& b = state_->layers.at(static_cast<size_t>(layer));
@@ -234,6 +245,8 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
     };
     LayerBuffers b;
     b.is_moe = c.layer_is_moe(l);
+    b.fp8_experts = b.is_moe && s->fp8_experts;
+    b.mx_experts = b.is_moe && s->mx_experts;
     b.fake_quant_attention = w && s->fp8_experts && !w->q_proj_quant.empty();
     b.fake_quant_mlp = w && s->fp8_experts && !b.is_moe && !w->w13_quant.empty();
     MOE_RETURN_IF_ERROR(weight(b.input_norm, {part(&LayerWeights::input_norm)}, {hidden}, 1.0f, 0.1f));
@@ -301,20 +314,60 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   const int warmup_tokens = static_cast<int>(std::min<int64_t>(T, max_model_len));
   const int32_t warmup_pages = (warmup_tokens + options.page_size - 1) / options.page_size;
   auto model = std::unique_ptr<CudaQwen3MoeModel>(new CudaQwen3MoeModel(std::move(s)));
+  if (options.mtp != nullptr) MOE_RETURN_IF_ERROR(model->upload_mtp(*options.mtp));
   MOE_RETURN_IF_ERROR(model->allocate_kv_pool(size_from_memory ? warmup_pages : options.num_pages));
   if (size_from_memory) MOE_RETURN_IF_ERROR(model->size_kv_pool_after_warm_up(warmup_tokens));
   const State& st = *model->state_;
-  log_info("CUDA model on device {}: {:.2f} GB of weights and activations, KV cache {} pages of {} tokens = {} tokens "
-           "({:.2f} GB)", options.device, st.weights_and_activations_bytes / 1e9, st.options.num_pages,
+  log_info("CUDA model on device {}: {:.2f} GB of weights and activations{}, KV cache {} pages of {} tokens = {} tokens "
+           "({:.2f} GB)", options.device, st.weights_and_activations_bytes / 1e9, st.mtp_layer ? " (MTP layer included)" : "", st.options.num_pages,
            options.page_size, static_cast<int64_t>(st.options.num_pages) * options.page_size,
            static_cast<double>(model->kv_page_bytes()) * st.options.num_pages / 1e9);
   return model;
 }
 
-// Bytes of one page in every layer: K and V, bf16.
+// Bytes of one page in every layer (the MTP layer's too): K and V, bf16.
 size_t CudaQwen3MoeModel::kv_page_bytes() const {
   const ModelConfig& c = config();
-  return static_cast<size_t>(c.num_layers) * 2 * c.num_kv_heads * state_->options.page_size * c.head_dim * 2;
+  const size_t layers = static_cast<size_t>(c.num_layers) + (state_->mtp_layer ? 1 : 0);
+  return layers * 2 * c.num_kv_heads * state_->options.page_size * c.head_dim * 2;
+}
+
+// The MTP layer's weights (plain tensors of any float dtype, uploaded as bf16)
+// and its activation buffers. Its KV pool comes with the target's.
+Status CudaQwen3MoeModel::upload_mtp(const MtpWeights& weights) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const LayerWeights& w = weights.layer();
+  if (w.is_moe && c.num_experts == 0) return invalid_argument("an MoE MTP layer needs a target with experts");
+  auto track = [&](DeviceTensor& t, Expected<DeviceTensor> made) -> Status {
+    if (!made) return made.status();
+    t = std::move(made).value();
+    s.bytes += t.num_bytes();
+    return Status::ok();
+  };
+  auto b = std::make_unique<LayerBuffers>();
+  b->is_moe = w.is_moe;  // plain (bf16) experts: the MTP layer is never quantized
+  MOE_RETURN_IF_ERROR(track(s.mtp_embed_norm, upload_bf16({weights.embed_norm()})));
+  MOE_RETURN_IF_ERROR(track(s.mtp_hidden_norm, upload_bf16({weights.hidden_norm()})));
+  MOE_RETURN_IF_ERROR(track(s.mtp_fc, upload_bf16({weights.fc()})));
+  MOE_RETURN_IF_ERROR(track(s.mtp_final_norm, upload_bf16({weights.final_norm()})));
+  MOE_RETURN_IF_ERROR(track(b->input_norm, upload_bf16({w.input_norm})));
+  MOE_RETURN_IF_ERROR(track(b->post_attention_norm, upload_bf16({w.post_attention_norm})));
+  MOE_RETURN_IF_ERROR(track(b->qkv_proj, upload_bf16({w.q_proj, w.k_proj, w.v_proj})));
+  MOE_RETURN_IF_ERROR(track(b->o_proj, upload_bf16({w.o_proj})));
+  MOE_RETURN_IF_ERROR(track(b->q_norm, upload_bf16({w.q_norm})));
+  MOE_RETURN_IF_ERROR(track(b->k_norm, upload_bf16({w.k_norm})));
+  if (w.is_moe) MOE_RETURN_IF_ERROR(track(b->router, upload_bf16({w.router})));
+  MOE_RETURN_IF_ERROR(track(b->w13, upload_bf16({w.w13})));
+  MOE_RETURN_IF_ERROR(track(b->w2, upload_bf16({w.w2})));
+  const int64_t T = s.options.max_num_tokens, H = c.hidden_size;
+  MOE_RETURN_IF_ERROR(track(s.mtp_h, DeviceTensor::allocate(DType::kF32, {T, H})));
+  MOE_RETURN_IF_ERROR(track(s.mtp_g, DeviceTensor::allocate(DType::kBF16, {T, H})));
+  MOE_RETURN_IF_ERROR(track(s.mtp_concat, DeviceTensor::allocate(DType::kBF16, {T, 2 * H})));
+  s.mtp_layer = std::move(b);
+  s.weights_and_activations_bytes = s.bytes;
+  log_info("CUDA model: the MTP layer ({} MLP) runs on the GPU", w.is_moe ? "MoE" : "dense");
+  return Status::ok();
 }
 
 // (Re)allocates the KV pool: every layer's K and V pages, num_pages + 1 per
@@ -340,6 +393,19 @@ Status CudaQwen3MoeModel::allocate_kv_pool(int32_t num_pages) {
     LayerBuffers& b = s.layers[l];
     b.k_pages = TensorView(base + s.kv_layout.k_offset(l), DType::kBF16, kv_shape, Device::cuda(s.options.device));
     b.v_pages = TensorView(base + s.kv_layout.v_offset(l), DType::kBF16, kv_shape, Device::cuda(s.options.device));
+  }
+  if (s.mtp_layer) {  // the MTP layer's pool: one layer, the same pages
+    LayerBuffers& m = *s.mtp_layer;
+    m.k_pages = m.v_pages = TensorView();
+    s.bytes -= s.mtp_kv_pool.size();
+    s.mtp_kv_pool = DeviceBuffer();
+    s.mtp_kv_layout = {1, c.num_kv_heads, c.head_dim, s.options.page_size, num_pages + 1};
+    MOE_ASSIGN_OR_RETURN(s.mtp_kv_pool, DeviceBuffer::allocate(s.mtp_kv_layout.num_bytes()));
+    s.bytes += s.mtp_kv_pool.size();
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(s.mtp_kv_pool.data(), 0, s.mtp_kv_pool.size(), s.stream));
+    auto* mtp_base = s.mtp_kv_pool.data_as<uint8_t>();
+    m.k_pages = TensorView(mtp_base + s.mtp_kv_layout.k_offset(0), DType::kBF16, kv_shape, Device::cuda(s.options.device));
+    m.v_pages = TensorView(mtp_base + s.mtp_kv_layout.v_offset(0), DType::kBF16, kv_shape, Device::cuda(s.options.device));
   }
   s.options.num_pages = num_pages;
   return cuda_status(cudaStreamSynchronize(s.stream), "KV pool allocation");
@@ -499,7 +565,38 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
   State& s = *state_;
   const ModelConfig& c = config();
   const int T = shape.num_tokens, H = static_cast<int>(c.hidden_size);
-  const int max_position = shape.max_position;
+#define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
+  MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
+                           static_cast<int>(c.vocab_size)}, s.stream));
+  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.layers[0].input_norm.data_as<bf16>(),
+                              s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  if (s.layer_hook && s.kv_written == nullptr)
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.kv_written, cudaEventDisableTiming));
+  for (int l = 0; l < c.num_layers; ++l) {
+    const bf16* next_norm = l + 1 < c.num_layers ? s.layers[l + 1].input_norm.data_as<bf16>() : s.final_norm.data_as<bf16>();
+    MOE_RETURN_IF_ERROR(launch_layer(s.layers[l], shape, next_norm, l));
+    if (s.layer_hook) {
+      // The rest of this layer is queued behind the KV store, so the GPU keeps
+      // working while the hook hands the layer's pages to the transfer engine
+      // (whose copies run on streams of their own and see the stored KV).
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.kv_written));
+      s.layer_hook(l);
+    }
+  }
+  const int rows = shape.num_rows;
+  MOE_LAUNCH(k::gather_rows({s.normed.data_as<bf16>(), s.logits_rows.data_as<int32_t>(), s.logit_rows.data_as<bf16>(),
+                             rows, H}, s.stream));
+  MOE_RETURN_IF_ERROR(s.gemm->matmul(s.logit_rows.data_as<bf16>(), s.lm_head.data_as<bf16>(), s.logits.data(),
+                                     DType::kF32, rows, static_cast<int>(c.vocab_size), H, s.stream));
+#undef MOE_LAUNCH
+  return Status::ok();
+}
+
+Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const int T = shape.num_tokens, H = static_cast<int>(c.hidden_size);
+  const int max_position = shape.max_position, qkv_width = c.q_size() + 2 * c.kv_size();
   const bool prefill = shape.prefill;
 #define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
   // In place: x [T, cols] bf16 -> bf16(e4m3(x / s) * s) per 1 x 128 group (mxfp8: per 1 x 32, E8M0 s).
@@ -516,17 +613,17 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
   // FP8 experts: activations quantized per 1 x 128 (mxfp8: per 1 x 32), scaled grouped GEMMs.
   // Prefill-sized batches (experts average >= 64 rows) take the compute-bound
   // kernels with 128-row tiles; decode steps, CUDA graphs and mxfp8 the 64-row ones.
-  const int moe_tile_rows = c.num_experts > 0 && !s.mx_experts
+  const int moe_tile_rows = c.num_experts > 0 && !b.mx_experts
                                 ? k::moe_tile_rows(int64_t{T} * c.num_experts_per_tok, c.num_experts)
                                 : k::kGroupedGemmTileRows;
   const bool prefill_gemm = moe_tile_rows == k::kPrefillGemmTileRows;
-  auto fp8_experts_step = [&](const LayerBuffers& b, int max_tiles) -> Status {
+  auto fp8_experts_step = [&](int max_tiles) -> Status {
     const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
     // One expert GEMM: quantize `in` [rows, K], then gate_up (gathered by sorted_token) or down.
     auto gemm = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows, int K,
                     const int32_t* gather, const DeviceTensor& w, const DeviceTensor& w_scales, void* out, int N,
                     bool gate_up) -> Status {
-      if (s.mx_experts) {  // 64-row tiles only (moe_tile_rows)
+      if (b.mx_experts) {  // 64-row tiles only (moe_tile_rows)
         MOE_LAUNCH(k::quantize_mxfp8({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows, K},
                                      s.stream));
         MOE_LAUNCH(k::mxfp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather,
@@ -548,95 +645,72 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
     return gemm(s.act, s.act_fp8, s.act_scales, T * topk, inter, nullptr, b.w2, b.w2_scales, s.expert_rows.data(), H,
                 false);
   };
-  MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
-                           static_cast<int>(c.vocab_size)}, s.stream));
-  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.layers[0].input_norm.data_as<bf16>(),
-                              s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
-  const int qkv_width = c.q_size() + 2 * c.kv_size();
-  if (s.layer_hook && s.kv_written == nullptr)
-    MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.kv_written, cudaEventDisableTiming));
-  for (int l = 0; l < c.num_layers; ++l) {
-    LayerBuffers& b = s.layers[l];
-    // Attention.
-    if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
-    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.qkv_proj.data_as<bf16>(), s.qkv.data(), DType::kBF16,
-                                       T, qkv_width, H, s.stream));
-    MOE_LAUNCH(k::qk_norm_rope_kv({s.qkv.data_as<bf16>(), b.q_norm.data_as<bf16>(), b.k_norm.data_as<bf16>(),
-                                   s.inv_freq.data_as<float>(), s.attention_factor, s.positions.data_as<int32_t>(),
-                                   s.token_seq.data_as<int32_t>(), s.page_table.data_as<int32_t>(), s.q.data_as<bf16>(),
-                                   b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(), T, c.num_q_heads,
-                                   c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
-                                   c.rms_norm_eps}, s.stream));
-    if (s.layer_hook) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
-    const k::PagedAttentionParams attention{s.q.data_as<bf16>(), b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(),
-                                            s.positions.data_as<int32_t>(), s.token_seq.data_as<int32_t>(),
-                                            s.page_table.data_as<int32_t>(), s.attended.data_as<bf16>(), T, c.num_q_heads,
-                                            c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
-                                            1.0f / std::sqrt(static_cast<float>(c.head_dim))};
-    if (k::mma_attention_supported(attention) && prefill) {
-      MOE_LAUNCH(k::prefill_attention(attention, s.attention_groups.data_as<int32_t>(), shape.num_groups, s.stream));
-    } else if (k::mma_attention_supported(attention)) {
-      MOE_LAUNCH(k::mma_paged_attention(attention, max_position, s.attention_workspace.data_as<float>(),
-                                        s.attention_workspace.num_bytes(), s.stream));
-    } else {
-      MOE_LAUNCH(k::paged_attention(attention, s.stream));
-    }
-    if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.attended, static_cast<int>(c.q_size())));
-    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(), DType::kF32,
-                                       T, H, c.q_size(), s.stream));
-    MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(),
-                                b.post_attention_norm.data_as<bf16>(), s.normed.data_as<bf16>(), T, H, c.rms_norm_eps},
-                               s.stream));
-    // MLP.
-    if (b.is_moe) {
-      const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
-      MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.router.data_as<bf16>(), s.router_logits.data(),
-                                         DType::kF32, T, E, H, s.stream));
-      MOE_LAUNCH(k::route_topk({s.router_logits.data_as<float>(), s.expert_ids.data_as<int32_t>(),
-                                s.expert_weights.data_as<float>(), T, E, topk, c.norm_topk_prob}, s.stream));
-      MOE_LAUNCH(k::moe_permute({s.expert_ids.data_as<int32_t>(), s.expert_offsets.data_as<int32_t>(),
-                                 s.tile_offsets.data_as<int32_t>(), s.sorted_token.data_as<int32_t>(),
-                                 s.row_of.data_as<int32_t>(), T, topk, E, moe_tile_rows}, s.stream));
-      const int max_tiles = (T * topk + moe_tile_rows - 1) / moe_tile_rows + E;
-      const auto gemm = prefill_gemm ? k::wgmma_grouped_gemm_prefill : k::grouped_gemm;
-      if (s.fp8_experts) {
-        MOE_RETURN_IF_ERROR(fp8_experts_step(b, max_tiles));
-      } else {
-        MOE_LAUNCH(gemm({s.normed.data_as<bf16>(), s.sorted_token.data_as<int32_t>(), b.w13.data_as<bf16>(),
-                                    s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), s.act.data(),
-                                    inter, H, E, max_tiles, true}, s.stream));
-        MOE_LAUNCH(gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(),
-                                    s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(),
-                                    s.expert_rows.data(), H, inter, E, max_tiles, false}, s.stream));
-      }
-      MOE_LAUNCH(k::moe_unpermute({s.expert_rows.data_as<float>(), s.row_of.data_as<int32_t>(),
-                                   s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H}, s.stream));
-    } else {
-      const int inter = static_cast<int>(c.intermediate_size);
-      if (b.fake_quant_mlp) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
-      MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.w13.data_as<bf16>(), s.gate_up.data(), DType::kBF16,
-                                         T, 2 * inter, H, s.stream));
-      MOE_LAUNCH(k::silu_mul({s.gate_up.data_as<bf16>(), s.act.data_as<bf16>(), T, inter}, s.stream));
-      if (b.fake_quant_mlp) MOE_RETURN_IF_ERROR(fake_quantize(s.act, inter));
-      MOE_RETURN_IF_ERROR(s.gemm->matmul(s.act.data_as<bf16>(), b.w2.data_as<bf16>(), s.delta.data(), DType::kF32, T, H,
-                                         inter, s.stream));
-    }
-    const bf16* next_norm = l + 1 < c.num_layers ? s.layers[l + 1].input_norm.data_as<bf16>() : s.final_norm.data_as<bf16>();
-    MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(), next_norm,
-                                s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
-    if (s.layer_hook) {
-      // The rest of this layer is queued behind the KV store, so the GPU keeps
-      // working while the hook hands the layer's pages to the transfer engine
-      // (whose copies run on streams of their own and see the stored KV).
-      MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.kv_written));
-      s.layer_hook(l);
-    }
+  // Attention.
+  if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
+  MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.qkv_proj.data_as<bf16>(), s.qkv.data(), DType::kBF16,
+                                     T, qkv_width, H, s.stream));
+  MOE_LAUNCH(k::qk_norm_rope_kv({s.qkv.data_as<bf16>(), b.q_norm.data_as<bf16>(), b.k_norm.data_as<bf16>(),
+                                 s.inv_freq.data_as<float>(), s.attention_factor, s.positions.data_as<int32_t>(),
+                                 s.token_seq.data_as<int32_t>(), s.page_table.data_as<int32_t>(), s.q.data_as<bf16>(),
+                                 b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(), T, c.num_q_heads,
+                                 c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
+                                 c.rms_norm_eps}, s.stream));
+  if (s.layer_hook && layer >= 0) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
+  const k::PagedAttentionParams attention{s.q.data_as<bf16>(), b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(),
+                                          s.positions.data_as<int32_t>(), s.token_seq.data_as<int32_t>(),
+                                          s.page_table.data_as<int32_t>(), s.attended.data_as<bf16>(), T, c.num_q_heads,
+                                          c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
+                                          1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  if (k::mma_attention_supported(attention) && prefill) {
+    MOE_LAUNCH(k::prefill_attention(attention, s.attention_groups.data_as<int32_t>(), shape.num_groups, s.stream));
+  } else if (k::mma_attention_supported(attention)) {
+    MOE_LAUNCH(k::mma_paged_attention(attention, max_position, s.attention_workspace.data_as<float>(),
+                                      s.attention_workspace.num_bytes(), s.stream));
+  } else {
+    MOE_LAUNCH(k::paged_attention(attention, s.stream));
   }
-  const int rows = shape.num_rows;
-  MOE_LAUNCH(k::gather_rows({s.normed.data_as<bf16>(), s.logits_rows.data_as<int32_t>(), s.logit_rows.data_as<bf16>(),
-                             rows, H}, s.stream));
-  MOE_RETURN_IF_ERROR(s.gemm->matmul(s.logit_rows.data_as<bf16>(), s.lm_head.data_as<bf16>(), s.logits.data(),
-                                     DType::kF32, rows, static_cast<int>(c.vocab_size), H, s.stream));
+  if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.attended, static_cast<int>(c.q_size())));
+  MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(), DType::kF32,
+                                     T, H, c.q_size(), s.stream));
+  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(),
+                              b.post_attention_norm.data_as<bf16>(), s.normed.data_as<bf16>(), T, H, c.rms_norm_eps},
+                             s.stream));
+  // MLP.
+  if (b.is_moe) {
+    const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.router.data_as<bf16>(), s.router_logits.data(),
+                                       DType::kF32, T, E, H, s.stream));
+    MOE_LAUNCH(k::route_topk({s.router_logits.data_as<float>(), s.expert_ids.data_as<int32_t>(),
+                              s.expert_weights.data_as<float>(), T, E, topk, c.norm_topk_prob}, s.stream));
+    MOE_LAUNCH(k::moe_permute({s.expert_ids.data_as<int32_t>(), s.expert_offsets.data_as<int32_t>(),
+                               s.tile_offsets.data_as<int32_t>(), s.sorted_token.data_as<int32_t>(),
+                               s.row_of.data_as<int32_t>(), T, topk, E, moe_tile_rows}, s.stream));
+    const int max_tiles = (T * topk + moe_tile_rows - 1) / moe_tile_rows + E;
+    const auto gemm = prefill_gemm ? k::wgmma_grouped_gemm_prefill : k::grouped_gemm;
+    if (b.fp8_experts) {
+      MOE_RETURN_IF_ERROR(fp8_experts_step(max_tiles));
+    } else {
+      MOE_LAUNCH(gemm({s.normed.data_as<bf16>(), s.sorted_token.data_as<int32_t>(), b.w13.data_as<bf16>(),
+                                  s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), s.act.data(),
+                                  inter, H, E, max_tiles, true}, s.stream));
+      MOE_LAUNCH(gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(),
+                                  s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(),
+                                  s.expert_rows.data(), H, inter, E, max_tiles, false}, s.stream));
+    }
+    MOE_LAUNCH(k::moe_unpermute({s.expert_rows.data_as<float>(), s.row_of.data_as<int32_t>(),
+                                 s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H}, s.stream));
+  } else {
+    const int inter = static_cast<int>(c.intermediate_size);
+    if (b.fake_quant_mlp) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.w13.data_as<bf16>(), s.gate_up.data(), DType::kBF16,
+                                       T, 2 * inter, H, s.stream));
+    MOE_LAUNCH(k::silu_mul({s.gate_up.data_as<bf16>(), s.act.data_as<bf16>(), T, inter}, s.stream));
+    if (b.fake_quant_mlp) MOE_RETURN_IF_ERROR(fake_quantize(s.act, inter));
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.act.data_as<bf16>(), b.w2.data_as<bf16>(), s.delta.data(), DType::kF32, T, H,
+                                       inter, s.stream));
+  }
+  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(), static_cast<const bf16*>(next_norm),
+                              s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
 #undef MOE_LAUNCH
   return Status::ok();
 }
@@ -658,28 +732,120 @@ Expected<Tensor> CudaQwen3MoeModel::forward(const ForwardBatch& batch) {
 Expected<Tensor> CudaQwen3MoeModel::forward_with_hidden(const ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                                         Tensor& hidden) {
   State& s = *state_;
-  const int T = batch.num_tokens();
-  const int64_t H = config().hidden_size;
-  for (int32_t row : hidden_rows)
-    if (row < 0 || row >= T) return invalid_argument("hidden state row {} of a {}-token batch", row, T);
+  MOE_RETURN_IF_ERROR(check_hidden_rows(batch, hidden_rows));
   MOE_RETURN_IF_ERROR(run(batch));
   const auto rows = static_cast<int64_t>(batch.logits_rows.size());
   Tensor logits(DType::kF32, {rows, config().vocab_size});
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data(), s.logits.data(), logits.num_bytes(), cudaMemcpyDeviceToHost,
                                            s.stream));
-  // After the last layer, `normed` holds every token's final-normed state.
-  std::vector<uint16_t> normed(hidden_rows.empty() ? 0 : static_cast<size_t>(T) * H);
+  MOE_RETURN_IF_ERROR(sync_and_fetch_hidden(batch.num_tokens(), hidden_rows, hidden));
+  return logits;
+}
+
+Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy_with_hidden(const ForwardBatch& batch,
+                                                                              std::span<const int32_t> hidden_rows,
+                                                                              Tensor& hidden) {
+  State& s = *state_;
+  MOE_RETURN_IF_ERROR(check_hidden_rows(batch, hidden_rows));
+  MOE_RETURN_IF_ERROR(run(batch));
+  const int rows = static_cast<int>(batch.logits_rows.size());
+  MOE_CUDA_RETURN_IF_ERROR(ops::cuda::argmax({s.logits.data_as<float>(), s.greedy.data_as<int32_t>(), rows,
+                                              static_cast<int>(config().vocab_size)}, s.stream));
+  std::vector<int32_t> ids(static_cast<size_t>(rows));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids.data(), s.greedy.data(), ids.size() * sizeof(int32_t),
+                                           cudaMemcpyDeviceToHost, s.stream));
+  MOE_RETURN_IF_ERROR(sync_and_fetch_hidden(batch.num_tokens(), hidden_rows, hidden));
+  return ids;
+}
+
+Status CudaQwen3MoeModel::check_hidden_rows(const ForwardBatch& batch, std::span<const int32_t> hidden_rows) const {
+  for (int32_t row : hidden_rows)
+    if (row < 0 || row >= batch.num_tokens())
+      return invalid_argument("hidden state row {} of a {}-token batch", row, batch.num_tokens());
+  return Status::ok();
+}
+
+// After a forward pass, `normed` holds every token's final-normed state:
+// copies `hidden_rows` of it behind the copies already queued, waits for the
+// stream, and widens them to f32.
+Status CudaQwen3MoeModel::sync_and_fetch_hidden(int num_tokens, std::span<const int32_t> hidden_rows, Tensor& hidden) {
+  State& s = *state_;
+  const int64_t H = config().hidden_size;
+  std::vector<uint16_t> normed(hidden_rows.empty() ? 0 : static_cast<size_t>(num_tokens) * H);
   if (!normed.empty())
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(normed.data(), s.normed.data(), normed.size() * sizeof(uint16_t),
                                              cudaMemcpyDeviceToHost, s.stream));
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
-  if (!hidden_rows.empty()) {
-    hidden = Tensor(DType::kF32, {static_cast<int64_t>(hidden_rows.size()), H});
-    float* out = hidden.data_as<float>();
-    for (size_t i = 0; i < hidden_rows.size(); ++i)
-      for (int64_t j = 0; j < H; ++j) out[i * H + j] = bf16_to_float(normed[hidden_rows[i] * H + j]);
+  if (hidden_rows.empty()) return Status::ok();
+  hidden = Tensor(DType::kF32, {static_cast<int64_t>(hidden_rows.size()), H});
+  float* out = hidden.data_as<float>();
+  for (size_t i = 0; i < hidden_rows.size(); ++i)
+    for (int64_t j = 0; j < H; ++j) out[i * H + j] = bf16_to_float(normed[hidden_rows[i] * H + j]);
+  return Status::ok();
+}
+
+// The MTP forward of model/mtp.h: e = rms_norm(embed(x)), g = rms_norm(h),
+// u = [e ; g] fc^T (f32, the block's residual stream), the decoder block over
+// the MTP's KV pages, its last norm being mtp.norm, then lm_head on the output rows.
+Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorView hidden) {
+  State& s = *state_;
+  if (!s.mtp_layer) return invalid_argument("this CUDA model was created without an MTP layer");
+  const ModelConfig& c = config();
+  const int T = mb.num_tokens(), H = static_cast<int>(c.hidden_size);
+  const auto rows = static_cast<int>(mb.output_rows.size());
+  if (T > s.options.max_num_tokens)
+    return invalid_argument("MTP batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
+  if (hidden.dtype() != DType::kF32 || hidden.rank() != 2 || hidden.dim(0) != T || hidden.dim(1) != H)
+    return invalid_argument("MTP hidden states must be [{}, {}] f32", T, H);
+  for (int32_t row : mb.output_rows)
+    if (row < 0 || row >= T) return invalid_argument("MTP output row {} of a {}-token batch", row, T);
+  MtpOutput out{Tensor(DType::kF32, {rows, c.hidden_size}), Tensor(DType::kF32, {rows, c.vocab_size})};
+  if (T == 0) return out;
+  MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(s.options.device));
+  ForwardBatch batch;
+  batch.token_ids = mb.token_ids;
+  batch.positions = mb.positions;
+  batch.query_start = mb.query_start;
+  batch.page_table = mb.page_table;
+  batch.max_pages_per_seq = mb.max_pages_per_seq;
+  batch.logits_rows = mb.output_rows;
+  MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, 0));
+#define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
+  const size_t row_bytes = static_cast<size_t>(H) * sizeof(bf16);
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.mtp_h.data(), hidden.data(), hidden.num_bytes(), cudaMemcpyHostToDevice,
+                                           s.stream));
+  MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
+                           static_cast<int>(c.vocab_size)}, s.stream));
+  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.mtp_embed_norm.data_as<bf16>(),
+                              s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  MOE_LAUNCH(k::add_rms_norm({s.mtp_h.data_as<float>(), nullptr, s.mtp_hidden_norm.data_as<bf16>(),
+                              s.mtp_g.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  // [e ; g]: the two halves of each row of mtp_concat.
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(s.mtp_concat.data(), 2 * row_bytes, s.normed.data(), row_bytes, row_bytes, T,
+                                             cudaMemcpyDeviceToDevice, s.stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(s.mtp_concat.data_as<uint8_t>() + row_bytes, 2 * row_bytes, s.mtp_g.data(),
+                                             row_bytes, row_bytes, T, cudaMemcpyDeviceToDevice, s.stream));
+  MOE_RETURN_IF_ERROR(s.gemm->matmul(s.mtp_concat.data_as<bf16>(), s.mtp_fc.data_as<bf16>(), s.residual.data(),
+                                     DType::kF32, T, H, 2 * H, s.stream));
+  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.mtp_layer->input_norm.data_as<bf16>(),
+                              s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  MOE_RETURN_IF_ERROR(launch_layer(*s.mtp_layer, shape, s.mtp_final_norm.data(), -1));
+  std::vector<uint16_t> normed(static_cast<size_t>(rows) * H);
+  if (rows > 0) {
+    MOE_LAUNCH(k::gather_rows({s.normed.data_as<bf16>(), s.logits_rows.data_as<int32_t>(), s.logit_rows.data_as<bf16>(),
+                               rows, H}, s.stream));
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.logit_rows.data_as<bf16>(), s.lm_head.data_as<bf16>(), s.logits.data(),
+                                       DType::kF32, rows, static_cast<int>(c.vocab_size), H, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.logits.data(), s.logits.data(), out.logits.num_bytes(),
+                                             cudaMemcpyDeviceToHost, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(normed.data(), s.logit_rows.data(), normed.size() * sizeof(uint16_t),
+                                             cudaMemcpyDeviceToHost, s.stream));
   }
-  return logits;
+#undef MOE_LAUNCH
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
+  float* h = out.hidden.data_as<float>();
+  for (size_t i = 0; i < normed.size(); ++i) h[i] = bf16_to_float(normed[i]);
+  return out;
 }
 
 Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_sample(const ForwardBatch& batch,
@@ -704,15 +870,8 @@ Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_sample(const ForwardBa
 }
 
 Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy(const ForwardBatch& batch) {
-  MOE_RETURN_IF_ERROR(run(batch));
-  const int rows = static_cast<int>(batch.logits_rows.size());
-  MOE_CUDA_RETURN_IF_ERROR(ops::cuda::argmax({state_->logits.data_as<float>(), state_->greedy.data_as<int32_t>(), rows,
-                                              static_cast<int>(config().vocab_size)}, state_->stream));
-  std::vector<int32_t> ids(static_cast<size_t>(rows));
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids.data(), state_->greedy.data(), ids.size() * sizeof(int32_t),
-                                           cudaMemcpyDeviceToHost, state_->stream));
-  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(state_->stream));
-  return ids;
+  Tensor unused;
+  return forward_greedy_with_hidden(batch, {}, unused);
 }
 
 }  // namespace moe::model

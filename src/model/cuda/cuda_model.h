@@ -19,6 +19,7 @@
 #include "core/status.h"
 #include "core/tensor.h"
 #include "model/cuda/kv_pool.h"
+#include "model/mtp.h"
 #include "model/qwen3_moe.h"
 #include "model/weights.h"
 #include "ops/cuda/kernels.h"
@@ -39,6 +40,10 @@ struct CudaModelOptions {
   // weights keep fp8-block experts in FP8 and run other quantized projections
   // dequantized to bf16.
   ops::QuantFormat dummy_expert_format = ops::QuantFormat::kNone;
+  // Speculative decoding: the MTP layer (model/mtp.h) to run on the GPU too
+  // (forward_mtp), with its own one-layer KV pool of the same page count;
+  // counted before the KV pool is sized. Read only during create().
+  const MtpWeights* mtp = nullptr;
 };
 
 struct StepShape;
@@ -65,6 +70,19 @@ class CudaQwen3MoeModel {
   // after the final norm, what lm_head reads (bf16 on the GPU, widened), the
   // MTP draft layer's input (model/mtp.h).
   Expected<Tensor> forward_with_hidden(const ForwardBatch& batch, std::span<const int32_t> hidden_rows, Tensor& hidden);
+  // The same with each logits row's argmax chosen on the GPU (greedy speculative steps).
+  Expected<std::vector<int32_t>> forward_greedy_with_hidden(const ForwardBatch& batch,
+                                                            std::span<const int32_t> hidden_rows, Tensor& hidden);
+  // One MTP forward (model/mtp.h, MtpModel::forward) on the GPU, over the MTP
+  // layer's own KV pages (same page ids as the target's): hidden [num_tokens,
+  // hidden] f32 on the host, the target's (or the previous MTP step's) output.
+  // Its normed output comes back bf16-rounded. Needs options.mtp.
+  Expected<MtpOutput> forward_mtp(const MtpBatch& batch, TensorView hidden);
+  bool has_mtp() const;
+  // The MTP layer's KV pool: one layer laid out as kv_pool_layout() lays out
+  // each layer, num_pages() + 1 pages.
+  void* mtp_kv_pool() const;
+  const CudaKvPoolLayout& mtp_kv_pool_layout() const;
   // The same forward, with the greedy token of each logits row chosen on the GPU.
   Expected<std::vector<int32_t>> forward_greedy(const ForwardBatch& batch);
   // Random KV contents, for benchmarks that time decode at a long context
@@ -101,6 +119,13 @@ class CudaQwen3MoeModel {
   Status run(const ForwardBatch& batch);
   Expected<StepShape> upload_step(const ForwardBatch& batch, int padded_tokens);
   Status launch_step(const StepShape& shape);
+  struct LayerBuffers;
+  // One decoder layer over state's `residual` (in) / `normed` (the input
+  // norm's output in; next_norm's output out); `layer` < 0: not a target layer.
+  Status launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer);
+  Status upload_mtp(const MtpWeights& weights);
+  Status check_hidden_rows(const ForwardBatch& batch, std::span<const int32_t> hidden_rows) const;
+  Status sync_and_fetch_hidden(int num_tokens, std::span<const int32_t> hidden_rows, Tensor& hidden);
   int graph_bucket(const ForwardBatch& batch) const;
   int graph_stride(int max_pages_per_seq) const;
   std::unique_ptr<State> state_;
