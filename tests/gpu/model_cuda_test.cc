@@ -242,9 +242,9 @@ TEST(CudaModel, TensorCoreAttentionPathMatchesCpu) {
 
 
 // FP8 experts (fp8-block, then mxfp8) on the GPU against the CPU's quantized
-// model on the same weights: the experts through the FP8 grouped GEMMs, the
-// attention projections dequantized to bf16 with their inputs quantized per
-// 1 x 128 (mxfp8: 1 x 32) as the CPU does. Looser than kLogitTolerance: the GPU quantizes bf16
+// model on the same weights: the experts and (their shapes being multiples
+// of 128) the attention projections through the FP8 grouped GEMMs, 200 prompt
+// tokens taking the 64-row tiles. Looser than kLogitTolerance: the GPU quantizes bf16
 // activations, the CPU f32 ones, and a value near an E4M3 rounding boundary
 // can land on either side (1/16 relative).
 TEST(CudaModel, Fp8ExpertsMatchTheCpuQuantizedModel) {

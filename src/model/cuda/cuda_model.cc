@@ -73,6 +73,35 @@ Status dummy_fp8_experts(DeviceTensor& values, DeviceTensor& scales, int64_t row
 
 }  // namespace
 
+namespace {
+// Tensors of one dtype concatenated along dim 0, bytes as they are.
+Expected<DeviceTensor> upload_rows(std::initializer_list<TensorView> parts) {
+  int64_t rows = 0;
+  for (const auto& p : parts) rows += p.dim(0);
+  const TensorView first = *parts.begin();
+  Tensor host(first.dtype(), {rows, first.dim(1)});
+  size_t offset = 0;
+  for (const auto& p : parts) {
+    if (p.dtype() != first.dtype() || p.rank() != 2 || p.dim(1) != first.dim(1))
+      return invalid_argument("rows of different dtypes or widths cannot be concatenated");
+    std::memcpy(static_cast<char*>(host.data()) + offset, p.data(), p.num_bytes());
+    offset += p.num_bytes();
+  }
+  return DeviceTensor::upload(host);
+}
+
+// Whether q/k/v/o of a layer can run through the FP8 grouped GEMMs as one
+// group: every projection quantized, rows and columns multiples of 128 (so
+// fp8-block's 128-row scale blocks of q, k and v concatenate).
+bool fp8_attention_fits(const LayerWeights& w) {
+  for (const ops::QuantizedTensor* q : {&w.q_proj_quant, &w.k_proj_quant, &w.v_proj_quant, &w.o_proj_quant})
+    if (q->empty() || q->rank() != 2 || q->rows() % 128 != 0 || q->cols() % 128 != 0 ||
+        (q->format == ops::QuantFormat::kFp8Block && q->scale_row_period != 0))
+      return false;
+  return true;
+}
+}  // namespace
+
 struct CudaQwen3MoeModel::LayerBuffers {
   DeviceTensor input_norm, post_attention_norm, qkv_proj, o_proj, q_norm, k_norm, router, w13, w2;
   DeviceTensor w13_scales, w2_scales;  // FP8 experts: 128 x 128 block scales (ops/quant.h, fp8-block)
@@ -82,6 +111,10 @@ struct CudaQwen3MoeModel::LayerBuffers {
   // fp8-block projections run dequantized in bf16 take inputs quantized and
   // dequantized per 1 x 128 first, as the CPU reference computes them.
   bool fake_quant_attention = false, fake_quant_mlp = false;
+  // Quantized attention projections run in FP8 (fp8-block or mxfp8, as the
+  // experts): qkv_proj and o_proj hold E4M3 rows, these their scales.
+  bool fp8_attention = false;
+  DeviceTensor qkv_scales, o_scales;
 };
 
 struct CudaQwen3MoeModel::State {
@@ -102,6 +135,10 @@ struct CudaQwen3MoeModel::State {
   bool fp8_experts = false;          // MoE experts in FP8 (fp8-block or mxfp8), activations quantized alike
   bool mx_experts = false;           // mxfp8: E8M0 scales per 1 x 32 (x_scales, act_scales hold bytes)
   DeviceTensor x_fp8, x_scales, act_fp8, act_scales;
+  // FP8 attention projections: one-group offsets of the grouped GEMMs (set
+  // per step) and the qkv projection's f32 output before its bf16 cast.
+  DeviceTensor dense_offsets, dense_tile_offsets, qkv_f32;
+  bool fp8_attention = false;
   DeviceTensor sample_rows;          // per-row sampling parameters
   // The MTP layer (options.mtp): its norms and fc, its decoder block, and its
   // one-layer KV pool; mtp_h [T, H] f32 takes the host's hidden states, the
@@ -247,16 +284,37 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
     b.is_moe = c.layer_is_moe(l);
     b.fp8_experts = b.is_moe && s->fp8_experts;
     b.mx_experts = b.is_moe && s->mx_experts;
-    b.fake_quant_attention = w && s->fp8_experts && !w->q_proj_quant.empty();
+    // Dummy fp8-block weights: the attention projections in FP8 too (when their shapes allow).
+    const bool dummy_fp8_attention = !weights && expert_format == ops::QuantFormat::kFp8Block &&
+                                     qkv_rows % 128 == 0 && c.q_size() % 128 == 0 && hidden % 128 == 0;
+    b.fp8_attention = (w && s->fp8_experts && fp8_attention_fits(*w)) || dummy_fp8_attention;
+    b.fake_quant_attention = w && s->fp8_experts && !w->q_proj_quant.empty() && !b.fp8_attention;
+    s->fp8_attention |= b.fp8_attention;
     b.fake_quant_mlp = w && s->fp8_experts && !b.is_moe && !w->w13_quant.empty();
     MOE_RETURN_IF_ERROR(weight(b.input_norm, {part(&LayerWeights::input_norm)}, {hidden}, 1.0f, 0.1f));
     MOE_RETURN_IF_ERROR(weight(b.post_attention_norm, {part(&LayerWeights::post_attention_norm)}, {hidden}, 1.0f, 0.1f));
-    MOE_RETURN_IF_ERROR(weight(b.qkv_proj, {projection(&LayerWeights::q_proj, &LayerWeights::q_proj_quant),
-                                            projection(&LayerWeights::k_proj, &LayerWeights::k_proj_quant),
-                                            projection(&LayerWeights::v_proj, &LayerWeights::v_proj_quant)},
-                               {qkv_rows, hidden}, 0.0f, hidden_scale));
-    MOE_RETURN_IF_ERROR(weight(b.o_proj, {projection(&LayerWeights::o_proj, &LayerWeights::o_proj_quant)},
-                               {hidden, c.q_size()}, 0.0f, 1.0f / std::sqrt(static_cast<float>(c.q_size()))));
+    if (dummy_fp8_attention) {
+      MOE_RETURN_IF_ERROR(dummy_fp8_experts(b.qkv_proj, b.qkv_scales, qkv_rows, hidden, {qkv_rows / 128, hidden / 128},
+                                            hidden_scale, seed * 1000003 + ++stream_id, s->stream));
+      MOE_RETURN_IF_ERROR(dummy_fp8_experts(b.o_proj, b.o_scales, hidden, c.q_size(), {hidden / 128, c.q_size() / 128},
+                                            1.0f / std::sqrt(static_cast<float>(c.q_size())),
+                                            seed * 1000003 + ++stream_id, s->stream));
+      s->bytes += b.qkv_proj.num_bytes() + b.qkv_scales.num_bytes() + b.o_proj.num_bytes() + b.o_scales.num_bytes();
+    } else if (b.fp8_attention) {
+      MOE_RETURN_IF_ERROR(track(b.qkv_proj, upload_rows({w->q_proj_quant.values, w->k_proj_quant.values,
+                                                         w->v_proj_quant.values})));
+      MOE_RETURN_IF_ERROR(track(b.qkv_scales, upload_rows({w->q_proj_quant.scales, w->k_proj_quant.scales,
+                                                           w->v_proj_quant.scales})));
+      MOE_RETURN_IF_ERROR(track(b.o_proj, upload_rows({w->o_proj_quant.values})));
+      MOE_RETURN_IF_ERROR(track(b.o_scales, upload_rows({w->o_proj_quant.scales})));
+    } else {
+      MOE_RETURN_IF_ERROR(weight(b.qkv_proj, {projection(&LayerWeights::q_proj, &LayerWeights::q_proj_quant),
+                                              projection(&LayerWeights::k_proj, &LayerWeights::k_proj_quant),
+                                              projection(&LayerWeights::v_proj, &LayerWeights::v_proj_quant)},
+                                 {qkv_rows, hidden}, 0.0f, hidden_scale));
+      MOE_RETURN_IF_ERROR(weight(b.o_proj, {projection(&LayerWeights::o_proj, &LayerWeights::o_proj_quant)},
+                                 {hidden, c.q_size()}, 0.0f, 1.0f / std::sqrt(static_cast<float>(c.q_size()))));
+    }
     MOE_RETURN_IF_ERROR(weight(b.q_norm, {part(&LayerWeights::q_norm)}, {c.head_dim}, 1.0f, 0.1f));
     MOE_RETURN_IF_ERROR(weight(b.k_norm, {part(&LayerWeights::k_norm)}, {c.head_dim}, 1.0f, 0.1f));
     const int64_t inter = b.is_moe ? c.moe_intermediate_size : c.intermediate_size;
@@ -303,6 +361,11 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
       {&s->act_fp8, DType::kF8E4M3, {T * kk, moe_inter}}, {&s->act_scales, DType::kF32, {T * kk, (moe_inter + 127) / 128}},
   };
   for (const auto& a : allocs) MOE_RETURN_IF_ERROR(track(*a.t, DeviceTensor::allocate(a.dtype, a.shape)));
+  if (s->fp8_attention) {
+    MOE_RETURN_IF_ERROR(track(s->dense_offsets, DeviceTensor::allocate(DType::kI32, {2})));
+    MOE_RETURN_IF_ERROR(track(s->dense_tile_offsets, DeviceTensor::allocate(DType::kI32, {2})));
+    MOE_RETURN_IF_ERROR(track(s->qkv_f32, DeviceTensor::allocate(DType::kF32, {T, qkv_width})));
+  }
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s->stream));
   s->weights_and_activations_bytes = s->bytes;
   const int64_t max_model_len = options.max_model_len > 0 ? options.max_model_len : std::max<int64_t>(c.max_position_embeddings, 1);
@@ -497,6 +560,11 @@ Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, in
   MOE_RETURN_IF_ERROR(copy_in(s.token_seq, token_seq));
   MOE_RETURN_IF_ERROR(copy_in(s.page_table, page_table));
   MOE_RETURN_IF_ERROR(copy_in(s.logits_rows, logits_rows));
+  if (s.fp8_attention) {  // the attention projections' grouped GEMMs: one group of every token
+    const int tokens = shape.num_tokens, tile = dense_tile_rows(tokens);
+    MOE_RETURN_IF_ERROR(copy_in(s.dense_offsets, {0, tokens}));
+    MOE_RETURN_IF_ERROR(copy_in(s.dense_tile_offsets, {0, (tokens + tile - 1) / tile}));
+  }
   // Prefill (any sequence with several new tokens) shares K/V chunks between a sequence's tokens.
   for (int seq = 0; seq < num_seqs; ++seq) shape.prefill |= batch.query_start[seq + 1] - batch.query_start[seq] > 1;
   if (shape.prefill) {
@@ -506,6 +574,13 @@ Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, in
     MOE_RETURN_IF_ERROR(copy_in(s.attention_groups, groups));
   }
   return shape;
+}
+
+// Row tiles of the FP8 attention projections' grouped GEMMs (one group):
+// the memory-bound 64-row kernel for decode steps (every CUDA-graph bucket,
+// <= 512 tokens), the compute-bound 128-row one above; mxfp8 has 64-row tiles only.
+int CudaQwen3MoeModel::dense_tile_rows(int num_tokens) const {
+  return !state_->mx_experts && num_tokens > 512 ? k::kPrefillGemmTileRows : k::kGroupedGemmTileRows;
 }
 
 // The page-table stride of a graph: the batch's, rounded up to a power of two
@@ -645,10 +720,38 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     return gemm(s.act, s.act_fp8, s.act_scales, T * topk, inter, nullptr, b.w2, b.w2_scales, s.expert_rows.data(), H,
                 false);
   };
+  // An attention projection in FP8: `in` [T, K] quantized as the experts'
+  // inputs are, then the grouped GEMM with one group, f32 rows out.
+  auto fp8_projection = [&](const DeviceTensor& in, int K, const DeviceTensor& w, const DeviceTensor& w_scales,
+                            void* out, int N) -> Status {
+    const int tile = dense_tile_rows(T), tiles = (T + tile - 1) / tile + 1;
+    if (s.mx_experts) {
+      MOE_LAUNCH(k::quantize_mxfp8({in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<uint8_t>(), T,
+                                    K}, s.stream));
+      MOE_LAUNCH(k::mxfp8_grouped_gemm({s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<uint8_t>(), nullptr,
+                                        w.data_as<uint8_t>(), w_scales.data_as<uint8_t>(),
+                                        s.dense_offsets.data_as<int32_t>(), s.dense_tile_offsets.data_as<int32_t>(),
+                                        out, N, K, 1, tiles, false}, s.stream));
+      return Status::ok();
+    }
+    MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), T, K},
+                                      s.stream));
+    MOE_LAUNCH((tile == k::kPrefillGemmTileRows ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
+        {s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), nullptr, w.data_as<uint8_t>(),
+         w_scales.data_as<float>(), s.dense_offsets.data_as<int32_t>(), s.dense_tile_offsets.data_as<int32_t>(), out, N,
+         K, 1, tiles, false},
+        s.stream));
+    return Status::ok();
+  };
   // Attention.
-  if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
-  MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.qkv_proj.data_as<bf16>(), s.qkv.data(), DType::kBF16,
-                                     T, qkv_width, H, s.stream));
+  if (b.fp8_attention) {
+    MOE_RETURN_IF_ERROR(fp8_projection(s.normed, H, b.qkv_proj, b.qkv_scales, s.qkv_f32.data(), qkv_width));
+    MOE_LAUNCH(k::cast_to_bf16({s.qkv_f32.data_as<float>(), s.qkv.data_as<bf16>(), int64_t{T} * qkv_width}, s.stream));
+  } else {
+    if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.qkv_proj.data_as<bf16>(), s.qkv.data(),
+                                       DType::kBF16, T, qkv_width, H, s.stream));
+  }
   MOE_LAUNCH(k::qk_norm_rope_kv({s.qkv.data_as<bf16>(), b.q_norm.data_as<bf16>(), b.k_norm.data_as<bf16>(),
                                  s.inv_freq.data_as<float>(), s.attention_factor, s.positions.data_as<int32_t>(),
                                  s.token_seq.data_as<int32_t>(), s.page_table.data_as<int32_t>(), s.q.data_as<bf16>(),
@@ -669,9 +772,13 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
   } else {
     MOE_LAUNCH(k::paged_attention(attention, s.stream));
   }
-  if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.attended, static_cast<int>(c.q_size())));
-  MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(), DType::kF32,
-                                     T, H, c.q_size(), s.stream));
+  if (b.fp8_attention) {
+    MOE_RETURN_IF_ERROR(fp8_projection(s.attended, static_cast<int>(c.q_size()), b.o_proj, b.o_scales, s.delta.data(), H));
+  } else {
+    if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.attended, static_cast<int>(c.q_size())));
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(),
+                                       DType::kF32, T, H, c.q_size(), s.stream));
+  }
   MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(),
                               b.post_attention_norm.data_as<bf16>(), s.normed.data_as<bf16>(), T, H, c.rms_norm_eps},
                              s.stream));

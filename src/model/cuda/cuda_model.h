@@ -127,6 +127,7 @@ class CudaQwen3MoeModel {
   Status check_hidden_rows(const ForwardBatch& batch, std::span<const int32_t> hidden_rows) const;
   Status sync_and_fetch_hidden(int num_tokens, std::span<const int32_t> hidden_rows, Tensor& hidden);
   int graph_bucket(const ForwardBatch& batch) const;
+  int dense_tile_rows(int num_tokens) const;
   int graph_stride(int max_pages_per_seq) const;
   std::unique_ptr<State> state_;
 };

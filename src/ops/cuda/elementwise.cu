@@ -4,6 +4,8 @@
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/kernels.h"
 
+#include <algorithm>
+
 namespace moe::ops::cuda {
 namespace {
 
@@ -73,6 +75,12 @@ __global__ void silu_mul_kernel(SiluMulParams p) {
     const float g = __bfloat162float(gu[i]), u = __bfloat162float(gu[p.inter + i]);
     p.act[static_cast<int64_t>(t) * p.inter + i] = __float2bfloat16(g / (1.0f + expf(-g)) * u);
   }
+}
+
+__global__ void cast_to_bf16_kernel(CastToBf16Params p) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p.out[i] = __float2bfloat16(p.in[i]);
 }
 
 __global__ void argmax_kernel(ArgmaxParams p) {
@@ -147,6 +155,13 @@ cudaError_t qk_norm_rope_kv(const QkNormRopeKvParams& p, cudaStream_t stream) {
 cudaError_t silu_mul(const SiluMulParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
   silu_mul_kernel<<<p.num_tokens, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t cast_to_bf16(const CastToBf16Params& p, cudaStream_t stream) {
+  if (p.n == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((p.n + 255) / 256, 4096);
+  cast_to_bf16_kernel<<<static_cast<int>(blocks), 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -257,6 +257,14 @@ struct SiluMulParams {
 };
 cudaError_t silu_mul(const SiluMulParams& p, cudaStream_t stream);
 
+// out[i] = bf16(in[i]) (round to nearest even).
+struct CastToBf16Params {
+  const float* in;  // [n]
+  bf16* out;        // [n]
+  int64_t n;
+};
+cudaError_t cast_to_bf16(const CastToBf16Params& p, cudaStream_t stream);
+
 // ids[r] = argmax of logits[r, :] (lowest index on ties).
 struct ArgmaxParams {
   const float* logits;  // [num_rows, vocab]
