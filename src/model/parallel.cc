@@ -44,6 +44,14 @@ Tensor copy_two_row_ranges(TensorView m, int64_t a, int64_t b, int64_t n) {
 }  // namespace
 
 Status check_parallel_plan(const ModelConfig& c, const ModelWeights& weights, const ParallelPlan& p) {
+  MOE_RETURN_IF_ERROR(check_parallel_layout(c, p));
+  if (p.tp_size > 1 && weights.quant_format() != ops::QuantFormat::kNone)
+    return invalid_argument("tensor parallelism over quantized ({}) projections is not supported yet; use "
+                            "--tp 1 with --ep, or bf16 weights", ops::quant_format_name(weights.quant_format()));
+  return Status::ok();
+}
+
+Status check_parallel_layout(const ModelConfig& c, const ParallelPlan& p) {
   if (p.tp_size < 1 || p.ep_size < 1 || p.tp_rank < 0 || p.tp_rank >= p.tp_size || p.ep_rank < 0 ||
       p.ep_rank >= p.ep_size)
     return invalid_argument("parallel plan: tp rank {} of {}, ep rank {} of {}", p.tp_rank, p.tp_size, p.ep_rank,
@@ -65,9 +73,6 @@ Status check_parallel_plan(const ModelConfig& c, const ModelWeights& weights, co
     if (has_dense_layers(c) && c.intermediate_size % p.tp_size != 0)
       return invalid_argument("dense MLP width {} does not split over tensor parallel size {}", c.intermediate_size,
                               p.tp_size);
-    if (weights.quant_format() != ops::QuantFormat::kNone)
-      return invalid_argument("tensor parallelism over quantized ({}) projections is not supported yet; use "
-                              "--tp 1 with --ep, or bf16 weights", ops::quant_format_name(weights.quant_format()));
   }
   if (p.ep_size > 1 && has_moe_layers(c) && c.num_experts % p.ep_size != 0)
     return invalid_argument("{} experts do not split over expert parallel size {}", c.num_experts, p.ep_size);

@@ -48,6 +48,9 @@ struct ParallelPlan {
 // experts and MLP width; formats the sharding supports). The error says what
 // to change.
 Status check_parallel_plan(const ModelConfig& config, const ModelWeights& weights, const ParallelPlan& plan);
+// The part of check_parallel_plan that needs only the config (ranks, sizes,
+// divisibility), for weights that do not exist yet (dummy weights on a GPU).
+Status check_parallel_layout(const ModelConfig& config, const ParallelPlan& plan);
 // Whether plan.comm is there when needed and its rank and size match the plan.
 Status check_communicator(const ParallelPlan& plan);
 

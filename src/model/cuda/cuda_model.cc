@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 
 #include "core/cuda/device_buffer.h"
 #include "core/logging.h"
@@ -132,6 +133,8 @@ struct CudaQwen3MoeModel::State {
   DeviceTensor token_ids, positions, token_seq, page_table, logits_rows;
   DeviceTensor attention_workspace;  // split-KV partials of the tensor-core attention
   DeviceTensor attention_groups;     // prefill token groups
+  int first_expert = 0, num_local_experts = 0;  // this rank's experts (all of them without expert parallelism)
+  DeviceTensor delta_bf16;                       // a rank's partial sum, for CudaLayerComm
   bool fp8_experts = false;          // MoE experts in FP8 (fp8-block or mxfp8), activations quantized alike
   bool mx_experts = false;           // mxfp8: E8M0 scales per 1 x 32 (x_scales, act_scales hold bytes)
   DeviceTensor x_fp8, x_scales, act_fp8, act_scales;
@@ -202,13 +205,64 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_dummy(con
   return create_impl(config, nullptr, seed, options);
 }
 
-Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(const ModelConfig& c,
+namespace {
+// This rank's view of the config under a parallel plan: its q and k/v heads
+// and dense MLP columns (model/parallel.h); the router still sees every expert.
+ModelConfig rank_config(const ModelConfig& full, const ParallelPlan& plan) {
+  if (plan.single()) return full;
+  const RankShard shard = rank_shard(full, plan);
+  ModelConfig c = full;
+  c.num_q_heads = shard.num_q_heads;
+  c.num_kv_heads = shard.num_kv_heads;
+  if (plan.tp_size > 1) c.intermediate_size = shard.num_mlp_columns;
+  return c;
+}
+
+Status check_cuda_parallel(const ModelConfig& full, const ModelWeights* weights, const CudaModelOptions& options) {
+  const ParallelPlan& plan = options.plan;
+  if (plan.single()) return Status::ok();
+  MOE_RETURN_IF_ERROR(weights ? check_parallel_plan(full, *weights, plan) : check_parallel_layout(full, plan));
+  if (plan.dp_attention) return unimplemented("data-parallel attention ranks on the GPU are not implemented yet");
+  if (weights && weights->quant_format() != ops::QuantFormat::kNone)
+    return unimplemented("{} weights on GPU ranks (--tp/--ep with --device cuda): bf16 only for now",
+                         ops::quant_format_name(weights->quant_format()));
+  if (!weights && options.dummy_expert_format != ops::QuantFormat::kNone)
+    return unimplemented("dummy {} experts on GPU ranks: bf16 only for now",
+                         ops::quant_format_name(options.dummy_expert_format));
+  if (options.mtp != nullptr) return unimplemented("an MTP layer on GPU ranks (--tp/--ep) is not supported yet");
+  const int world = std::max(plan.tp_size, plan.ep_size), rank = plan.tp_size > 1 ? plan.tp_rank : plan.ep_rank;
+  if (options.comm == nullptr || options.comm->world_size() != world || options.comm->rank() != rank)
+    return invalid_argument("a GPU rank {} of {} needs a layer communicator of that rank and size", rank, world);
+  return Status::ok();
+}
+}  // namespace
+
+Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(const ModelConfig& full,
                                                                             const ModelWeights* weights, uint64_t seed,
                                                                             const CudaModelOptions& options) {
+  MOE_RETURN_IF_ERROR(check_cuda_parallel(full, weights, options));
   MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
   auto s = std::make_unique<State>();
+  const ModelConfig c = rank_config(full, options.plan);
+  const RankShard shard = rank_shard(full, options.plan);
   s->config = c;
   s->options = options;
+  s->first_expert = shard.first_expert;
+  s->num_local_experts = shard.num_experts;
+  // Ranks whose collectives synchronise with the host cannot be captured.
+  if (options.comm != nullptr && !options.comm->graph_capturable()) s->options.use_cuda_graphs = false;
+  std::optional<RankWeights> rank_weights;
+  if (weights != nullptr && !options.plan.single()) rank_weights.emplace(*weights, options.plan);
+  // This rank's layer weights: its heads and MLP columns, its experts' rows.
+  auto layer_weights = [&](int l) {
+    if (!rank_weights) return weights->layer(l);
+    LayerWeights w = rank_weights->layer(l);
+    if (w.is_moe && options.plan.ep_size > 1) {
+      w.w13 = w.w13.rows(shard.first_expert, shard.first_expert + shard.num_experts);
+      w.w2 = w.w2.rows(shard.first_expert, shard.first_expert + shard.num_experts);
+    }
+    return w;
+  };
   if (c.head_dim > 128 || c.num_q_heads / c.num_kv_heads > 16 || c.num_experts > 256)
     return unimplemented("the CUDA backend supports head_dim <= 128, <= 16 q heads per kv head, <= 256 experts");
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking));
@@ -274,7 +328,9 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   };
   const int64_t qkv_rows = c.q_size() + 2 * c.kv_size();
   for (int l = 0; l < c.num_layers; ++l) {
-    const LayerWeights* w = weights ? &weights->layer(l) : nullptr;
+    std::optional<LayerWeights> this_layer;
+    if (weights) this_layer.emplace(layer_weights(l));
+    const LayerWeights* w = this_layer ? &*this_layer : nullptr;
     std::vector<Tensor> dequantized;  // quantized projections the GPU runs in bf16, for this layer's upload
     auto part = [&](TensorView LayerWeights::*member) { return w ? w->*member : TensorView(); };
     auto projection = [&](TensorView LayerWeights::*plain, ops::QuantizedTensor LayerWeights::*quant) {
@@ -320,8 +376,9 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
     const int64_t inter = b.is_moe ? c.moe_intermediate_size : c.intermediate_size;
     const float down_scale = 1.0f / std::sqrt(static_cast<float>(inter));
     if (b.is_moe) {
-      const int64_t experts = c.num_experts;
-      MOE_RETURN_IF_ERROR(weight(b.router, {part(&LayerWeights::router)}, {experts, hidden}, 0.0f, hidden_scale));
+      // The router scores every expert; the weights are this rank's experts'.
+      const int64_t experts = s->num_local_experts;
+      MOE_RETURN_IF_ERROR(weight(b.router, {part(&LayerWeights::router)}, {c.num_experts, hidden}, 0.0f, hidden_scale));
       if (s->fp8_experts) {
         MOE_RETURN_IF_ERROR(fp8_experts(b, w, experts, inter, hidden_scale, down_scale, seed * 1000003 + ++stream_id));
       } else {
@@ -361,6 +418,7 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
       {&s->act_fp8, DType::kF8E4M3, {T * kk, moe_inter}}, {&s->act_scales, DType::kF32, {T * kk, (moe_inter + 127) / 128}},
   };
   for (const auto& a : allocs) MOE_RETURN_IF_ERROR(track(*a.t, DeviceTensor::allocate(a.dtype, a.shape)));
+  if (options.comm != nullptr) MOE_RETURN_IF_ERROR(track(s->delta_bf16, DeviceTensor::allocate(DType::kBF16, {T, H})));
   if (s->fp8_attention) {
     MOE_RETURN_IF_ERROR(track(s->dense_offsets, DeviceTensor::allocate(DType::kI32, {2})));
     MOE_RETURN_IF_ERROR(track(s->dense_tile_offsets, DeviceTensor::allocate(DType::kI32, {2})));
@@ -693,7 +751,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                                 : k::kGroupedGemmTileRows;
   const bool prefill_gemm = moe_tile_rows == k::kPrefillGemmTileRows;
   auto fp8_experts_step = [&](int max_tiles) -> Status {
-    const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
+    const int E = s.num_local_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
     // One expert GEMM: quantize `in` [rows, K], then gate_up (gathered by sorted_token) or down.
     auto gemm = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows, int K,
                     const int32_t* gather, const DeviceTensor& w, const DeviceTensor& w_scales, void* out, int N,
@@ -779,9 +837,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(),
                                        DType::kF32, T, H, c.q_size(), s.stream));
   }
-  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(),
-                              b.post_attention_norm.data_as<bf16>(), s.normed.data_as<bf16>(), T, H, c.rms_norm_eps},
-                             s.stream));
+  MOE_RETURN_IF_ERROR(layer_boundary(b.post_attention_norm.data_as<bf16>(), T, s.options.plan.tp_size > 1));
   // MLP.
   if (b.is_moe) {
     const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
@@ -789,20 +845,24 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                                        DType::kF32, T, E, H, s.stream));
     MOE_LAUNCH(k::route_topk({s.router_logits.data_as<float>(), s.expert_ids.data_as<int32_t>(),
                               s.expert_weights.data_as<float>(), T, E, topk, c.norm_topk_prob}, s.stream));
+    // This rank's experts only (all of them without expert parallelism): the
+    // grouped GEMMs below run E_local experts; the other ranks' pairs get no row.
+    const int E_local = s.num_local_experts;
     MOE_LAUNCH(k::moe_permute({s.expert_ids.data_as<int32_t>(), s.expert_offsets.data_as<int32_t>(),
                                s.tile_offsets.data_as<int32_t>(), s.sorted_token.data_as<int32_t>(),
-                               s.row_of.data_as<int32_t>(), T, topk, E, moe_tile_rows}, s.stream));
-    const int max_tiles = (T * topk + moe_tile_rows - 1) / moe_tile_rows + E;
+                               s.row_of.data_as<int32_t>(), T, topk, E_local, moe_tile_rows, s.first_expert},
+                              s.stream));
+    const int max_tiles = (T * topk + moe_tile_rows - 1) / moe_tile_rows + E_local;
     const auto gemm = prefill_gemm ? k::wgmma_grouped_gemm_prefill : k::grouped_gemm;
     if (b.fp8_experts) {
       MOE_RETURN_IF_ERROR(fp8_experts_step(max_tiles));
     } else {
       MOE_LAUNCH(gemm({s.normed.data_as<bf16>(), s.sorted_token.data_as<int32_t>(), b.w13.data_as<bf16>(),
                                   s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), s.act.data(),
-                                  inter, H, E, max_tiles, true}, s.stream));
+                                  inter, H, E_local, max_tiles, true}, s.stream));
       MOE_LAUNCH(gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(),
                                   s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(),
-                                  s.expert_rows.data(), H, inter, E, max_tiles, false}, s.stream));
+                                  s.expert_rows.data(), H, inter, E_local, max_tiles, false}, s.stream));
     }
     MOE_LAUNCH(k::moe_unpermute({s.expert_rows.data_as<float>(), s.row_of.data_as<int32_t>(),
                                  s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H}, s.stream));
@@ -816,10 +876,27 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.act.data_as<bf16>(), b.w2.data_as<bf16>(), s.delta.data(), DType::kF32, T, H,
                                        inter, s.stream));
   }
-  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(), static_cast<const bf16*>(next_norm),
-                              s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  // Partial sums to reduce: a MoE layer's under expert parallelism, a dense one's under tensor parallelism.
+  const bool reduce = layer >= 0 && (b.is_moe ? s.options.plan.ep_size > 1 : s.options.plan.tp_size > 1);
+  MOE_RETURN_IF_ERROR(layer_boundary(static_cast<const bf16*>(next_norm), T, reduce));
 #undef MOE_LAUNCH
   return Status::ok();
+}
+
+// residual += delta (summed over the ranks when `reduce`), then the next norm into `normed`.
+Status CudaQwen3MoeModel::layer_boundary(const void* norm_weight, int num_tokens, bool reduce) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const int H = static_cast<int>(c.hidden_size);
+  const auto* weight = static_cast<const bf16*>(norm_weight);
+  if (!reduce)
+    return cuda_status(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(), weight,
+                                        s.normed.data_as<bf16>(), num_tokens, H, c.rms_norm_eps}, s.stream),
+                       "add_rms_norm");
+  MOE_RETURN_IF_ERROR(cuda_status(k::cast_to_bf16({s.delta.data_as<float>(), s.delta_bf16.data_as<bf16>(),
+                                                   int64_t{num_tokens} * H}, s.stream), "cast_to_bf16"));
+  return s.options.comm->all_reduce_add_rms_norm(s.delta_bf16.data_as<bf16>(), s.residual.data_as<float>(), weight,
+                                                 s.normed.data_as<bf16>(), num_tokens, H, c.rms_norm_eps, s.stream);
 }
 
 Status CudaQwen3MoeModel::fill_kv_random(uint64_t seed) {

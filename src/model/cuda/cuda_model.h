@@ -19,7 +19,9 @@
 #include "core/status.h"
 #include "core/tensor.h"
 #include "model/cuda/kv_pool.h"
+#include "model/cuda/layer_comm.h"
 #include "model/mtp.h"
+#include "model/parallel.h"
 #include "model/qwen3_moe.h"
 #include "model/weights.h"
 #include "ops/cuda/kernels.h"
@@ -44,6 +46,13 @@ struct CudaModelOptions {
   // (forward_mtp), with its own one-layer KV pool of the same page count;
   // counted before the KV pool is sized. Read only during create().
   const MtpWeights* mtp = nullptr;
+  // Tensor / expert parallelism (model/parallel.h: TP attention, EP MoE on
+  // replicated input; not DP attention yet): this rank's plan (plan.comm is
+  // not used here) and the collective of its layer boundaries, which must
+  // outlive the model. bf16 weights only. The model then holds this rank's
+  // heads, MLP columns and experts, and config() is this rank's view.
+  ParallelPlan plan;
+  CudaLayerComm* comm = nullptr;
 };
 
 struct StepShape;
@@ -124,6 +133,7 @@ class CudaQwen3MoeModel {
   // norm's output in; next_norm's output out); `layer` < 0: not a target layer.
   Status launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer);
   Status upload_mtp(const MtpWeights& weights);
+  Status layer_boundary(const void* norm_weight, int num_tokens, bool reduce);
   Status check_hidden_rows(const ForwardBatch& batch, std::span<const int32_t> hidden_rows) const;
   Status sync_and_fetch_hidden(int num_tokens, std::span<const int32_t> hidden_rows, Tensor& hidden);
   int graph_bucket(const ForwardBatch& batch) const;

@@ -125,13 +125,17 @@ cudaError_t route_topk(const RouteTopkParams& p, cudaStream_t stream);
 // expert e owns rows [expert_offsets[e], expert_offsets[e+1]) of the permuted
 // order, sorted_token[row] is the token of a row, row_of[t * k + j] the row of
 // pair (t, j), and tile_offsets[e] counts the grouped GEMM's row tiles before e.
+// Expert parallelism: only experts [first_expert, first_expert + num_experts)
+// of the (global) expert_ids are this rank's, local expert e being global
+// first_expert + e; pairs routed elsewhere get no row and row_of -1.
 struct MoePermuteParams {
-  const int32_t* expert_ids;  // [num_tokens, k]
+  const int32_t* expert_ids;  // [num_tokens, k] global ids
   int32_t* expert_offsets;    // [num_experts + 1]
   int32_t* tile_offsets;      // [num_experts + 1]
   int32_t* sorted_token;      // [num_tokens * k]
   int32_t* row_of;            // [num_tokens * k]
   int num_tokens, k, num_experts, tile_rows;
+  int first_expert = 0;
 };
 cudaError_t moe_permute(const MoePermuteParams& p, cudaStream_t stream);
 
@@ -239,7 +243,8 @@ cudaError_t fp8_grouped_gemm_prefill(const Fp8GroupedGemmParams& p, cudaStream_t
 // kGroupedGemmTileRows.
 int moe_tile_rows(int64_t rows, int num_experts);
 
-// out[t] = sum_j weights[t, j] * rows[row_of[t * k + j]] (f32).
+// out[t] = sum_j weights[t, j] * rows[row_of[t * k + j]] (f32), over the
+// pairs with a row (row_of >= 0: the rank's own experts under expert parallelism).
 struct MoeUnpermuteParams {
   const float* rows;     // [num_tokens * k, hidden]
   const int32_t* row_of; // [num_tokens * k]

@@ -80,7 +80,11 @@ __global__ void moe_permute_kernel(MoePermuteParams p) {
   const int pairs = p.num_tokens * p.k;
   for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) counts[e] = 0, cursor[e] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < pairs; i += blockDim.x) atomicAdd(&counts[p.expert_ids[i]], 1);
+  auto local = [&](int i) { return p.expert_ids[i] - p.first_expert; };  // outside [0, num_experts): another rank's
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+    const int e = local(i);
+    if (e >= 0 && e < p.num_experts) atomicAdd(&counts[e], 1);
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     int32_t rows = 0, tiles = 0;
@@ -95,7 +99,11 @@ __global__ void moe_permute_kernel(MoePermuteParams p) {
   }
   __syncthreads();
   for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
-    const int e = p.expert_ids[i];
+    const int e = local(i);
+    if (e < 0 || e >= p.num_experts) {
+      p.row_of[i] = -1;
+      continue;
+    }
     const int row = p.expert_offsets[e] + atomicAdd(&cursor[e], 1);
     p.sorted_token[row] = i / p.k;
     p.row_of[i] = row;
@@ -261,8 +269,10 @@ __global__ void moe_unpermute_kernel(MoeUnpermuteParams p) {
   const int t = blockIdx.x;
   for (int i = threadIdx.x; i < p.hidden; i += blockDim.x) {
     float sum = 0.0f;
-    for (int j = 0; j < p.k; ++j)
-      sum += p.weights[t * p.k + j] * p.rows[static_cast<int64_t>(p.row_of[t * p.k + j]) * p.hidden + i];
+    for (int j = 0; j < p.k; ++j) {
+      const int32_t row = p.row_of[t * p.k + j];
+      if (row >= 0) sum += p.weights[t * p.k + j] * p.rows[static_cast<int64_t>(row) * p.hidden + i];
+    }
     p.out[static_cast<int64_t>(t) * p.hidden + i] = sum;
   }
 }
