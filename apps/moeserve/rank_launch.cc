@@ -18,7 +18,7 @@
 namespace moe::apps {
 
 void add_parallel_options(CLI::App* cmd, ParallelArgs& a) {
-  cmd->add_option("--tensor-parallel-size,--tp", a.tp, "Ranks splitting attention heads and dense MLPs (CPU: processes)")
+  cmd->add_option("--tensor-parallel-size,--tp", a.tp, "Ranks splitting attention heads and dense MLPs (processes; on GPUs one per GPU)")
       ->check(CLI::Range(1, 64));
   cmd->add_option("--expert-parallel-size,--ep", a.ep, "Ranks splitting the experts (equal to --tp when both > 1)")
       ->check(CLI::Range(1, 64));
@@ -29,6 +29,7 @@ void add_parallel_options(CLI::App* cmd, ParallelArgs& a) {
   cmd->add_option("--internal-group", a.internal_group)->group("");
   cmd->add_option("--internal-plan-fd", a.internal_plan_fd)->group("");
   cmd->add_option("--internal-num-pages", a.internal_num_pages)->group("");
+  cmd->add_option("--internal-bootstrap-port", a.internal_bootstrap_port)->group("");
 }
 
 std::string new_group_name() {
@@ -85,7 +86,8 @@ Followers::~Followers() {
   }
 }
 
-Expected<Followers> spawn_followers(const ParallelArgs& args, const std::string& group, int32_t num_pages) {
+Expected<Followers> spawn_followers(const ParallelArgs& args, const std::string& group, int32_t num_pages,
+                                    int bootstrap_port) {
   const std::vector<std::string> base = own_arguments();
   if (base.empty()) return internal_error("cannot read /proc/self/cmdline to start the other ranks");
   Followers followers;
@@ -98,6 +100,7 @@ Expected<Followers> spawn_followers(const ParallelArgs& args, const std::string&
                               fmt::format("--internal-plan-fd={}", pair[1]),
                               fmt::format("--internal-num-pages={}", num_pages)})
       argv.push_back(extra);
+    if (bootstrap_port > 0) argv.push_back(fmt::format("--internal-bootstrap-port={}", bootstrap_port));
     std::vector<char*> c_argv;
     for (auto& a : argv) c_argv.push_back(a.data());
     c_argv.push_back(nullptr);

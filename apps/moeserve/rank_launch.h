@@ -34,6 +34,7 @@ struct ParallelArgs {
   std::string internal_group;
   int internal_plan_fd = -1;
   int internal_num_pages = 0;
+  int internal_bootstrap_port = 0;  // GPU ranks: the leader's TCP rendezvous on 127.0.0.1
 
   int world() const { return std::max({tp, ep, dp}); }
   bool follower() const { return internal_rank > 0; }
@@ -53,12 +54,16 @@ class Followers {
   std::vector<int> fds;
 
  private:
-  friend Expected<Followers> spawn_followers(const ParallelArgs& args, const std::string& group, int32_t num_pages);
+  friend Expected<Followers> spawn_followers(const ParallelArgs& args, const std::string& group, int32_t num_pages,
+                                             int bootstrap_port);
   std::vector<pid_t> pids_;
 };
 
-// Starts ranks 1..world-1 of `args` in group `group` with `num_pages` KV pages.
-Expected<Followers> spawn_followers(const ParallelArgs& args, const std::string& group, int32_t num_pages);
+// Starts ranks 1..world-1 of `args` in group `group` with `num_pages` KV pages
+// (GPU ranks: 0, they agree on it later) and, for GPU ranks, the port of the
+// leader's rendezvous (0: none).
+Expected<Followers> spawn_followers(const ParallelArgs& args, const std::string& group, int32_t num_pages,
+                                    int bootstrap_port = 0);
 
 // A data-parallel follower (its own decode instance) stops like on SIGTERM
 // once its leader's plan socket closes: a watcher thread raises SIGTERM.

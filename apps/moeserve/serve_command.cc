@@ -20,7 +20,9 @@
 #include "model/qwen3_moe.h"
 #include "model/weights.h"
 #ifdef MOE_WITH_CUDA
+#include "comm/bootstrap.h"
 #include "engine/cuda_runner.h"
+#include "model/cuda/symmetric_layer_comm.h"
 #endif
 #include "server/http_server.h"
 #include "server/openai_api.h"
@@ -171,8 +173,9 @@ Status check_parallel_args(const ServeArgs& args) {
                             "(tests/gpu/disagg_cuda_test.cc) fails with an illegal memory access on the first "
                             "forward pass (docs/disagg.md, \"On GPUs\"); run the disaggregated roles with --device cpu",
                             args.role);
-  if (p.world() > 1 && args.device.cuda())
-    return invalid_argument("--tp/--ep run CPU ranks for now; the GPU communicator is not wired into serving yet");
+  if (p.world() > 1 && args.device.cuda() && (p.dp > 1 || args.role != "colocated"))
+    return invalid_argument("GPU ranks run `moeserve serve --tp N --ep N --device cuda` only for now; the prefill "
+                            "and decode roles and --dp run CPU ranks (docs/parallel.md)");
   if (p.world() > 1 && p.dp == 1 && args.role == "decode")
     return invalid_argument("a decode instance runs data-parallel ranks: use --dp N --ep N, not --tp");
   return Status::ok();
@@ -225,6 +228,98 @@ Status run_rank_follower(const ServeArgs& args, const model::ModelConfig& config
   MOE_RETURN_IF_ERROR(engine::signal_ready(p.internal_plan_fd));
   return engine::run_follower(model, pool, layout, kv_memory.data(), p.internal_plan_fd);
 }
+
+struct GpuRanks;  // CUDA builds: the GPU ranks of a --tp/--ep instance
+
+#ifdef MOE_WITH_CUDA
+// GPU ranks of a --tp/--ep instance (docs/parallel.md, "On GPUs"): one process
+// per GPU, rank r on GPU --gpu + r. They meet over TCP on the loopback (the
+// leader listens on a free port that its followers get as a flag), open the
+// symmetric memory of their layer collective, load their weights, and create
+// their models together (the warm-up pass runs the collectives); then they
+// agree on the KV page count (the smallest, so every page id exists on every
+// rank) and the followers run the leader's step plans.
+struct GpuRanks {
+  std::optional<Followers> followers;  // the leader's
+  std::unique_ptr<comm::TcpBootstrap> bootstrap;
+  std::unique_ptr<model::SymmetricLayerComm> comm;
+  int device = 0;
+};
+
+constexpr int kGpuRankTimeoutMs = 600000;  // a rank loading a large checkpoint
+
+Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, int hidden) {
+  const ParallelArgs& p = args.parallel;
+  GpuRanks g;
+  g.device = args.device.gpu + p.internal_rank;
+  MOE_RETURN_IF_ERROR(engine::use_cuda_device(g.device));
+  if (p.follower()) {
+    MOE_ASSIGN_OR_RETURN(g.bootstrap, comm::TcpBootstrap::connect("127.0.0.1", p.internal_bootstrap_port,
+                                                                 p.internal_rank, p.world(), kGpuRankTimeoutMs));
+  } else {
+    MOE_ASSIGN_OR_RETURN(auto listener, comm::BootstrapListener::bind("127.0.0.1", 0));
+    const int port = listener.port();
+    MOE_ASSIGN_OR_RETURN(auto started, spawn_followers(p, new_group_name(), 0, port));
+    g.followers.emplace(std::move(started));
+    MOE_ASSIGN_OR_RETURN(g.bootstrap, comm::TcpBootstrap::accept(std::move(listener), p.world(), kGpuRankTimeoutMs));
+  }
+  MOE_ASSIGN_OR_RETURN(g.comm, model::SymmetricLayerComm::create(*g.bootstrap, g.device, max_tokens, hidden));
+  log_info("GPU rank {} of {} on GPU {}: layer collective ready", p.internal_rank, p.world(), g.device);
+  return g;
+}
+
+// Every rank calls it once its model exists: the page count all can hold.
+Expected<int32_t> agree_on_pages(comm::TcpBootstrap& bootstrap, int32_t mine) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(&mine);
+  MOE_ASSIGN_OR_RETURN(auto all, bootstrap.all_gather(std::span<const uint8_t>(bytes, sizeof mine)));
+  int32_t pages = mine;
+  for (const auto& blob : all) {
+    if (blob.size() != sizeof(int32_t)) return internal_error("a rank sent {} bytes for its page count", blob.size());
+    int32_t theirs = 0;
+    std::memcpy(&theirs, blob.data(), sizeof theirs);
+    pages = std::min(pages, theirs);
+  }
+  return pages;
+}
+
+model::CudaModelOptions cuda_model_options(const ServeArgs& args, const engine::SchedulerOptions& sched, int device) {
+  model::CudaModelOptions cuda;
+  cuda.device = device;
+  cuda.page_size = sched.page_size;
+  cuda.max_num_tokens = std::max(sched.max_num_batched_tokens, sched.max_num_seqs);
+  cuda.max_num_seqs = sched.max_num_seqs;
+  cuda.max_model_len = sched.max_model_len;
+  cuda.gpu_memory_utilization = args.device.gpu_memory_utilization;
+  cuda.use_cuda_graphs = !args.device.enforce_eager;
+  return cuda;
+}
+
+model::ParallelPlan rank_plan_of(const ParallelArgs& p) {
+  return {p.tp, p.tp > 1 ? p.internal_rank : 0, p.ep, p.ep > 1 ? p.internal_rank : 0, false, nullptr};
+}
+
+// Ranks 1.. of a GPU instance: their share of the model, then the leader's plans.
+Status run_gpu_rank_follower(const ServeArgs& args, const model::ModelConfig& config,
+                             const engine::SchedulerOptions& sched) {
+  sigset_t signals;  // the leader handles Ctrl-C and stops this rank in order
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  const int max_tokens = std::max(sched.max_num_batched_tokens, sched.max_num_seqs);
+  MOE_ASSIGN_OR_RETURN(GpuRanks g, meet_gpu_ranks(args, max_tokens, static_cast<int>(config.hidden_size)));
+  ThreadPool pool(args.threads);
+  MOE_ASSIGN_OR_RETURN(auto weights, model::ModelWeights::load(args.model, config, pool));
+  MOE_RETURN_IF_ERROR(g.bootstrap->barrier());  // every rank's weights are read: the models' collectives may start
+  model::CudaModelOptions cuda = cuda_model_options(args, sched, g.device);
+  cuda.plan = rank_plan_of(args.parallel);
+  cuda.comm = g.comm.get();
+  MOE_ASSIGN_OR_RETURN(auto model, model::CudaQwen3MoeModel::create(weights, cuda));
+  MOE_RETURN_IF_ERROR(agree_on_pages(*g.bootstrap, model->num_pages()).status());
+  MOE_RETURN_IF_ERROR(engine::signal_ready(args.parallel.internal_plan_fd));
+  return engine::run_cuda_follower(*model, args.parallel.internal_plan_fd);
+}
+#endif
 
 }  // namespace
 
@@ -292,26 +387,32 @@ struct Runner {
 // The model runner of this rank: CUDA, a DP rank's, a TP/EP leader's, or the
 // single CPU rank's. Sets the page count (the GPU's comes from its memory).
 // On the GPU, `mtp` (speculative decoding) runs there too.
+// `gpu`: this leader's GPU ranks (--tp/--ep with --device cuda), else null.
 Expected<Runner> make_runner(const ServeArgs& args, const model::ModelConfig& config,
                              const model::ModelWeights& weights, const model::Qwen3MoeModel& model, ThreadPool& pool,
                              kv::KvCacheLayout& layout, engine::SchedulerOptions& sched, RankGroup& group,
-                             const model::MtpWeights* mtp) {
+                             const model::MtpWeights* mtp, GpuRanks* gpu) {
   Runner r;
-  (void)config, (void)weights, (void)mtp;
+  (void)args, (void)config, (void)weights, (void)mtp, (void)gpu;
 #ifdef MOE_WITH_CUDA
   if (args.device.cuda()) {
     // The KV pool takes what --gpu-memory-utilization leaves after the weights.
-    model::CudaModelOptions cuda;
-    cuda.device = args.device.gpu;
-    cuda.page_size = sched.page_size;
-    cuda.max_num_tokens = std::max(sched.max_num_batched_tokens, sched.max_num_seqs);
-    cuda.max_num_seqs = sched.max_num_seqs;
-    cuda.max_model_len = sched.max_model_len;
-    cuda.gpu_memory_utilization = args.device.gpu_memory_utilization;
-    cuda.use_cuda_graphs = !args.device.enforce_eager;
+    model::CudaModelOptions cuda = cuda_model_options(args, sched, gpu ? gpu->device : args.device.gpu);
     cuda.mtp = mtp;
+    if (gpu != nullptr) {
+      cuda.plan = rank_plan_of(args.parallel);
+      cuda.comm = gpu->comm.get();
+      MOE_RETURN_IF_ERROR(gpu->bootstrap->barrier());  // every rank's weights are read
+    }
     MOE_ASSIGN_OR_RETURN(auto cuda_runner, engine::CudaRunner::create(config, &weights, 0, cuda));
     sched.num_pages = cuda_runner->num_pages();
+    if (gpu != nullptr) {
+      MOE_ASSIGN_OR_RETURN(sched.num_pages, agree_on_pages(*gpu->bootstrap, sched.num_pages));
+      MOE_RETURN_IF_ERROR(engine::wait_for_followers(gpu->followers->fds));
+      log_info("{} GPU ranks ready (tp {}, ep {}), {} KV pages each", args.parallel.world(), args.parallel.tp,
+               args.parallel.ep, sched.num_pages);
+      cuda_runner->lead(std::exchange(gpu->followers->fds, {}));
+    }
     layout.num_pages = sched.num_pages;
     r.rank_caches = {&cuda_runner->cache()};
     r.mtp = cuda_runner->mtp_runner();
@@ -394,7 +495,8 @@ Status run_serve(ServeArgs args) {
   MOE_ASSIGN_OR_RETURN(model::ModelConfig config, model::load_model_config(args.model));
   const ParallelArgs& par = args.parallel;
   const bool dp = par.dp > 1;  // each rank a decode instance of its own (docs/parallel.md)
-  if (par.follower() && !dp) return run_rank_follower(args, config);
+  const bool gpu_ranks = args.device.cuda() && par.world() > 1;
+  if (par.follower() && !dp && !gpu_ranks) return run_rank_follower(args, config);
   if (par.follower()) args.port = 0, args.transfer_port = 0;
   std::optional<MtpSource> mtp_source;  // found before the target loads: a missing MTP layer fails at once
   if (spec.enabled()) {
@@ -402,6 +504,14 @@ Status run_serve(ServeArgs args) {
     mtp_source = std::move(source);
   }
   const model::ParallelPlan plan{par.tp, 0, par.ep, dp ? par.internal_rank : 0, dp, nullptr};
+#ifdef MOE_WITH_CUDA
+  if (gpu_ranks && par.follower()) {
+    const kv::KvCacheLayout rank_layout{config.num_layers, model::rank_shard(config, rank_plan_of(par)).num_kv_heads,
+                                        config.head_dim, args.page_size, 0, kv_dtype};
+    MOE_ASSIGN_OR_RETURN(auto rank_sched, scheduler_options(args, config, rank_layout.page_bytes() * config.num_layers));
+    return run_gpu_rank_follower(args, config, rank_sched);
+  }
+#endif
 
   std::optional<tokenizer::Tokenizer> tok;
   if (std::filesystem::exists(std::filesystem::path(args.model) / "tokenizer.json")) {
@@ -434,13 +544,29 @@ Status run_serve(ServeArgs args) {
     mtp_weights.emplace(std::move(mtp));
     if (!args.device.cuda()) mtp_model.emplace(*mtp_weights, weights);
   }
-  MOE_ASSIGN_OR_RETURN(RankGroup group, join_rank_group(par, plan, layout, sched.num_pages));
-  model::ParallelPlan rank_plan = plan;
+  GpuRanks* gpu = nullptr;
+#ifdef MOE_WITH_CUDA
+  std::optional<GpuRanks> gpu_group;  // outlives the engine, whose runner stops the followers
+  if (gpu_ranks) {
+    if (spec.enabled())
+      return unimplemented("speculative decoding on GPU ranks (--tp/--ep with --device cuda) is not supported yet");
+    MOE_ASSIGN_OR_RETURN(auto met, meet_gpu_ranks(args, std::max(sched.max_num_batched_tokens, sched.max_num_seqs),
+                                                  static_cast<int>(config.hidden_size)));
+    gpu_group.emplace(std::move(met));
+    gpu = &*gpu_group;
+  }
+#endif
+  // CPU ranks: the leader starts the others and every rank joins the group.
+  Expected<RankGroup> joined = gpu_ranks ? Expected<RankGroup>(RankGroup{}) : join_rank_group(par, plan, layout,
+                                                                                               sched.num_pages);
+  if (!joined) return joined.status();
+  RankGroup group = std::move(joined).value();
+  model::ParallelPlan rank_plan = gpu_ranks ? model::ParallelPlan{} : plan;  // the GPU ranks' CPU model is unused
   rank_plan.comm = group.comm.get();
   model::Qwen3MoeModel model(weights, rank_plan);
   MOE_RETURN_IF_ERROR(rank_group_ready(group, par));
   MOE_ASSIGN_OR_RETURN(Runner runner, make_runner(args, config, weights, model, pool, layout, sched, group,
-                                                  mtp_weights ? &*mtp_weights : nullptr));
+                                                  mtp_weights ? &*mtp_weights : nullptr, gpu));
   log_startup(args, sched, layout, pool.num_threads());
 
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);

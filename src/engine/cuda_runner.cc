@@ -2,6 +2,9 @@
 
 #include <cuda_runtime.h>
 
+#include "core/logging.h"
+#include "engine/rank_group.h"
+
 namespace moe::engine {
 
 Status cuda_device_status(int device) {
@@ -70,8 +73,48 @@ std::unique_ptr<MtpRunner> CudaRunner::mtp_runner() {
   return std::make_unique<CudaMtpRunner>(*model_);
 }
 
+CudaRunner::~CudaRunner() { send_stop(follower_fds_); }
+
+Status CudaRunner::send_plan(const model::ForwardBatch& batch) {
+  if (follower_fds_.empty()) return Status::ok();
+  if (followers_failed_) return unavailable("a rank of this instance is gone");
+  Status sent = send_step_plan(follower_fds_, batch);
+  followers_failed_ = !sent.is_ok();
+  return sent;
+}
+
+Expected<Tensor> CudaRunner::forward(const model::ForwardBatch& batch) {
+  MOE_RETURN_IF_ERROR(send_plan(batch));
+  return model_->forward(batch);
+}
+
+Expected<Tensor> CudaRunner::forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                                 Tensor& hidden) {
+  MOE_RETURN_IF_ERROR(send_plan(batch));
+  return model_->forward_with_hidden(batch, hidden_rows, hidden);
+}
+
+Expected<std::vector<int32_t>> CudaRunner::forward_greedy_with_hidden(const model::ForwardBatch& batch,
+                                                                      std::span<const int32_t> hidden_rows,
+                                                                      Tensor& hidden) {
+  MOE_RETURN_IF_ERROR(send_plan(batch));
+  return model_->forward_greedy_with_hidden(batch, hidden_rows, hidden);
+}
+
+Status run_cuda_follower(model::CudaQwen3MoeModel& model, int plan_fd) {
+  for (int64_t step = 0;; ++step) {
+    MOE_ASSIGN_OR_RETURN(std::optional<model::ForwardBatch> batch, receive_step_plan(plan_fd));
+    if (!batch) {
+      log_info("GPU rank: the leader stopped or went away after {} steps; stopping", step);
+      return Status::ok();
+    }
+    MOE_RETURN_IF_ERROR(model.forward_greedy(*batch).status());  // the leader samples; ids are cheap to fetch
+  }
+}
+
 Expected<std::vector<int32_t>> CudaRunner::forward_and_sample(const model::ForwardBatch& batch,
                                                               std::span<const RowSampling> rows) {
+  MOE_RETURN_IF_ERROR(send_plan(batch));
   std::vector<ops::cuda::SampleRow> device_rows;
   device_rows.reserve(rows.size());
   for (const RowSampling& r : rows)

@@ -33,8 +33,9 @@ class CudaRunner final : public ModelRunner {
   static Expected<std::unique_ptr<CudaRunner>> create(const model::ModelConfig& config,
                                                       const model::ModelWeights* weights, uint64_t dummy_seed,
                                                       const model::CudaModelOptions& options);
+  ~CudaRunner() override;
   int64_t vocab_size() const override { return model_->config().vocab_size; }
-  Expected<Tensor> forward(const model::ForwardBatch& batch) override { return model_->forward(batch); }
+  Expected<Tensor> forward(const model::ForwardBatch& batch) override;
   bool samples_on_device() const override { return true; }
   Expected<std::vector<int32_t>> forward_and_sample(const model::ForwardBatch& batch,
                                                     std::span<const RowSampling> rows) override;
@@ -45,26 +46,34 @@ class CudaRunner final : public ModelRunner {
   // with one) or on the CPU (docs/speculative.md).
   bool supports_hidden_states() const override { return true; }
   Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
-                                       Tensor& hidden) override {
-    return model_->forward_with_hidden(batch, hidden_rows, hidden);
-  }
+                                       Tensor& hidden) override;
   Expected<std::vector<int32_t>> forward_greedy_with_hidden(const model::ForwardBatch& batch,
                                                             std::span<const int32_t> hidden_rows,
-                                                            Tensor& hidden) override {
-    return model_->forward_greedy_with_hidden(batch, hidden_rows, hidden);
-  }
+                                                            Tensor& hidden) override;
   int32_t num_pages() const { return model_->num_pages(); }
   // The device KV pool as a cache over device memory (never touched by the CPU).
   const kv::KvCache& cache() const { return *cache_; }
   // The MTP layer on the GPU (model options.mtp), for an MtpDrafter; it must
   // not outlive this runner. nullptr when the model has none.
   std::unique_ptr<MtpRunner> mtp_runner();
+  // Rank 0 of GPU ranks (--tp/--ep): every forward pass first sends its step
+  // plan to the followers (engine/rank_group.h; sockets owned from here on,
+  // told to stop on destruction), which run it on their shares of the model
+  // (run_cuda_follower); their collectives meet this rank's inside the layers.
+  void lead(std::vector<int> follower_fds) { follower_fds_ = std::move(follower_fds); }
 
  private:
   explicit CudaRunner(std::unique_ptr<model::CudaQwen3MoeModel> model);
+  Status send_plan(const model::ForwardBatch& batch);
   std::unique_ptr<model::CudaQwen3MoeModel> model_;
   std::optional<kv::KvCache> cache_;
+  std::vector<int> follower_fds_;
+  bool followers_failed_ = false;  // a follower is gone: every later step fails too
 };
+
+// A follower GPU rank: runs the leader's step plans on `model` (its share)
+// until the leader says stop or goes away (a clean return) or a step fails.
+Status run_cuda_follower(model::CudaQwen3MoeModel& model, int plan_fd);
 
 // The kv::KvCacheLayout of a CUDA model's pool (model/cuda/kv_pool.h).
 kv::KvCacheLayout kv_cache_layout(const model::CudaKvPoolLayout& pool);

@@ -141,22 +141,40 @@ std::vector<const kv::KvCache*> LeaderRunner::rank_caches() const {
   return caches;
 }
 
-LeaderRunner::~LeaderRunner() {
-  for (int fd : fds_) {
+Status send_step_plan(std::span<const int> follower_fds, const model::ForwardBatch& batch) {
+  const std::vector<uint8_t> plan = encode_step_plan(batch);
+  for (size_t i = 0; i < follower_fds.size(); ++i)
+    if (!send_message(follower_fds[i], plan))
+      return unavailable("rank {} of this instance is gone (its step-plan socket closed)", i + 1);
+  return Status::ok();
+}
+
+void send_stop(std::span<const int> follower_fds) {
+  for (int fd : follower_fds) {
     send_message(fd, {});
     ::close(fd);
   }
 }
 
+Expected<std::optional<model::ForwardBatch>> receive_step_plan(int plan_fd) {
+  uint32_t n = 0;
+  if (!read_all(plan_fd, &n, sizeof n) || n == 0) return std::optional<model::ForwardBatch>();
+  if (n > kMaxPlanWords * sizeof(int32_t)) return invalid_argument("step plan of {} bytes", n);
+  std::vector<uint8_t> bytes(n);
+  if (!read_all(plan_fd, bytes.data(), n)) return unavailable("the leader went away inside a step plan");
+  MOE_ASSIGN_OR_RETURN(model::ForwardBatch batch, decode_step_plan(bytes));
+  return std::optional<model::ForwardBatch>(std::move(batch));
+}
+
+LeaderRunner::~LeaderRunner() { send_stop(fds_); }
+
 Expected<Tensor> LeaderRunner::run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                    Tensor* hidden) {
   if (failed_) return unavailable("a rank of this instance is gone");
-  const std::vector<uint8_t> plan = encode_step_plan(batch);
-  for (size_t i = 0; i < fds_.size(); ++i)
-    if (!send_message(fds_[i], plan)) {
-      failed_ = true;
-      return unavailable("rank {} of this instance is gone (its step-plan socket closed)", i + 1);
-    }
+  if (Status sent = send_step_plan(fds_, batch); !sent) {
+    failed_ = true;
+    return sent;
+  }
   auto logits = model_.try_forward(pool_, batch, layers_, hook_, hidden_rows, hidden);
   if (!logits) failed_ = true;
   return logits;
@@ -216,19 +234,14 @@ Status run_follower(const model::Qwen3MoeModel& model, ThreadPool& pool, const k
   kv::KvCache cache(layout, kv_memory);
   std::vector<ops::PagedKv> layers;
   for (int l = 0; l < layout.num_layers; ++l) layers.push_back(cache.layer(l));
-  std::vector<uint8_t> bytes;
   for (int64_t step = 0;; ++step) {
-    uint32_t n = 0;
-    if (!read_all(plan_fd, &n, sizeof n)) {
-      log_info("rank {}: the leader went away after {} steps; stopping", std::max(model.plan().tp_rank, model.plan().ep_rank), step);
+    MOE_ASSIGN_OR_RETURN(std::optional<model::ForwardBatch> batch, receive_step_plan(plan_fd));
+    if (!batch) {
+      log_info("rank {}: the leader stopped or went away after {} steps; stopping",
+               std::max(model.plan().tp_rank, model.plan().ep_rank), step);
       return Status::ok();
     }
-    if (n == 0) return Status::ok();
-    if (n > kMaxPlanWords * sizeof(int32_t)) return invalid_argument("step plan of {} bytes", n);
-    bytes.resize(n);
-    if (!read_all(plan_fd, bytes.data(), n)) return unavailable("the leader went away inside a step plan");
-    MOE_ASSIGN_OR_RETURN(model::ForwardBatch batch, decode_step_plan(bytes));
-    auto logits = model.try_forward(pool, batch, layers);
+    auto logits = model.try_forward(pool, *batch, layers);
     if (!logits) return logits.status();
   }
 }

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -121,6 +122,15 @@ class LockstepRunner final : public RankRunner {
   bool failed_ = false;
   int64_t num_idle_forwards_ = 0;
 };
+
+// The plan channel for any rank runner (the CPU ones here, the GPU ones in
+// engine/cuda_runner.h): send_step_plan writes one plan to every follower
+// (an error names the first rank whose socket is gone); send_stop tells them
+// to stop and closes the sockets; receive_step_plan is a follower's next plan,
+// nullopt when the leader said stop or went away.
+Status send_step_plan(std::span<const int> follower_fds, const model::ForwardBatch& batch);
+void send_stop(std::span<const int> follower_fds);
+Expected<std::optional<model::ForwardBatch>> receive_step_plan(int plan_fd);
 
 // Start-up over the plan sockets (no timeout: loading a checkpoint takes what
 // it takes, and a rank that dies closes its socket): each follower sends one

@@ -1,0 +1,39 @@
+// The CudaLayerComm of GPU ranks on one host (or one NVLink domain): comm/
+// cuda's fused all-reduce + residual add + RMSNorm over a symmetric
+// allocation mapped on every rank, no host synchronisation, so the decode
+// steps' CUDA graphs capture it. One-shot below two_shot_min_bytes(world),
+// two-shot (rows split over the ranks) above.
+//
+// Threads: created and used by the rank's engine (or follower) thread.
+#pragma once
+
+#include <memory>
+
+#include "comm/bootstrap.h"
+#include "comm/cuda/symmetric_memory.h"
+#include "model/cuda/layer_comm.h"
+
+namespace moe::model {
+
+class SymmetricLayerComm final : public CudaLayerComm {
+ public:
+  // Collective: every rank of the instance calls it with the same max_tokens
+  // and hidden, after making `device` current. Batches of up to max_tokens
+  // rows go in one kernel.
+  static Expected<std::unique_ptr<SymmetricLayerComm>> create(comm::TcpBootstrap& bootstrap, int device,
+                                                              int max_tokens, int hidden);
+  int rank() const override { return memory_->rank(); }
+  int world_size() const override { return memory_->world_size(); }
+  bool graph_capturable() const override { return true; }
+  Status all_reduce_add_rms_norm(const __nv_bfloat16* delta, float* residual, const __nv_bfloat16* weight,
+                                 __nv_bfloat16* out, int num_tokens, int hidden, float eps,
+                                 cudaStream_t stream) override;
+
+ private:
+  explicit SymmetricLayerComm(std::unique_ptr<comm::cuda::CudaSymmetricMemory> memory, int max_tokens)
+      : memory_(std::move(memory)), max_tokens_(max_tokens) {}
+  std::unique_ptr<comm::cuda::CudaSymmetricMemory> memory_;
+  int max_tokens_;
+};
+
+}  // namespace moe::model
