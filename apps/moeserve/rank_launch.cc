@@ -1,6 +1,7 @@
 #include "apps/moeserve/rank_launch.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -46,6 +47,22 @@ void stop_when_leader_exits(int plan_fd) {
     }
     log_info("the leader rank went away: stopping this rank");
     ::kill(::getpid(), SIGTERM);
+  }).detach();
+}
+
+void exit_when_leader_exits(int plan_fd) {
+  std::thread([plan_fd] {
+    pollfd watch{plan_fd, POLLRDHUP, 0};  // the peer's close, without consuming any plan bytes
+    while (true) {
+      const int r = ::poll(&watch, 1, -1);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 || (watch.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) break;
+    }
+    // A leader that stops in order sends "stop" before it closes: give this
+    // rank's main thread the time to read it and exit cleanly first.
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    log_error("the leader rank went away: this rank exits");
+    ::_exit(1);
   }).detach();
 }
 

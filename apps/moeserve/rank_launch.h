@@ -69,6 +69,12 @@ Expected<Followers> spawn_followers(const ParallelArgs& args, const std::string&
 // once its leader's plan socket closes: a watcher thread raises SIGTERM.
 void stop_when_leader_exits(int plan_fd);
 
+// A GPU follower exits (_exit, 2 s after the close, so that a "stop" sent
+// before it is obeyed first) when its leader's plan socket closes, also in the
+// middle of its start-up or of a step whose collectives would otherwise wait
+// for the leader until the GPU's timeout.
+void exit_when_leader_exits(int plan_fd);
+
 // A group name unique on this host.
 std::string new_group_name();
 

@@ -251,12 +251,15 @@ constexpr int kGpuRankTimeoutMs = 600000;  // a rank loading a large checkpoint
 Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, int hidden) {
   const ParallelArgs& p = args.parallel;
   GpuRanks g;
-  g.device = args.device.gpu + p.internal_rank;
+  g.device = args.device.gpu;  // rank r's: run_serve has added r
   MOE_RETURN_IF_ERROR(engine::use_cuda_device(g.device));
   if (p.follower()) {
     MOE_ASSIGN_OR_RETURN(g.bootstrap, comm::TcpBootstrap::connect("127.0.0.1", p.internal_bootstrap_port,
                                                                  p.internal_rank, p.world(), kGpuRankTimeoutMs));
   } else {
+    if (Status last = engine::cuda_device_status(g.device + p.world() - 1); !last)
+      return invalid_argument("{} GPU ranks from --gpu {} need GPUs {}..{}: {}", p.world(), g.device, g.device,
+                              g.device + p.world() - 1, last.message());
     MOE_ASSIGN_OR_RETURN(auto listener, comm::BootstrapListener::bind("127.0.0.1", 0));
     const int port = listener.port();
     MOE_ASSIGN_OR_RETURN(auto started, spawn_followers(p, new_group_name(), 0, port));
@@ -306,11 +309,11 @@ Status run_gpu_rank_follower(const ServeArgs& args, const model::ModelConfig& co
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  exit_when_leader_exits(args.parallel.internal_plan_fd);
   const int max_tokens = std::max(sched.max_num_batched_tokens, sched.max_num_seqs);
   MOE_ASSIGN_OR_RETURN(GpuRanks g, meet_gpu_ranks(args, max_tokens, static_cast<int>(config.hidden_size)));
   ThreadPool pool(args.threads);
   MOE_ASSIGN_OR_RETURN(auto weights, model::ModelWeights::load(args.model, config, pool));
-  MOE_RETURN_IF_ERROR(g.bootstrap->barrier());  // every rank's weights are read: the models' collectives may start
   model::CudaModelOptions cuda = cuda_model_options(args, sched, g.device);
   cuda.plan = rank_plan_of(args.parallel);
   cuda.comm = g.comm.get();
@@ -401,8 +404,7 @@ Expected<Runner> make_runner(const ServeArgs& args, const model::ModelConfig& co
     cuda.mtp = mtp;
     if (gpu != nullptr) {
       cuda.plan = rank_plan_of(args.parallel);
-      cuda.comm = gpu->comm.get();
-      MOE_RETURN_IF_ERROR(gpu->bootstrap->barrier());  // every rank's weights are read
+      cuda.comm = gpu->comm.get();  // create() meets the other ranks before its first collective
     }
     MOE_ASSIGN_OR_RETURN(auto cuda_runner, engine::CudaRunner::create(config, &weights, 0, cuda));
     sched.num_pages = cuda_runner->num_pages();
@@ -490,6 +492,9 @@ Status run_serve(ServeArgs args) {
     if (spec.enabled()) MOE_RETURN_IF_ERROR(find_mtp_source(args.speculative, args.model, false).status());
     return run_cluster(std::move(args));
   }
+  // A GPU rank's own GPU (rank r on --gpu + r), made current by the device check below.
+  if (args.device.cuda() && args.parallel.world() > 1 && args.parallel.dp == 1)
+    args.device.gpu += args.parallel.internal_rank;
   MOE_RETURN_IF_ERROR(check_serve_args(args));
   MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
   MOE_ASSIGN_OR_RETURN(model::ModelConfig config, model::load_model_config(args.model));
@@ -550,6 +555,9 @@ Status run_serve(ServeArgs args) {
   if (gpu_ranks) {
     if (spec.enabled())
       return unimplemented("speculative decoding on GPU ranks (--tp/--ep with --device cuda) is not supported yet");
+    if (weights.quant_format() != ops::QuantFormat::kNone)
+      return unimplemented("{} weights on GPU ranks (--tp/--ep with --device cuda): bf16 only for now",
+                           ops::quant_format_name(weights.quant_format()));
     MOE_ASSIGN_OR_RETURN(auto met, meet_gpu_ranks(args, std::max(sched.max_num_batched_tokens, sched.max_num_seqs),
                                                   static_cast<int>(config.hidden_size)));
     gpu_group.emplace(std::move(met));

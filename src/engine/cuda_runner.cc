@@ -75,29 +75,32 @@ std::unique_ptr<MtpRunner> CudaRunner::mtp_runner() {
 
 CudaRunner::~CudaRunner() { send_stop(follower_fds_); }
 
-Status CudaRunner::send_plan(const model::ForwardBatch& batch) {
+// The followers run every plan they get, so a step this rank would refuse
+// is refused before it is sent.
+Status CudaRunner::send_plan(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows) {
   if (follower_fds_.empty()) return Status::ok();
   if (followers_failed_) return unavailable("a rank of this instance is gone");
+  MOE_RETURN_IF_ERROR(model_->check_batch(batch, hidden_rows));
   Status sent = send_step_plan(follower_fds_, batch);
   followers_failed_ = !sent.is_ok();
   return sent;
 }
 
 Expected<Tensor> CudaRunner::forward(const model::ForwardBatch& batch) {
-  MOE_RETURN_IF_ERROR(send_plan(batch));
+  MOE_RETURN_IF_ERROR(send_plan(batch, {}));
   return model_->forward(batch);
 }
 
 Expected<Tensor> CudaRunner::forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                                  Tensor& hidden) {
-  MOE_RETURN_IF_ERROR(send_plan(batch));
+  MOE_RETURN_IF_ERROR(send_plan(batch, hidden_rows));
   return model_->forward_with_hidden(batch, hidden_rows, hidden);
 }
 
 Expected<std::vector<int32_t>> CudaRunner::forward_greedy_with_hidden(const model::ForwardBatch& batch,
                                                                       std::span<const int32_t> hidden_rows,
                                                                       Tensor& hidden) {
-  MOE_RETURN_IF_ERROR(send_plan(batch));
+  MOE_RETURN_IF_ERROR(send_plan(batch, hidden_rows));
   return model_->forward_greedy_with_hidden(batch, hidden_rows, hidden);
 }
 
@@ -114,7 +117,7 @@ Status run_cuda_follower(model::CudaQwen3MoeModel& model, int plan_fd) {
 
 Expected<std::vector<int32_t>> CudaRunner::forward_and_sample(const model::ForwardBatch& batch,
                                                               std::span<const RowSampling> rows) {
-  MOE_RETURN_IF_ERROR(send_plan(batch));
+  MOE_RETURN_IF_ERROR(send_plan(batch, {}));
   std::vector<ops::cuda::SampleRow> device_rows;
   device_rows.reserve(rows.size());
   for (const RowSampling& r : rows)

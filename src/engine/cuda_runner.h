@@ -64,7 +64,7 @@ class CudaRunner final : public ModelRunner {
 
  private:
   explicit CudaRunner(std::unique_ptr<model::CudaQwen3MoeModel> model);
-  Status send_plan(const model::ForwardBatch& batch);
+  Status send_plan(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows);
   std::unique_ptr<model::CudaQwen3MoeModel> model_;
   std::optional<kv::KvCache> cache_;
   std::vector<int> follower_fds_;

@@ -48,6 +48,10 @@ class ThreadLayerComm final : public CudaLayerComm {
   int rank() const override { return rank_; }
   int world_size() const override { return static_cast<int>(group_.deltas.size()); }
   bool graph_capturable() const override { return false; }
+  Status barrier() override {
+    group_.sync.arrive_and_wait();
+    return Status::ok();
+  }
   Status all_reduce_add_rms_norm(const bf16* delta, float* residual, const bf16* weight, bf16* out, int num_tokens,
                                  int hidden, float eps, cudaStream_t stream) override {
     const size_t n = static_cast<size_t>(num_tokens) * hidden;
@@ -157,17 +161,21 @@ TEST_P(CudaParallel, RanksEqualTheWholeModel) {
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r)
     threads.emplace_back([&, r] {
-      ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
       ThreadLayerComm comm(group, r);
-      CudaModelOptions options = base_options();
-      options.plan.tp_size = layout.tp;
-      options.plan.tp_rank = layout.tp > 1 ? r : 0;
-      options.plan.ep_size = layout.ep;
-      options.plan.ep_rank = layout.ep > 1 ? r : 0;
-      options.comm = &comm;
-      auto model = CudaQwen3MoeModel::create(*weights, options);
-      ASSERT_TRUE(model.has_value()) << "rank " << r << ": " << model.status().to_string();
-      ranks[static_cast<size_t>(r)] = run_steps(**model, vocab, kSteps);
+      [&] {
+        ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+        CudaModelOptions options = base_options();
+        options.plan.tp_size = layout.tp;
+        options.plan.tp_rank = layout.tp > 1 ? r : 0;
+        options.plan.ep_size = layout.ep;
+        options.plan.ep_rank = layout.ep > 1 ? r : 0;
+        options.comm = &comm;
+        auto model = CudaQwen3MoeModel::create(*weights, options);
+        ASSERT_TRUE(model.has_value()) << "rank " << r << ": " << model.status().to_string();
+        ranks[static_cast<size_t>(r)] = run_steps(**model, vocab, kSteps);
+      }();
+      // A rank that failed early leaves the group, so the others fail instead of waiting for it.
+      if (ranks[static_cast<size_t>(r)].size() != static_cast<size_t>(kSteps) + 1) group.sync.arrive_and_drop();
     });
   for (auto& t : threads) t.join();
   for (int r = 0; r < world; ++r) ASSERT_EQ(ranks[static_cast<size_t>(r)].size(), whole.size()) << "rank " << r;

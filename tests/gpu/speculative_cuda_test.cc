@@ -8,9 +8,11 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 
 #include "engine/cuda_runner.h"
 #include "engine/generator.h"
@@ -200,10 +202,47 @@ std::vector<GenerationRequest> requests_of(const std::vector<std::vector<int32_t
   return out;
 }
 
-void expect_same_tokens(const GenRun& spec, const GenRun& plain, int k) {
+// Logit margin under which bf16 rounding may flip a greedy choice (as in
+// model_cuda_test.cc): verification runs several tokens per sequence through
+// the prefill kernels, plain decoding one token through the decode kernels and
+// CUDA graphs, so their logits agree only to bf16 rounding.
+constexpr float kBf16Margin = 0.1f;
+
+// The top-1 minus top-2 logit after `tokens` (one sequence, pages from 0).
+float margin_after(Loaded& l, const std::vector<int32_t>& tokens) {
+  model::ForwardBatch batch;
+  batch.token_ids = tokens;
+  for (size_t i = 0; i < tokens.size(); ++i) batch.positions.push_back(static_cast<int32_t>(i));
+  batch.query_start = {0, static_cast<int32_t>(tokens.size())};
+  batch.max_pages_per_seq = static_cast<int>((tokens.size() + 15) / 16);
+  for (int p = 0; p < batch.max_pages_per_seq; ++p) batch.page_table.push_back(p);
+  batch.logits_rows = {static_cast<int32_t>(tokens.size()) - 1};
+  auto logits = l.runner->forward(batch);
+  EXPECT_TRUE(logits.has_value()) << logits.status().to_string();
+  if (!logits) return 0.0f;
+  std::vector<float> row(logits->data_as<float>(), logits->data_as<float>() + l.config.vocab_size);
+  std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<float>());
+  return row[0] - row[1];
+}
+
+// Speculative greedy output equals plain greedy output, token for token, up
+// to a divergence only where plain decoding's own margin is within bf16
+// rounding (then the rest of the sequence is not compared, and it is printed).
+void expect_same_tokens(Loaded& l, const std::vector<GenerationRequest>& requests, const GenRun& spec,
+                        const GenRun& plain, int k) {
   ASSERT_EQ(spec.results.size(), plain.results.size());
-  for (size_t i = 0; i < plain.results.size(); ++i)
-    EXPECT_EQ(spec.results[i].token_ids, plain.results[i].token_ids) << "k " << k << " request " << i;
+  for (size_t i = 0; i < plain.results.size(); ++i) {
+    const auto& a = spec.results[i].token_ids;
+    const auto& b = plain.results[i].token_ids;
+    if (a == b) continue;
+    size_t at = 0;
+    while (at < a.size() && at < b.size() && a[at] == b[at]) ++at;
+    std::vector<int32_t> context = requests[i].prompt;
+    context.insert(context.end(), b.begin(), b.begin() + static_cast<std::ptrdiff_t>(at));
+    const float margin = margin_after(l, context);
+    std::printf("k=%d request %zu: diverges at token %zu, where plain decoding's margin is %.4f\n", k, i, at, margin);
+    EXPECT_LT(margin, kBf16Margin) << "k " << k << " request " << i << ": speculation changed a clear greedy choice";
+  }
 }
 
 class CudaSpeculation : public testing::TestWithParam<bool> {};  // the MTP layer on the GPU?
@@ -223,7 +262,7 @@ TEST_P(CudaSpeculation, GoldenGreedyEqualsPlainForEveryK) {
   const GenRun plain = generate(*l, requests, 0, 7);
   for (int k = 1; k <= 4; ++k) {
     const GenRun spec = generate(*l, requests, k, 7);
-    expect_same_tokens(spec, plain, k);
+    expect_same_tokens(*l, requests, spec, plain, k);
     EXPECT_GT(spec.stats.num_draft_tokens, 0) << "k " << k;
   }
 }
@@ -246,7 +285,7 @@ TEST_P(CudaSpeculation, DemoTrainedMtpIsAcceptedAndExact) {
   std::printf("demo on the GPU, plain: %d steps, %.3f s\n", plain.stats.num_steps, plain.seconds);
   for (int k = 1; k <= 4; ++k) {
     const GenRun spec = generate(*l, requests, k, 0);
-    expect_same_tokens(spec, plain, k);
+    expect_same_tokens(*l, requests, spec, plain, k);
     const double acceptance = static_cast<double>(spec.stats.num_accepted_tokens) /
                               static_cast<double>(std::max<int64_t>(1, spec.stats.num_draft_tokens));
     std::printf("demo on the GPU, MTP on the %s, k=%d: %lld drafts, %lld accepted (%.1f%%), %d steps, %.3f s "

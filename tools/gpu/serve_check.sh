@@ -35,11 +35,13 @@ if [[ $gpus -ge 2 ]]; then
   # GPU ranks (docs/parallel.md, "On GPUs"): the demo model on two GPUs against one.
   for layout in "--tp 2" "--ep 2" "--tp 2 --ep 2"; do
     echo "=== serve $layout --device cuda (the demo model, GPUs 0 and 1) against one GPU"
-    "$BIN/moeserve" serve --device cuda $layout --port 18556 > "$OUT/serve_ranks.out" 2> "$OUT/serve_ranks.log" &
-    server=$!
+    # The single-GPU server first: each sizes its KV pool from what the GPU has free when it starts.
     "$BIN/moeserve" serve --device cuda --gpu 0 --gpu-memory-utilization 0.3 --port 18557 > /dev/null 2> "$OUT/serve_one.log" &
     single=$!
-    for _ in $(seq 1 300); do curl -sf localhost:18556/health > /dev/null && curl -sf localhost:18557/health > /dev/null && break; sleep 0.2; done
+    for _ in $(seq 1 300); do curl -sf localhost:18557/health > /dev/null && break; sleep 0.2; done
+    "$BIN/moeserve" serve --device cuda $layout --gpu-memory-utilization 0.6 --port 18556 > "$OUT/serve_ranks.out" 2> "$OUT/serve_ranks.log" &
+    server=$!
+    for _ in $(seq 1 300); do curl -sf localhost:18556/health > /dev/null && break; sleep 0.2; done
     for prompt in "Tell me a fortune." "The sea is" "A computer once said"; do
       body='{"model": "moeserve-demo", "prompt": "'"$prompt"'", "max_tokens": 24, "temperature": 0, "return_token_ids": true}'
       a=$(curl -s localhost:18556/v1/completions -H 'Content-Type: application/json' -d "$body" | python3 -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["token_ids"])')

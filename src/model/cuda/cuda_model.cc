@@ -93,10 +93,11 @@ Expected<DeviceTensor> upload_rows(std::initializer_list<TensorView> parts) {
 
 // Whether q/k/v/o of a layer can run through the FP8 grouped GEMMs as one
 // group: every projection quantized, rows and columns multiples of 128 (so
-// fp8-block's 128-row scale blocks of q, k and v concatenate).
-bool fp8_attention_fits(const LayerWeights& w) {
+// fp8-block's 128-row scale blocks of q, k and v concatenate), in the
+// experts' format (whose kernels and scale layout they then use).
+bool fp8_attention_fits(const LayerWeights& w, ops::QuantFormat experts) {
   for (const ops::QuantizedTensor* q : {&w.q_proj_quant, &w.k_proj_quant, &w.v_proj_quant, &w.o_proj_quant})
-    if (q->empty() || q->rank() != 2 || q->rows() % 128 != 0 || q->cols() % 128 != 0 ||
+    if (q->format != experts || q->rank() != 2 || q->rows() % 128 != 0 || q->cols() % 128 != 0 ||
         (q->format == ops::QuantFormat::kFp8Block && q->scale_row_period != 0))
       return false;
   return true;
@@ -343,7 +344,7 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
     // Dummy fp8-block weights: the attention projections in FP8 too (when their shapes allow).
     const bool dummy_fp8_attention = !weights && expert_format == ops::QuantFormat::kFp8Block &&
                                      qkv_rows % 128 == 0 && c.q_size() % 128 == 0 && hidden % 128 == 0;
-    b.fp8_attention = (w && s->fp8_experts && fp8_attention_fits(*w)) || dummy_fp8_attention;
+    b.fp8_attention = (w && s->fp8_experts && fp8_attention_fits(*w, expert_format)) || dummy_fp8_attention;
     b.fake_quant_attention = w && s->fp8_experts && !w->q_proj_quant.empty() && !b.fp8_attention;
     s->fp8_attention |= b.fp8_attention;
     b.fake_quant_mlp = w && s->fp8_experts && !b.is_moe && !w->w13_quant.empty();
@@ -437,6 +438,8 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   auto model = std::unique_ptr<CudaQwen3MoeModel>(new CudaQwen3MoeModel(std::move(s)));
   if (options.mtp != nullptr) MOE_RETURN_IF_ERROR(model->upload_mtp(*options.mtp));
   MOE_RETURN_IF_ERROR(model->allocate_kv_pool(size_from_memory ? warmup_pages : options.num_pages));
+  // Ranks finish their uploads at different times: meet before the warm-up's collectives.
+  if (options.comm != nullptr) MOE_RETURN_IF_ERROR(options.comm->barrier());
   if (size_from_memory) MOE_RETURN_IF_ERROR(model->size_kv_pool_after_warm_up(warmup_tokens));
   const State& st = *model->state_;
   log_info("CUDA model on device {}: {:.2f} GB of weights and activations{}, KV cache {} pages of {} tokens = {} tokens "
@@ -837,7 +840,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(),
                                        DType::kF32, T, H, c.q_size(), s.stream));
   }
-  MOE_RETURN_IF_ERROR(layer_boundary(b.post_attention_norm.data_as<bf16>(), T, s.options.plan.tp_size > 1));
+  MOE_RETURN_IF_ERROR(layer_boundary(b.post_attention_norm.data_as<bf16>(), T, layer >= 0 && s.options.plan.tp_size > 1));
   // MLP.
   if (b.is_moe) {
     const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
@@ -916,7 +919,7 @@ Expected<Tensor> CudaQwen3MoeModel::forward(const ForwardBatch& batch) {
 Expected<Tensor> CudaQwen3MoeModel::forward_with_hidden(const ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                                         Tensor& hidden) {
   State& s = *state_;
-  MOE_RETURN_IF_ERROR(check_hidden_rows(batch, hidden_rows));
+  MOE_RETURN_IF_ERROR(check_batch(batch, hidden_rows));
   MOE_RETURN_IF_ERROR(run(batch));
   const auto rows = static_cast<int64_t>(batch.logits_rows.size());
   Tensor logits(DType::kF32, {rows, config().vocab_size});
@@ -930,7 +933,7 @@ Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy_with_hidden(con
                                                                               std::span<const int32_t> hidden_rows,
                                                                               Tensor& hidden) {
   State& s = *state_;
-  MOE_RETURN_IF_ERROR(check_hidden_rows(batch, hidden_rows));
+  MOE_RETURN_IF_ERROR(check_batch(batch, hidden_rows));
   MOE_RETURN_IF_ERROR(run(batch));
   const int rows = static_cast<int>(batch.logits_rows.size());
   MOE_CUDA_RETURN_IF_ERROR(ops::cuda::argmax({s.logits.data_as<float>(), s.greedy.data_as<int32_t>(), rows,
@@ -942,10 +945,13 @@ Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy_with_hidden(con
   return ids;
 }
 
-Status CudaQwen3MoeModel::check_hidden_rows(const ForwardBatch& batch, std::span<const int32_t> hidden_rows) const {
+Status CudaQwen3MoeModel::check_batch(const ForwardBatch& batch, std::span<const int32_t> hidden_rows) const {
+  const int T = batch.num_tokens();
+  if (T > state_->options.max_num_tokens)
+    return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, state_->options.max_num_tokens);
+  if (static_cast<int>(batch.logits_rows.size()) > T) return invalid_argument("more logits rows than tokens");
   for (int32_t row : hidden_rows)
-    if (row < 0 || row >= batch.num_tokens())
-      return invalid_argument("hidden state row {} of a {}-token batch", row, batch.num_tokens());
+    if (row < 0 || row >= T) return invalid_argument("hidden state row {} of a {}-token batch", row, T);
   return Status::ok();
 }
 
@@ -981,6 +987,7 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
     return invalid_argument("MTP batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
   if (hidden.dtype() != DType::kF32 || hidden.rank() != 2 || hidden.dim(0) != T || hidden.dim(1) != H)
     return invalid_argument("MTP hidden states must be [{}, {}] f32", T, H);
+  if (rows > T) return invalid_argument("{} MTP output rows for {} tokens", rows, T);
   for (int32_t row : mb.output_rows)
     if (row < 0 || row >= T) return invalid_argument("MTP output row {} of a {}-token batch", row, T);
   MtpOutput out{Tensor(DType::kF32, {rows, c.hidden_size}), Tensor(DType::kF32, {rows, c.vocab_size})};

@@ -94,6 +94,10 @@ class CudaQwen3MoeModel {
   const CudaKvPoolLayout& mtp_kv_pool_layout() const;
   // The same forward, with the greedy token of each logits row chosen on the GPU.
   Expected<std::vector<int32_t>> forward_greedy(const ForwardBatch& batch);
+  // What every forward refuses (sizes against max_num_tokens, rows within
+  // the batch), for a caller that must know before it commits to the step
+  // (a GPU rank leader, before it sends the plan to its followers).
+  Status check_batch(const ForwardBatch& batch, std::span<const int32_t> hidden_rows = {}) const;
   // Random KV contents, for benchmarks that time decode at a long context
   // without running the prefill first.
   Status fill_kv_random(uint64_t seed);
@@ -134,7 +138,6 @@ class CudaQwen3MoeModel {
   Status launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer);
   Status upload_mtp(const MtpWeights& weights);
   Status layer_boundary(const void* norm_weight, int num_tokens, bool reduce);
-  Status check_hidden_rows(const ForwardBatch& batch, std::span<const int32_t> hidden_rows) const;
   Status sync_and_fetch_hidden(int num_tokens, std::span<const int32_t> hidden_rows, Tensor& hidden);
   int graph_bucket(const ForwardBatch& batch) const;
   int dense_tile_rows(int num_tokens) const;

@@ -28,6 +28,10 @@ class CudaLayerComm {
   virtual int world_size() const = 0;
   // Whether the calls may be captured in a CUDA graph (no host synchronisation).
   virtual bool graph_capturable() const = 0;
+  // Every rank meets on the host, with no time limit on the GPU: called
+  // before the first collective after a long host phase (the weights'
+  // upload), since a collective's wait on the GPU gives up after ~10 s.
+  virtual Status barrier() = 0;
   // delta [num_tokens, hidden] bf16 (this rank's partial sum), residual
   // [num_tokens, hidden] f32, weight [hidden], out [num_tokens, hidden].
   virtual Status all_reduce_add_rms_norm(const __nv_bfloat16* delta, float* residual, const __nv_bfloat16* weight,
