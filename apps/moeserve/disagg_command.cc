@@ -113,6 +113,9 @@ std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role)
   add("--request-timeout", fmt::format("{}", a.request_timeout_s));
   add("--max-waiting", std::to_string(a.max_waiting));
   add("--max-logprobs", std::to_string(a.max_logprobs));
+  add("--load-format", a.load.load_format);
+  if (a.load.num_layers > 0) add("--num-layers", std::to_string(a.load.num_layers));
+  add("--quantization", a.load.quantization);
   if (role == "decode" && a.lease_s > 0) add("--lease", fmt::format("{}", a.lease_s));
   // Both roles speculate alike: prefill sends the MTP state, decode drafts from it.
   if (!a.speculative.config_json.empty()) add("--speculative-config", a.speculative.config_json);

@@ -1,5 +1,6 @@
 #include "apps/moeserve/generate_command.h"
 #include "apps/moeserve/device_options.h"
+#include "apps/moeserve/load_options.h"
 #include "apps/moeserve/speculative_options.h"
 
 #include <chrono>
@@ -33,9 +34,7 @@ struct GenerateArgs {
   int64_t seed = -1;
   bool ignore_eos = false;
   std::string output = "text";
-  std::string load_format = "auto";
-  std::string quantization = "auto";  // with dummy weights; auto: the config's format
-  int num_layers = 0;
+  LoadArgs load;
   int threads = 0;
   std::string kv_dtype = "f32";
   int page_size = 16;
@@ -64,42 +63,14 @@ Expected<std::vector<int32_t>> parse_ids(const std::string& text) {
   return ids;
 }
 
-// --model is a model directory, or (for --load-format dummy) a config.json file.
-Expected<model::ModelConfig> load_config(const GenerateArgs& args) {
-  namespace fs = std::filesystem;
-  if (fs::is_regular_file(args.model)) {
-    std::ifstream in(args.model);
-    std::stringstream text;
-    text << in.rdbuf();
-    auto config = model::parse_model_config(text.str());
-    if (!config) return config.status().with_context(args.model);
-    return config;
-  }
-  return model::load_model_config(args.model);
-}
-
 Status run_generate(const GenerateArgs& args) {
   // Before the device check: a GPU request with speculation is refused the same way with or without a GPU.
   MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec, check_speculative(args.speculative, args.device, false));
   MOE_RETURN_IF_ERROR(check_device(args.device));
-  MOE_ASSIGN_OR_RETURN(model::ModelConfig config, load_config(args));
-  if (args.num_layers > 0) {
-    if (args.num_layers > config.num_layers)
-      return invalid_argument("--num-layers {} exceeds the model's {} layers", args.num_layers, config.num_layers);
-    config.num_layers = args.num_layers;
-  }
-  const bool dummy = args.load_format == "dummy";
-  if (!dummy && args.load_format != "auto" && args.load_format != "safetensors")
-    return invalid_argument("--load-format must be auto, safetensors or dummy, got '{}'", args.load_format);
-  if (!dummy && args.num_layers > 0)
-    return invalid_argument("--num-layers only applies with --load-format dummy");
-  const bool auto_format = args.quantization == "auto";
-  MOE_ASSIGN_OR_RETURN(const ops::QuantFormat dummy_format,
-                       auto_format ? Expected<ops::QuantFormat>(config.quantization.format)
-                                   : ops::quant_format_from_name(args.quantization));
-  if (!dummy && !auto_format)
-    return invalid_argument("--quantization only applies with --load-format dummy (a checkpoint's format is in its "
-                            "config.json)");
+  MOE_ASSIGN_OR_RETURN(const ResolvedModel resolved, resolve_model(args.model, args.load));
+  const model::ModelConfig& config = resolved.config;
+  const bool dummy = resolved.dummy;
+  const ops::QuantFormat dummy_format = resolved.dummy_format;
   MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
   if (kv_dtype != DType::kF32 && kv_dtype != DType::kBF16) return invalid_argument("--kv-dtype must be f32 or bf16");
   if (args.page_size < 1 || args.page_size > 1024) return invalid_argument("--page-size must be in [1, 1024]");
@@ -236,12 +207,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--seed", args->seed, "Sampling seed (reproducible draws)");
   cmd->add_flag("--ignore-eos", args->ignore_eos, "Keep generating past end-of-sequence tokens");
   cmd->add_option("--output", args->output, "text or json")->check(CLI::IsMember({"text", "json"}));
-  cmd->add_option("--load-format", args->load_format, "auto, safetensors or dummy (random weights)")
-      ->check(CLI::IsMember({"auto", "safetensors", "dummy"}));
-  cmd->add_option("--num-layers", args->num_layers, "With dummy weights: use only the first N layers");
-  cmd->add_option("--quantization", args->quantization,
-                  "With dummy weights: auto (the config's quantization_config), none, fp8-block, mxfp8, nvfp4 or mxfp4")
-      ->check(CLI::IsMember({"auto", "none", "fp8-block", "mxfp8", "nvfp4", "mxfp4"}));
+  add_load_options(cmd, args->load);
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all cores)");
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_option("--page-size", args->page_size, "Tokens per KV page");

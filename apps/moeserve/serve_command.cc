@@ -203,9 +203,25 @@ Expected<std::vector<kv::ShmRegion>> create_follower_kv(const std::string& group
   return regions;
 }
 
+// The weights this process holds on the host: a checkpoint's, or dummy ones
+// (every rank draws the same, from seed 0); none for dummy weights on a GPU,
+// which the GPU draws itself.
+Expected<std::optional<model::ModelWeights>> host_weights(const ServeArgs& args, const ResolvedModel& resolved,
+                                                          ThreadPool& pool) {
+  if (!resolved.dummy) {
+    MOE_ASSIGN_OR_RETURN(auto weights, model::ModelWeights::load(args.model, resolved.config, pool));
+    return std::optional<model::ModelWeights>(std::move(weights));
+  }
+  if (args.device.cuda()) return std::optional<model::ModelWeights>();
+  log_info("dummy weights ({}): {} layers drawn at random", ops::quant_format_name(resolved.dummy_format),
+           resolved.config.num_layers);
+  return std::optional<model::ModelWeights>(model::ModelWeights::dummy(resolved.config, 0, pool, resolved.dummy_format));
+}
+
 // Ranks 1.. of a --tp/--ep instance: the same model load, then the leader's
 // step plans until it stops or goes away.
-Status run_rank_follower(const ServeArgs& args, const model::ModelConfig& config) {
+Status run_rank_follower(const ServeArgs& args, const ResolvedModel& resolved) {
+  const model::ModelConfig& config = resolved.config;
   sigset_t signals;  // the leader handles Ctrl-C and stops this rank in order
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
@@ -214,11 +230,11 @@ Status run_rank_follower(const ServeArgs& args, const model::ModelConfig& config
   const ParallelArgs& p = args.parallel;
   MOE_ASSIGN_OR_RETURN(auto comm, open_rank_communicator(p.internal_group, p.internal_rank, p.world()));
   ThreadPool pool(args.threads);
-  MOE_ASSIGN_OR_RETURN(auto weights, model::ModelWeights::load(args.model, config, pool));
+  MOE_ASSIGN_OR_RETURN(std::optional<model::ModelWeights> weights, host_weights(args, resolved, pool));
   const model::ParallelPlan plan{p.tp, p.tp > 1 ? p.internal_rank : 0, p.ep, p.ep > 1 ? p.internal_rank : 0, false,
                                  comm.get()};
-  MOE_RETURN_IF_ERROR(model::check_parallel_plan(config, weights, plan));
-  model::Qwen3MoeModel model(weights, plan);
+  MOE_RETURN_IF_ERROR(model::check_parallel_plan(config, *weights, plan));
+  model::Qwen3MoeModel model(*weights, plan);
   MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
   const kv::KvCacheLayout layout{config.num_layers, model.shard().num_kv_heads, config.head_dim, args.page_size,
                                  p.internal_num_pages, kv_dtype};
@@ -302,8 +318,9 @@ model::ParallelPlan rank_plan_of(const ParallelArgs& p) {
 }
 
 // Ranks 1.. of a GPU instance: their share of the model, then the leader's plans.
-Status run_gpu_rank_follower(const ServeArgs& args, const model::ModelConfig& config,
+Status run_gpu_rank_follower(const ServeArgs& args, const ResolvedModel& resolved,
                              const engine::SchedulerOptions& sched) {
+  const model::ModelConfig& config = resolved.config;
   sigset_t signals;  // the leader handles Ctrl-C and stops this rank in order
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
@@ -313,11 +330,13 @@ Status run_gpu_rank_follower(const ServeArgs& args, const model::ModelConfig& co
   const int max_tokens = std::max(sched.max_num_batched_tokens, sched.max_num_seqs);
   MOE_ASSIGN_OR_RETURN(GpuRanks g, meet_gpu_ranks(args, max_tokens, static_cast<int>(config.hidden_size)));
   ThreadPool pool(args.threads);
-  MOE_ASSIGN_OR_RETURN(auto weights, model::ModelWeights::load(args.model, config, pool));
+  MOE_ASSIGN_OR_RETURN(std::optional<model::ModelWeights> weights, host_weights(args, resolved, pool));
   model::CudaModelOptions cuda = cuda_model_options(args, sched, g.device);
   cuda.plan = rank_plan_of(args.parallel);
   cuda.comm = g.comm.get();
-  MOE_ASSIGN_OR_RETURN(auto model, model::CudaQwen3MoeModel::create(weights, cuda));
+  cuda.dummy_expert_format = resolved.dummy_format;  // dummy weights: every rank draws from seed 0
+  MOE_ASSIGN_OR_RETURN(auto model, weights ? model::CudaQwen3MoeModel::create(*weights, cuda)
+                                           : model::CudaQwen3MoeModel::create_dummy(config, 0, cuda));
   MOE_RETURN_IF_ERROR(agree_on_pages(*g.bootstrap, model->num_pages()).status());
   MOE_RETURN_IF_ERROR(engine::signal_ready(args.parallel.internal_plan_fd));
   return engine::run_cuda_follower(*model, args.parallel.internal_plan_fd);
@@ -391,12 +410,13 @@ struct Runner {
 // single CPU rank's. Sets the page count (the GPU's comes from its memory).
 // On the GPU, `mtp` (speculative decoding) runs there too.
 // `gpu`: this leader's GPU ranks (--tp/--ep with --device cuda), else null.
-Expected<Runner> make_runner(const ServeArgs& args, const model::ModelConfig& config,
-                             const model::ModelWeights& weights, const model::Qwen3MoeModel& model, ThreadPool& pool,
+// `weights`: null for dummy weights on the GPU; `model`: the CPU model (null on the GPU).
+Expected<Runner> make_runner(const ServeArgs& args, const ResolvedModel& resolved,
+                             const model::ModelWeights* weights, const model::Qwen3MoeModel* model, ThreadPool& pool,
                              kv::KvCacheLayout& layout, engine::SchedulerOptions& sched, RankGroup& group,
                              const model::MtpWeights* mtp, GpuRanks* gpu) {
   Runner r;
-  (void)args, (void)config, (void)weights, (void)mtp, (void)gpu;
+  (void)args, (void)resolved, (void)weights, (void)mtp, (void)gpu;
 #ifdef MOE_WITH_CUDA
   if (args.device.cuda()) {
     // The KV pool takes what --gpu-memory-utilization leaves after the weights.
@@ -406,7 +426,8 @@ Expected<Runner> make_runner(const ServeArgs& args, const model::ModelConfig& co
       cuda.plan = rank_plan_of(args.parallel);
       cuda.comm = gpu->comm.get();  // create() meets the other ranks before its first collective
     }
-    MOE_ASSIGN_OR_RETURN(auto cuda_runner, engine::CudaRunner::create(config, &weights, 0, cuda));
+    cuda.dummy_expert_format = resolved.dummy_format;  // dummy weights only
+    MOE_ASSIGN_OR_RETURN(auto cuda_runner, engine::CudaRunner::create(resolved.config, weights, 0, cuda));
     sched.num_pages = cuda_runner->num_pages();
     if (gpu != nullptr) {
       MOE_ASSIGN_OR_RETURN(sched.num_pages, agree_on_pages(*gpu->bootstrap, sched.num_pages));
@@ -423,17 +444,18 @@ Expected<Runner> make_runner(const ServeArgs& args, const model::ModelConfig& co
   }
 #endif
   layout.num_pages = sched.num_pages;
-  if (group.comm && model.plan().dp_attention) {
-    auto rank_runner = std::make_unique<engine::LockstepRunner>(model, pool, layout);
+  CHECK(model != nullptr, "the CPU runners have a CPU model");
+  if (group.comm && model->plan().dp_attention) {
+    auto rank_runner = std::make_unique<engine::LockstepRunner>(*model, pool, layout);
     r.rank_caches = {&rank_runner->cache()};
     r.runner = std::move(rank_runner);
   } else if (group.comm) {
-    auto leader = std::make_unique<engine::LeaderRunner>(model, pool, layout, std::exchange(group.followers->fds, {}),
+    auto leader = std::make_unique<engine::LeaderRunner>(*model, pool, layout, std::exchange(group.followers->fds, {}),
                                                          std::move(group.follower_kv));
     r.rank_caches = leader->rank_caches();
     r.runner = std::move(leader);
   } else {
-    auto cpu_runner = std::make_unique<engine::Qwen3Runner>(model, pool, layout);
+    auto cpu_runner = std::make_unique<engine::Qwen3Runner>(*model, pool, layout);
     r.rank_caches = {&cpu_runner->cache()};
     r.runner = std::move(cpu_runner);
   }
@@ -497,15 +519,16 @@ Status run_serve(ServeArgs args) {
     args.device.gpu += args.parallel.internal_rank;
   MOE_RETURN_IF_ERROR(check_serve_args(args));
   MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
-  MOE_ASSIGN_OR_RETURN(model::ModelConfig config, model::load_model_config(args.model));
+  MOE_ASSIGN_OR_RETURN(const ResolvedModel resolved, resolve_model(args.model, args.load));
+  const model::ModelConfig& config = resolved.config;
   const ParallelArgs& par = args.parallel;
   const bool dp = par.dp > 1;  // each rank a decode instance of its own (docs/parallel.md)
   const bool gpu_ranks = args.device.cuda() && par.world() > 1;
-  if (par.follower() && !dp && !gpu_ranks) return run_rank_follower(args, config);
+  if (par.follower() && !dp && !gpu_ranks) return run_rank_follower(args, resolved);
   if (par.follower()) args.port = 0, args.transfer_port = 0;
   std::optional<MtpSource> mtp_source;  // found before the target loads: a missing MTP layer fails at once
   if (spec.enabled()) {
-    MOE_ASSIGN_OR_RETURN(auto source, find_mtp_source(args.speculative, args.model, false));
+    MOE_ASSIGN_OR_RETURN(auto source, find_mtp_source(args.speculative, args.model, resolved.dummy));
     mtp_source = std::move(source);
   }
   const model::ParallelPlan plan{par.tp, 0, par.ep, dp ? par.internal_rank : 0, dp, nullptr};
@@ -514,7 +537,7 @@ Status run_serve(ServeArgs args) {
     const kv::KvCacheLayout rank_layout{config.num_layers, model::rank_shard(config, rank_plan_of(par)).num_kv_heads,
                                         config.head_dim, args.page_size, 0, kv_dtype};
     MOE_ASSIGN_OR_RETURN(auto rank_sched, scheduler_options(args, config, rank_layout.page_bytes() * config.num_layers));
-    return run_gpu_rank_follower(args, config, rank_sched);
+    return run_gpu_rank_follower(args, resolved, rank_sched);
   }
 #endif
 
@@ -534,8 +557,15 @@ Status run_serve(ServeArgs args) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   ThreadPool pool(args.threads);
   pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);  // Ctrl-C still ends a long load at once
-  MOE_ASSIGN_OR_RETURN(auto weights, load_weights(args.model, config, pool));
-  MOE_RETURN_IF_ERROR(model::check_parallel_plan(config, weights, plan));
+  std::optional<model::ModelWeights> weights;  // none: dummy weights drawn on the GPU
+  if (resolved.dummy) {
+    MOE_ASSIGN_OR_RETURN(weights, host_weights(args, resolved, pool));
+  } else {
+    MOE_ASSIGN_OR_RETURN(auto loaded, load_weights(args.model, config, pool));
+    weights.emplace(std::move(loaded));
+  }
+  MOE_RETURN_IF_ERROR(weights ? model::check_parallel_plan(config, *weights, plan)
+                              : model::check_parallel_layout(config, plan));
   // Rank 0's share of the heads sizes the KV pages (every rank's are alike);
   // the MTP layer's pages come out of the same budget (one more layer).
   kv::KvCacheLayout layout{config.num_layers, model::rank_shard(config, plan).num_kv_heads, config.head_dim,
@@ -547,7 +577,7 @@ Status run_serve(ServeArgs args) {
   if (spec.enabled()) {
     MOE_ASSIGN_OR_RETURN(auto mtp, load_mtp_weights(*mtp_source, config));
     mtp_weights.emplace(std::move(mtp));
-    if (!args.device.cuda()) mtp_model.emplace(*mtp_weights, weights);
+    if (!args.device.cuda()) mtp_model.emplace(*mtp_weights, *weights);
   }
   GpuRanks* gpu = nullptr;
 #ifdef MOE_WITH_CUDA
@@ -555,9 +585,10 @@ Status run_serve(ServeArgs args) {
   if (gpu_ranks) {
     if (spec.enabled())
       return unimplemented("speculative decoding on GPU ranks (--tp/--ep with --device cuda) is not supported yet");
-    if (weights.quant_format() != ops::QuantFormat::kNone)
+    const ops::QuantFormat format = weights ? weights->quant_format() : resolved.dummy_format;
+    if (format != ops::QuantFormat::kNone)
       return unimplemented("{} weights on GPU ranks (--tp/--ep with --device cuda): bf16 only for now",
-                           ops::quant_format_name(weights.quant_format()));
+                           ops::quant_format_name(format));
     MOE_ASSIGN_OR_RETURN(auto met, meet_gpu_ranks(args, std::max(sched.max_num_batched_tokens, sched.max_num_seqs),
                                                   static_cast<int>(config.hidden_size)));
     gpu_group.emplace(std::move(met));
@@ -569,11 +600,13 @@ Status run_serve(ServeArgs args) {
                                                                                                sched.num_pages);
   if (!joined) return joined.status();
   RankGroup group = std::move(joined).value();
-  model::ParallelPlan rank_plan = gpu_ranks ? model::ParallelPlan{} : plan;  // the GPU ranks' CPU model is unused
+  model::ParallelPlan rank_plan = plan;
   rank_plan.comm = group.comm.get();
-  model::Qwen3MoeModel model(weights, rank_plan);
+  std::optional<model::Qwen3MoeModel> cpu_model;  // the CPU runners'
+  if (!args.device.cuda()) cpu_model.emplace(*weights, rank_plan);
   MOE_RETURN_IF_ERROR(rank_group_ready(group, par));
-  MOE_ASSIGN_OR_RETURN(Runner runner, make_runner(args, config, weights, model, pool, layout, sched, group,
+  MOE_ASSIGN_OR_RETURN(Runner runner, make_runner(args, resolved, weights ? &*weights : nullptr,
+                                                  cpu_model ? &*cpu_model : nullptr, pool, layout, sched, group,
                                                   mtp_weights ? &*mtp_weights : nullptr, gpu));
   log_startup(args, sched, layout, pool.num_threads());
 
@@ -612,6 +645,7 @@ void add_engine_options(CLI::App* cmd, ServeArgs& a) {
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_flag("--no-enable-prefix-caching", args->no_prefix_caching, "Turn prefix caching off");
   add_device_options(cmd, args->device);
+  add_load_options(cmd, args->load);
   add_speculative_options(cmd, args->speculative);
   add_parallel_options(cmd, args->parallel);
   cmd->add_option("--threads", args->threads, "CPU threads for the model (0 = all cores)");

@@ -14,6 +14,7 @@
 #include <CLI/CLI.hpp>
 
 #include "apps/moeserve/device_options.h"
+#include "apps/moeserve/load_options.h"
 #include "apps/moeserve/rank_launch.h"
 #include "apps/moeserve/speculative_options.h"
 #include "core/status.h"
@@ -40,6 +41,7 @@ struct ServeArgs {
   std::string kv_dtype = "f32";
   bool no_prefix_caching = false;
   DeviceArgs device;
+  LoadArgs load;                // --load-format / --num-layers / --quantization
   ParallelArgs parallel;        // --tp / --ep / --dp (docs/parallel.md)
   SpeculativeArgs speculative;  // --speculative-config / --speculative-model (docs/speculative.md)
   int threads = 0;

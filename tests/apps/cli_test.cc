@@ -201,6 +201,21 @@ TEST(Cli, BadArgumentsGiveAUsageErrorAndNonZeroExit) {
 
   CliRun bad_range = run("generate --model " + kGolden + " --prompt-ids 1 --top-p 1.5");
   EXPECT_EQ(bad_range.exit_code, 2);
+
+  // The load flags are shared by generate and the engine commands (apps/moeserve/load_options.h).
+  for (const std::string command : {"generate --prompt-ids 1", "serve --port 0"}) {
+    CliRun layers = run(command + " --model " + kGolden + " --num-layers 1");
+    EXPECT_EQ(layers.exit_code, 1) << command;
+    EXPECT_NE(layers.output.find("--num-layers only applies with --load-format dummy"), std::string::npos)
+        << layers.output;
+    CliRun too_many = run(command + " --model " + kGolden + " --load-format dummy --num-layers 99");
+    EXPECT_EQ(too_many.exit_code, 1) << command;
+    EXPECT_NE(too_many.output.find("--num-layers 99 exceeds the model's"), std::string::npos) << too_many.output;
+    CliRun quantized = run(command + " --model " + kGolden + " --quantization fp8-block");
+    EXPECT_EQ(quantized.exit_code, 1) << command;
+    EXPECT_NE(quantized.output.find("--quantization only applies with --load-format dummy"), std::string::npos)
+        << quantized.output;
+  }
 }
 
 TEST(Cli, SeededSamplingIsReproducible) {

@@ -64,6 +64,27 @@ for (const flags of [['--tp', '2', '--ep', '2'], ['--tp', '4']]) {
   });
 }
 
+// --load-format dummy from a config.json file: every rank draws the same
+// random weights (seed 0), so the ranks together equal one rank alone.
+test('dummy weights: serve --tp 2 --ep 2 --load-format dummy gives the single-rank dummy output', async () => {
+  const dummy = ['--model', fileURLToPath(new URL('../data/golden/moe_basic/config.json', import.meta.url)),
+                 '--load-format', 'dummy'];
+  const single = await startProcess('serve', [...base, ...dummy]);
+  const ranks = await startProcess('serve', [...base, ...dummy, '--tp', '2', '--ep', '2']);
+  try {
+    for (const prompt of [[1, 2, 3, 4, 5], [40, 41]]) {
+      const ask = (url) => client(url).completions.create({ model: 'config.json', prompt, max_tokens: 12,
+                                                            temperature: 0, ignore_eos: true, return_token_ids: true });
+      const [a, b] = await Promise.all([ask(ranks.url), ask(single.url)]);
+      assert.deepEqual(a.choices[0].token_ids, b.choices[0].token_ids);
+      assert.equal(a.choices[0].token_ids.length, 12);
+    }
+  } finally {
+    assert.equal(await ranks.stop(), 0, ranks.stderr().slice(-2000));
+    assert.equal(await single.stop(), 0);
+  }
+});
+
 test('kill -9 of a follower: requests fail with an error, none hangs; the leader reports itself unhealthy', async () => {
   const server = await startProcess('serve', [...base, '--tp', '2', '--ep', '2']);
   try {
