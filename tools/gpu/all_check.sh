@@ -8,14 +8,14 @@
 # $OUT/summary.txt. Run it under the device call's limit with room to spare:
 # the parts' limits add up to more than one call's 10 minutes.
 #
-#   PARTS="check comm bench serve disagg" (default: all) picks parts;
+#   PARTS="check comm bench serve disagg ranks" (default: all) picks parts;
 #   BENCH_ONLY=moe_prefill passes --only to gpu_bench.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 LOGS=$(mktemp -d)
-PARTS=${PARTS:-check comm bench serve disagg}
+PARTS=${PARTS:-check comm bench serve disagg ranks}
 mkdir -p "$OUT"
 status=0
 run_part() {  # name, seconds, script
@@ -35,6 +35,7 @@ for part in $PARTS; do
     bench) BENCH_ONLY=${BENCH_ONLY:-} run_part bench 420 tools/gpu/bench.sh ;;
     serve) run_part serve 120 tools/gpu/serve_check.sh ;;
     disagg) if [[ $gpus -ge 2 ]]; then run_part disagg 300 tools/gpu/disagg_check.sh; else echo "disagg: skipped, $gpus GPU(s)"; fi ;;
+    ranks) if [[ $gpus -ge 2 ]]; then run_part ranks 420 tools/gpu/ranks_bench.sh; else echo "ranks: skipped, $gpus GPU(s)"; fi ;;
   esac
 done
 {
@@ -42,6 +43,7 @@ done
   echo "--- comm"; grep -E "PASSED|FAILED|SKIPPED|^\|" "$LOGS/comm.txt" 2>/dev/null | head -60
   echo "--- bench"; grep -vE "^\{" "$LOGS/bench/gpu_bench.log" 2>/dev/null; cat "$LOGS/bench/peer_bench.jsonl" 2>/dev/null
   echo "--- disagg"; cat "$LOGS/disagg/summary.txt" 2>/dev/null
+  echo "--- ranks"; grep -E "^\||dummy|skipped|did not start" "$LOGS/ranks.txt" 2>/dev/null
 } >> "$LOGS/summary.txt"
 cp "$LOGS/summary.txt" "$OUT/summary.txt"
 tar czf "$OUT/logs.tgz" -C "$LOGS" .
