@@ -1,0 +1,516 @@
+// Running a step of CudaQwen3MoeModel (cuda_model.h): the step's metadata
+// upload, decode steps as CUDA graphs, the layer kernels in order (attention,
+// MoE or dense MLP, the layer boundary and its collective on GPU ranks), the
+// forward variants (logits, sampled, greedy, with hidden states), and the MTP
+// pass. Creation lives in cuda_model.cc; the state both share in
+// cuda_model_state.h.
+#include <algorithm>
+#include <cmath>
+
+#include "core/logging.h"
+#include "model/cuda/cuda_model.h"
+#include "model/cuda/cuda_model_state.h"
+#include "ops/cuda/kernels.h"
+
+namespace moe::model {
+namespace {
+namespace k = moe::ops::cuda;
+using bf16 = __nv_bfloat16;
+}  // namespace
+
+// Uploads the step's metadata. padded_tokens > 0 (a decode step replayed as a
+// CUDA graph) pads the batch to that many tokens, one sequence per token, the
+// padding reading and writing the scratch KV page, with the page table at the
+// fixed stride the graph was captured with.
+Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, int padded_tokens) {
+  State& s = *state_;
+  const int T = batch.num_tokens(), num_seqs = static_cast<int>(batch.query_start.size()) - 1;
+  StepShape shape;
+  shape.num_tokens = padded_tokens > 0 ? padded_tokens : T;
+  shape.num_rows = padded_tokens > 0 ? padded_tokens : static_cast<int>(batch.logits_rows.size());
+  shape.stride = padded_tokens > 0 ? graph_stride(batch.max_pages_per_seq) : batch.max_pages_per_seq;
+  shape.max_position = padded_tokens > 0 ? shape.stride * s.options.page_size - 1
+                                         : (batch.positions.empty() ? 0 : *std::max_element(batch.positions.begin(),
+                                                                                               batch.positions.end()));
+  std::vector<int32_t> token_ids = batch.token_ids, positions = batch.positions, token_seq(static_cast<size_t>(T));
+  for (int seq = 0; seq < num_seqs; ++seq)
+    for (int t = batch.query_start[seq]; t < batch.query_start[seq + 1]; ++t) token_seq[t] = seq;
+  std::vector<int32_t> page_table = batch.page_table, logits_rows = batch.logits_rows;
+  if (padded_tokens > 0) {
+    const int32_t scratch = s.options.num_pages;  // the extra page past the scheduler's pool
+    token_ids.resize(padded_tokens, 0);
+    positions.resize(padded_tokens, 0);
+    logits_rows.resize(padded_tokens);
+    page_table.assign(static_cast<size_t>(padded_tokens) * shape.stride, scratch);
+    for (int t = 0; t < padded_tokens; ++t) {
+      logits_rows[t] = t;
+      if (t >= T) token_seq.push_back(t);
+      for (int p = 0; t < T && p < batch.max_pages_per_seq; ++p) {
+        const int32_t page = batch.page_table[static_cast<size_t>(t) * batch.max_pages_per_seq + p];
+        if (page >= 0) page_table[static_cast<size_t>(t) * shape.stride + p] = page;
+      }
+    }
+  }
+  if (s.page_table.data() == nullptr || s.page_table.num_bytes() < page_table.size() * sizeof(int32_t)) {
+    // The captured decode graphs read the old buffer: drop them (each is
+    // captured again on its next use). Without this a graph replayed after a
+    // larger batch grew the table read freed memory (compute-sanitizer, two
+    // requests of different page counts on an engine with a fixed pool).
+    for (auto& [key, exec] : s.graphs) cudaGraphExecDestroy(exec);
+    s.graphs.clear();
+    MOE_ASSIGN_OR_RETURN(s.page_table, DeviceTensor::allocate(DType::kI32, {static_cast<int64_t>(page_table.size())}));
+  }
+  auto copy_in = [&](const DeviceTensor& dst, const std::vector<int32_t>& src) {
+    return cuda_status(cudaMemcpyAsync(dst.data(), src.data(), src.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                       s.stream), "metadata upload");
+  };
+  MOE_RETURN_IF_ERROR(copy_in(s.token_ids, token_ids));
+  MOE_RETURN_IF_ERROR(copy_in(s.positions, positions));
+  MOE_RETURN_IF_ERROR(copy_in(s.token_seq, token_seq));
+  MOE_RETURN_IF_ERROR(copy_in(s.page_table, page_table));
+  MOE_RETURN_IF_ERROR(copy_in(s.logits_rows, logits_rows));
+  if (s.fp8_attention) {  // the attention projections' grouped GEMMs: one group of every token
+    const int tokens = shape.num_tokens, tile = dense_tile_rows(tokens);
+    MOE_RETURN_IF_ERROR(copy_in(s.dense_offsets, {0, tokens}));
+    MOE_RETURN_IF_ERROR(copy_in(s.dense_tile_offsets, {0, (tokens + tile - 1) / tile}));
+  }
+  // Prefill (any sequence with several new tokens) shares K/V chunks between a sequence's tokens.
+  for (int seq = 0; seq < num_seqs; ++seq) shape.prefill |= batch.query_start[seq + 1] - batch.query_start[seq] > 1;
+  if (shape.prefill) {
+    const std::vector<int32_t> groups =
+        k::prefill_token_groups(batch.query_start, k::prefill_group_tokens(config().num_q_heads, config().num_kv_heads));
+    shape.num_groups = static_cast<int>(groups.size()) - 1;
+    MOE_RETURN_IF_ERROR(copy_in(s.attention_groups, groups));
+  }
+  return shape;
+}
+
+// Row tiles of the FP8 attention projections' grouped GEMMs (one group):
+// the memory-bound 64-row kernel for decode steps (every CUDA-graph bucket,
+// <= 512 tokens), the compute-bound 128-row one above; mxfp8 has 64-row tiles only.
+int CudaQwen3MoeModel::dense_tile_rows(int num_tokens) const {
+  return !state_->mx_experts && num_tokens > 512 ? k::kPrefillGemmTileRows : k::kGroupedGemmTileRows;
+}
+
+// The page-table stride of a graph: the batch's, rounded up to a power of two
+// (so few graphs cover all context lengths), at most max_pages_per_seq.
+int CudaQwen3MoeModel::graph_stride(int max_pages_per_seq) const {
+  int stride = 1;
+  while (stride < max_pages_per_seq) stride *= 2;
+  return std::min(stride, state_->max_pages_per_seq);
+}
+
+// Decode steps (one new token per sequence, logits for every token) replay a
+// CUDA graph captured once per (bucket of batch sizes, page-table stride).
+int CudaQwen3MoeModel::graph_bucket(const ForwardBatch& batch) const {
+  const State& s = *state_;
+  const int T = batch.num_tokens();
+  if (!s.options.use_cuda_graphs || s.layer_hook || T == 0 || batch.max_pages_per_seq > s.max_pages_per_seq) return 0;
+  if (static_cast<int>(batch.query_start.size()) != T + 1 || static_cast<int>(batch.logits_rows.size()) != T) return 0;
+  for (int t = 0; t < T; ++t)
+    if (batch.query_start[t + 1] != t + 1 || batch.logits_rows[t] != t) return 0;
+  for (int bucket : {1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512})
+    if (bucket >= T && bucket <= s.options.max_num_tokens) return bucket;
+  return 0;
+}
+
+Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
+  State& s = *state_;
+  // The engine thread is not the one that created the model: make its device current.
+  MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(s.options.device));
+  const int T = batch.num_tokens();
+  if (T > s.options.max_num_tokens)
+    return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
+  if (static_cast<int>(batch.logits_rows.size()) > T) return invalid_argument("more logits rows than tokens");
+  const int bucket = graph_bucket(batch);
+  MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, bucket));
+  if (bucket == 0) return launch_step(shape);
+  const int64_t key = static_cast<int64_t>(bucket) << 32 | shape.stride;
+  if (auto it = s.graphs.find(key); it != s.graphs.end())
+    return cuda_status(cudaGraphLaunch(it->second, s.stream), "cudaGraphLaunch");
+  // First time at this size: run it eagerly (warming every lazy initialisation), then capture.
+  MOE_RETURN_IF_ERROR(launch_step(shape));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
+  const Status launched = launch_step(shape);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(s.stream, &graph);
+  MOE_RETURN_IF_ERROR(launched);
+  MOE_CUDA_RETURN_IF_ERROR(ended);
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  MOE_CUDA_RETURN_IF_ERROR(instantiated);
+  s.graphs[key] = exec;
+  log_debug("captured the decode step for {} tokens, page-table stride {}, as a CUDA graph", bucket, shape.stride);
+  return Status::ok();
+}
+
+Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const int T = shape.num_tokens, H = static_cast<int>(c.hidden_size);
+#define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
+  MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
+                           static_cast<int>(c.vocab_size)}, s.stream));
+  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.layers[0].input_norm.data_as<bf16>(),
+                              s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  if (s.layer_hook && s.kv_written == nullptr)
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.kv_written, cudaEventDisableTiming));
+  for (int l = 0; l < c.num_layers; ++l) {
+    const bf16* next_norm = l + 1 < c.num_layers ? s.layers[l + 1].input_norm.data_as<bf16>() : s.final_norm.data_as<bf16>();
+    MOE_RETURN_IF_ERROR(launch_layer(s.layers[l], shape, next_norm, l));
+    if (s.layer_hook) {
+      // The rest of this layer is queued behind the KV store, so the GPU keeps
+      // working while the hook hands the layer's pages to the transfer engine
+      // (whose copies run on streams of their own and see the stored KV).
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(s.kv_written));
+      s.layer_hook(l);
+    }
+  }
+  const int rows = shape.num_rows;
+  MOE_LAUNCH(k::gather_rows({s.normed.data_as<bf16>(), s.logits_rows.data_as<int32_t>(), s.logit_rows.data_as<bf16>(),
+                             rows, H}, s.stream));
+  MOE_RETURN_IF_ERROR(s.gemm->matmul(s.logit_rows.data_as<bf16>(), s.lm_head.data_as<bf16>(), s.logits.data(),
+                                     DType::kF32, rows, static_cast<int>(c.vocab_size), H, s.stream));
+#undef MOE_LAUNCH
+  return Status::ok();
+}
+
+Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const int T = shape.num_tokens, H = static_cast<int>(c.hidden_size);
+  const int max_position = shape.max_position, qkv_width = c.q_size() + 2 * c.kv_size();
+  const bool prefill = shape.prefill;
+#define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
+  // In place: x [T, cols] bf16 -> bf16(e4m3(x / s) * s) per 1 x 128 group (mxfp8: per 1 x 32, E8M0 s).
+  auto fake_quantize = [&](DeviceTensor& x, int cols) -> Status {
+    if (s.mx_experts) {
+      MOE_LAUNCH(k::quantize_mxfp8({x.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), nullptr, T, cols,
+                                    x.data_as<bf16>()}, s.stream));
+    } else {
+      MOE_LAUNCH(k::quantize_fp8_groups({x.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), nullptr, T, cols,
+                                         x.data_as<bf16>()}, s.stream));
+    }
+    return Status::ok();
+  };
+  // FP8 experts: activations quantized per 1 x 128 (mxfp8: per 1 x 32), scaled grouped GEMMs.
+  // Prefill-sized batches (experts average >= 64 rows) take the compute-bound
+  // kernels with 128-row tiles; decode steps, CUDA graphs and mxfp8 the 64-row ones.
+  const int moe_tile_rows = c.num_experts > 0 && !b.mx_experts
+                                ? k::moe_tile_rows(int64_t{T} * c.num_experts_per_tok, c.num_experts)
+                                : k::kGroupedGemmTileRows;
+  const bool prefill_gemm = moe_tile_rows == k::kPrefillGemmTileRows;
+  auto fp8_experts_step = [&](int max_tiles) -> Status {
+    const int E = s.num_local_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
+    // One expert GEMM: quantize `in` [rows, K], then gate_up (gathered by sorted_token) or down.
+    auto gemm = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows, int K,
+                    const int32_t* gather, const DeviceTensor& w, const DeviceTensor& w_scales, void* out, int N,
+                    bool gate_up) -> Status {
+      if (b.mx_experts) {  // 64-row tiles only (moe_tile_rows)
+        MOE_LAUNCH(k::quantize_mxfp8({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows, K},
+                                     s.stream));
+        MOE_LAUNCH(k::mxfp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather,
+                                          w.data_as<uint8_t>(), w_scales.data_as<uint8_t>(),
+                                          s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), out,
+                                          N, K, E, max_tiles, gate_up}, s.stream));
+        return Status::ok();
+      }
+      MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows, K},
+                                        s.stream));
+      MOE_LAUNCH((prefill_gemm ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
+          {in_q.data_as<uint8_t>(), in_s.data_as<float>(), gather, w.data_as<uint8_t>(), w_scales.data_as<float>(),
+           s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), out, N, K, E, max_tiles, gate_up},
+          s.stream));
+      return Status::ok();
+    };
+    MOE_RETURN_IF_ERROR(gemm(s.normed, s.x_fp8, s.x_scales, T, H, s.sorted_token.data_as<int32_t>(), b.w13,
+                             b.w13_scales, s.act.data(), inter, true));
+    return gemm(s.act, s.act_fp8, s.act_scales, T * topk, inter, nullptr, b.w2, b.w2_scales, s.expert_rows.data(), H,
+                false);
+  };
+  // An attention projection in FP8: `in` [T, K] quantized as the experts'
+  // inputs are, then the grouped GEMM with one group, f32 rows out.
+  auto fp8_projection = [&](const DeviceTensor& in, int K, const DeviceTensor& w, const DeviceTensor& w_scales,
+                            void* out, int N) -> Status {
+    const int tile = dense_tile_rows(T), tiles = (T + tile - 1) / tile + 1;
+    if (s.mx_experts) {
+      MOE_LAUNCH(k::quantize_mxfp8({in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<uint8_t>(), T,
+                                    K}, s.stream));
+      MOE_LAUNCH(k::mxfp8_grouped_gemm({s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<uint8_t>(), nullptr,
+                                        w.data_as<uint8_t>(), w_scales.data_as<uint8_t>(),
+                                        s.dense_offsets.data_as<int32_t>(), s.dense_tile_offsets.data_as<int32_t>(),
+                                        out, N, K, 1, tiles, false}, s.stream));
+      return Status::ok();
+    }
+    MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), T, K},
+                                      s.stream));
+    MOE_LAUNCH((tile == k::kPrefillGemmTileRows ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
+        {s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), nullptr, w.data_as<uint8_t>(),
+         w_scales.data_as<float>(), s.dense_offsets.data_as<int32_t>(), s.dense_tile_offsets.data_as<int32_t>(), out, N,
+         K, 1, tiles, false},
+        s.stream));
+    return Status::ok();
+  };
+  // Attention.
+  if (b.fp8_attention) {
+    MOE_RETURN_IF_ERROR(fp8_projection(s.normed, H, b.qkv_proj, b.qkv_scales, s.qkv_f32.data(), qkv_width));
+    MOE_LAUNCH(k::cast_to_bf16({s.qkv_f32.data_as<float>(), s.qkv.data_as<bf16>(), int64_t{T} * qkv_width}, s.stream));
+  } else {
+    if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.qkv_proj.data_as<bf16>(), s.qkv.data(),
+                                       DType::kBF16, T, qkv_width, H, s.stream));
+  }
+  MOE_LAUNCH(k::qk_norm_rope_kv({s.qkv.data_as<bf16>(), b.q_norm.data_as<bf16>(), b.k_norm.data_as<bf16>(),
+                                 s.inv_freq.data_as<float>(), s.attention_factor, s.positions.data_as<int32_t>(),
+                                 s.token_seq.data_as<int32_t>(), s.page_table.data_as<int32_t>(), s.q.data_as<bf16>(),
+                                 b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(), T, c.num_q_heads,
+                                 c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
+                                 c.rms_norm_eps}, s.stream));
+  if (s.layer_hook && layer >= 0) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
+  const k::PagedAttentionParams attention{s.q.data_as<bf16>(), b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(),
+                                          s.positions.data_as<int32_t>(), s.token_seq.data_as<int32_t>(),
+                                          s.page_table.data_as<int32_t>(), s.attended.data_as<bf16>(), T, c.num_q_heads,
+                                          c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
+                                          1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  if (k::mma_attention_supported(attention) && prefill) {
+    MOE_LAUNCH(k::prefill_attention(attention, s.attention_groups.data_as<int32_t>(), shape.num_groups, s.stream));
+  } else if (k::mma_attention_supported(attention)) {
+    MOE_LAUNCH(k::mma_paged_attention(attention, max_position, s.attention_workspace.data_as<float>(),
+                                      s.attention_workspace.num_bytes(), s.stream));
+  } else {
+    MOE_LAUNCH(k::paged_attention(attention, s.stream));
+  }
+  if (b.fp8_attention) {
+    MOE_RETURN_IF_ERROR(fp8_projection(s.attended, static_cast<int>(c.q_size()), b.o_proj, b.o_scales, s.delta.data(), H));
+  } else {
+    if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.attended, static_cast<int>(c.q_size())));
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(),
+                                       DType::kF32, T, H, c.q_size(), s.stream));
+  }
+  MOE_RETURN_IF_ERROR(layer_boundary(b.post_attention_norm.data_as<bf16>(), T, layer >= 0 && s.options.plan.tp_size > 1));
+  // MLP.
+  if (b.is_moe) {
+    const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.router.data_as<bf16>(), s.router_logits.data(),
+                                       DType::kF32, T, E, H, s.stream));
+    MOE_LAUNCH(k::route_topk({s.router_logits.data_as<float>(), s.expert_ids.data_as<int32_t>(),
+                              s.expert_weights.data_as<float>(), T, E, topk, c.norm_topk_prob}, s.stream));
+    // This rank's experts only (all of them without expert parallelism): the
+    // grouped GEMMs below run E_local experts; the other ranks' pairs get no row.
+    const int E_local = s.num_local_experts;
+    MOE_LAUNCH(k::moe_permute({s.expert_ids.data_as<int32_t>(), s.expert_offsets.data_as<int32_t>(),
+                               s.tile_offsets.data_as<int32_t>(), s.sorted_token.data_as<int32_t>(),
+                               s.row_of.data_as<int32_t>(), T, topk, E_local, moe_tile_rows, s.first_expert},
+                              s.stream));
+    const int max_tiles = (T * topk + moe_tile_rows - 1) / moe_tile_rows + E_local;
+    const auto gemm = prefill_gemm ? k::wgmma_grouped_gemm_prefill : k::grouped_gemm;
+    if (b.fp8_experts) {
+      MOE_RETURN_IF_ERROR(fp8_experts_step(max_tiles));
+    } else {
+      MOE_LAUNCH(gemm({s.normed.data_as<bf16>(), s.sorted_token.data_as<int32_t>(), b.w13.data_as<bf16>(),
+                                  s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), s.act.data(),
+                                  inter, H, E_local, max_tiles, true}, s.stream));
+      MOE_LAUNCH(gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(),
+                                  s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(),
+                                  s.expert_rows.data(), H, inter, E_local, max_tiles, false}, s.stream));
+    }
+    MOE_LAUNCH(k::moe_unpermute({s.expert_rows.data_as<float>(), s.row_of.data_as<int32_t>(),
+                                 s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H}, s.stream));
+  } else {
+    const int inter = static_cast<int>(c.intermediate_size);
+    if (b.fake_quant_mlp) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.w13.data_as<bf16>(), s.gate_up.data(), DType::kBF16,
+                                       T, 2 * inter, H, s.stream));
+    MOE_LAUNCH(k::silu_mul({s.gate_up.data_as<bf16>(), s.act.data_as<bf16>(), T, inter}, s.stream));
+    if (b.fake_quant_mlp) MOE_RETURN_IF_ERROR(fake_quantize(s.act, inter));
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.act.data_as<bf16>(), b.w2.data_as<bf16>(), s.delta.data(), DType::kF32, T, H,
+                                       inter, s.stream));
+  }
+  // Partial sums to reduce: a MoE layer's under expert parallelism, a dense one's under tensor parallelism.
+  const bool reduce = layer >= 0 && (b.is_moe ? s.options.plan.ep_size > 1 : s.options.plan.tp_size > 1);
+  MOE_RETURN_IF_ERROR(layer_boundary(static_cast<const bf16*>(next_norm), T, reduce));
+#undef MOE_LAUNCH
+  return Status::ok();
+}
+
+// residual += delta (summed over the ranks when `reduce`), then the next norm into `normed`.
+Status CudaQwen3MoeModel::layer_boundary(const void* norm_weight, int num_tokens, bool reduce) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const int H = static_cast<int>(c.hidden_size);
+  const auto* weight = static_cast<const bf16*>(norm_weight);
+  if (!reduce)
+    return cuda_status(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(), weight,
+                                        s.normed.data_as<bf16>(), num_tokens, H, c.rms_norm_eps}, s.stream),
+                       "add_rms_norm");
+  MOE_RETURN_IF_ERROR(cuda_status(k::cast_to_bf16({s.delta.data_as<float>(), s.delta_bf16.data_as<bf16>(),
+                                                   int64_t{num_tokens} * H}, s.stream), "cast_to_bf16"));
+  return s.options.comm->all_reduce_add_rms_norm(s.delta_bf16.data_as<bf16>(), s.residual.data_as<float>(), weight,
+                                                 s.normed.data_as<bf16>(), num_tokens, H, c.rms_norm_eps, s.stream);
+}
+
+Status CudaQwen3MoeModel::fill_kv_random(uint64_t seed) {
+  uint64_t id = 0;
+  for (auto& layer : state_->layers)
+    for (TensorView* t : {&layer.k_pages, &layer.v_pages})
+      MOE_RETURN_IF_ERROR(cuda_status(k::fill_random({t->data_as<bf16>(), t->shape().num_elements(), seed + ++id, 0.0f,
+                                                      1.0f}, state_->stream), "fill_random"));
+  return cuda_status(cudaStreamSynchronize(state_->stream), "fill_kv_random");
+}
+
+Expected<Tensor> CudaQwen3MoeModel::forward(const ForwardBatch& batch) {
+  Tensor unused;
+  return forward_with_hidden(batch, {}, unused);
+}
+
+Expected<Tensor> CudaQwen3MoeModel::forward_with_hidden(const ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                                        Tensor& hidden) {
+  State& s = *state_;
+  MOE_RETURN_IF_ERROR(check_batch(batch, hidden_rows));
+  MOE_RETURN_IF_ERROR(run(batch));
+  const auto rows = static_cast<int64_t>(batch.logits_rows.size());
+  Tensor logits(DType::kF32, {rows, config().vocab_size});
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits.data(), s.logits.data(), logits.num_bytes(), cudaMemcpyDeviceToHost,
+                                           s.stream));
+  MOE_RETURN_IF_ERROR(sync_and_fetch_hidden(batch.num_tokens(), hidden_rows, hidden));
+  return logits;
+}
+
+Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy_with_hidden(const ForwardBatch& batch,
+                                                                              std::span<const int32_t> hidden_rows,
+                                                                              Tensor& hidden) {
+  State& s = *state_;
+  MOE_RETURN_IF_ERROR(check_batch(batch, hidden_rows));
+  MOE_RETURN_IF_ERROR(run(batch));
+  const int rows = static_cast<int>(batch.logits_rows.size());
+  MOE_CUDA_RETURN_IF_ERROR(ops::cuda::argmax({s.logits.data_as<float>(), s.greedy.data_as<int32_t>(), rows,
+                                              static_cast<int>(config().vocab_size)}, s.stream));
+  std::vector<int32_t> ids(static_cast<size_t>(rows));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids.data(), s.greedy.data(), ids.size() * sizeof(int32_t),
+                                           cudaMemcpyDeviceToHost, s.stream));
+  MOE_RETURN_IF_ERROR(sync_and_fetch_hidden(batch.num_tokens(), hidden_rows, hidden));
+  return ids;
+}
+
+Status CudaQwen3MoeModel::check_batch(const ForwardBatch& batch, std::span<const int32_t> hidden_rows) const {
+  const int T = batch.num_tokens();
+  if (T > state_->options.max_num_tokens)
+    return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, state_->options.max_num_tokens);
+  if (static_cast<int>(batch.logits_rows.size()) > T) return invalid_argument("more logits rows than tokens");
+  for (int32_t row : hidden_rows)
+    if (row < 0 || row >= T) return invalid_argument("hidden state row {} of a {}-token batch", row, T);
+  return Status::ok();
+}
+
+// After a forward pass, `normed` holds every token's final-normed state:
+// copies `hidden_rows` of it behind the copies already queued, waits for the
+// stream, and widens them to f32.
+Status CudaQwen3MoeModel::sync_and_fetch_hidden(int num_tokens, std::span<const int32_t> hidden_rows, Tensor& hidden) {
+  State& s = *state_;
+  const int64_t H = config().hidden_size;
+  std::vector<uint16_t> normed(hidden_rows.empty() ? 0 : static_cast<size_t>(num_tokens) * H);
+  if (!normed.empty())
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(normed.data(), s.normed.data(), normed.size() * sizeof(uint16_t),
+                                             cudaMemcpyDeviceToHost, s.stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
+  if (hidden_rows.empty()) return Status::ok();
+  hidden = Tensor(DType::kF32, {static_cast<int64_t>(hidden_rows.size()), H});
+  float* out = hidden.data_as<float>();
+  for (size_t i = 0; i < hidden_rows.size(); ++i)
+    for (int64_t j = 0; j < H; ++j) out[i * H + j] = bf16_to_float(normed[hidden_rows[i] * H + j]);
+  return Status::ok();
+}
+
+// The MTP forward of model/mtp.h: e = rms_norm(embed(x)), g = rms_norm(h),
+// u = [e ; g] fc^T (f32, the block's residual stream), the decoder block over
+// the MTP's KV pages, its last norm being mtp.norm, then lm_head on the output rows.
+Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorView hidden) {
+  State& s = *state_;
+  if (!s.mtp_layer) return invalid_argument("this CUDA model was created without an MTP layer");
+  const ModelConfig& c = config();
+  const int T = mb.num_tokens(), H = static_cast<int>(c.hidden_size);
+  const auto rows = static_cast<int>(mb.output_rows.size());
+  if (T > s.options.max_num_tokens)
+    return invalid_argument("MTP batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
+  if (hidden.dtype() != DType::kF32 || hidden.rank() != 2 || hidden.dim(0) != T || hidden.dim(1) != H)
+    return invalid_argument("MTP hidden states must be [{}, {}] f32", T, H);
+  if (rows > T) return invalid_argument("{} MTP output rows for {} tokens", rows, T);
+  for (int32_t row : mb.output_rows)
+    if (row < 0 || row >= T) return invalid_argument("MTP output row {} of a {}-token batch", row, T);
+  MtpOutput out{Tensor(DType::kF32, {rows, c.hidden_size}), Tensor(DType::kF32, {rows, c.vocab_size})};
+  if (T == 0) return out;
+  MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(s.options.device));
+  ForwardBatch batch;
+  batch.token_ids = mb.token_ids;
+  batch.positions = mb.positions;
+  batch.query_start = mb.query_start;
+  batch.page_table = mb.page_table;
+  batch.max_pages_per_seq = mb.max_pages_per_seq;
+  batch.logits_rows = mb.output_rows;
+  MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, 0));
+#define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
+  const size_t row_bytes = static_cast<size_t>(H) * sizeof(bf16);
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.mtp_h.data(), hidden.data(), hidden.num_bytes(), cudaMemcpyHostToDevice,
+                                           s.stream));
+  MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
+                           static_cast<int>(c.vocab_size)}, s.stream));
+  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.mtp_embed_norm.data_as<bf16>(),
+                              s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  MOE_LAUNCH(k::add_rms_norm({s.mtp_h.data_as<float>(), nullptr, s.mtp_hidden_norm.data_as<bf16>(),
+                              s.mtp_g.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  // [e ; g]: the two halves of each row of mtp_concat.
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(s.mtp_concat.data(), 2 * row_bytes, s.normed.data(), row_bytes, row_bytes, T,
+                                             cudaMemcpyDeviceToDevice, s.stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(s.mtp_concat.data_as<uint8_t>() + row_bytes, 2 * row_bytes, s.mtp_g.data(),
+                                             row_bytes, row_bytes, T, cudaMemcpyDeviceToDevice, s.stream));
+  MOE_RETURN_IF_ERROR(s.gemm->matmul(s.mtp_concat.data_as<bf16>(), s.mtp_fc.data_as<bf16>(), s.residual.data(),
+                                     DType::kF32, T, H, 2 * H, s.stream));
+  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.mtp_layer->input_norm.data_as<bf16>(),
+                              s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  MOE_RETURN_IF_ERROR(launch_layer(*s.mtp_layer, shape, s.mtp_final_norm.data(), -1));
+  std::vector<uint16_t> normed(static_cast<size_t>(rows) * H);
+  if (rows > 0) {
+    MOE_LAUNCH(k::gather_rows({s.normed.data_as<bf16>(), s.logits_rows.data_as<int32_t>(), s.logit_rows.data_as<bf16>(),
+                               rows, H}, s.stream));
+    MOE_RETURN_IF_ERROR(s.gemm->matmul(s.logit_rows.data_as<bf16>(), s.lm_head.data_as<bf16>(), s.logits.data(),
+                                       DType::kF32, rows, static_cast<int>(c.vocab_size), H, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.logits.data(), s.logits.data(), out.logits.num_bytes(),
+                                             cudaMemcpyDeviceToHost, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(normed.data(), s.logit_rows.data(), normed.size() * sizeof(uint16_t),
+                                             cudaMemcpyDeviceToHost, s.stream));
+  }
+#undef MOE_LAUNCH
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
+  float* h = out.hidden.data_as<float>();
+  for (size_t i = 0; i < normed.size(); ++i) h[i] = bf16_to_float(normed[i]);
+  return out;
+}
+
+Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_sample(const ForwardBatch& batch,
+                                                                  std::span<const ops::cuda::SampleRow> rows) {
+  if (rows.size() != batch.logits_rows.size())
+    return invalid_argument("{} sampling rows for {} logits rows", rows.size(), batch.logits_rows.size());
+  State& s = *state_;
+  MOE_RETURN_IF_ERROR(run(batch));  // first: it makes the model's device current for the allocation below
+  if (s.sample_rows.data() == nullptr || s.sample_rows.num_bytes() < rows.size_bytes()) {
+    MOE_ASSIGN_OR_RETURN(s.sample_rows, DeviceTensor::allocate(DType::kU8, {static_cast<int64_t>(rows.size_bytes())}));
+  }
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.sample_rows.data(), rows.data(), rows.size_bytes(), cudaMemcpyHostToDevice,
+                                           s.stream));
+  MOE_CUDA_RETURN_IF_ERROR(ops::cuda::sample({s.logits.data_as<float>(), s.sample_rows.data_as<ops::cuda::SampleRow>(),
+                                              s.greedy.data_as<int32_t>(), static_cast<int>(rows.size()),
+                                              static_cast<int>(config().vocab_size)}, s.stream));
+  std::vector<int32_t> tokens(rows.size());
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens.data(), s.greedy.data(), tokens.size() * sizeof(int32_t),
+                                           cudaMemcpyDeviceToHost, s.stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
+  return tokens;
+}
+
+Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy(const ForwardBatch& batch) {
+  Tensor unused;
+  return forward_greedy_with_hidden(batch, {}, unused);
+}
+
+}  // namespace moe::model
