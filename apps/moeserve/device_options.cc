@@ -10,6 +10,11 @@ void add_device_options(CLI::App* cmd, DeviceArgs& args) {
   cmd->add_option("--device", args.device, "cpu or cuda (one GPU)")->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--gpu", args.gpu, "With --device cuda: the GPU to run on (CUDA ordinal, default 0)")
       ->check(CLI::Range(0, 1023));
+  cmd->add_option("--gpus", args.gpus,
+                  "With --device cuda and --tp/--ep: each rank's GPU, comma-separated (default --gpu, --gpu + 1, ...); "
+                  "a GPU named twice is shared, time-sliced, which only tests should do")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 1023));
   cmd->add_option("--gpu-memory-utilization", args.gpu_memory_utilization,
                   "With --device cuda: share of the GPU's memory for weights, activations and the KV cache")
       ->check(CLI::Range(0.05, 0.99));
@@ -21,6 +26,7 @@ Status check_device(const DeviceArgs& args) {
     return invalid_argument("--device must be cpu or cuda, got '{}'", args.device);
   if (!args.cuda()) {
     if (args.gpu != 0) return invalid_argument("--gpu {} only applies with --device cuda", args.gpu);
+    if (!args.gpus.empty()) return invalid_argument("--gpus only applies with --device cuda");
     return Status::ok();
   }
 #ifdef MOE_WITH_CUDA
@@ -28,6 +34,13 @@ Status check_device(const DeviceArgs& args) {
 #else
   return unimplemented("--device cuda: this build has no CUDA backend (nvcc was not found)");
 #endif
+}
+
+Expected<int> rank_gpu(const DeviceArgs& args, int rank, int world) {
+  if (args.gpus.empty()) return args.gpu + rank;
+  if (static_cast<int>(args.gpus.size()) != world)
+    return invalid_argument("--gpus names {} GPUs for {} ranks: give one per rank", args.gpus.size(), world);
+  return args.gpus[rank];
 }
 
 }  // namespace moe::apps

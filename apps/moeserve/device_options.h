@@ -1,9 +1,10 @@
 // The device flags shared by `generate`, `serve`, `prefill` and `decode`:
-// --device, --gpu, --gpu-memory-utilization and --enforce-eager, and the
+// --device, --gpu, --gpus, --gpu-memory-utilization and --enforce-eager, and the
 // check that the chosen device can be used.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -14,6 +15,7 @@ namespace moe::apps {
 struct DeviceArgs {
   std::string device = "cpu";
   int gpu = 0;  // CUDA ordinal (--gpu), as the driver numbers them (CUDA_VISIBLE_DEVICES applies)
+  std::vector<int> gpus;  // --gpus: GPU ranks' ordinals, one per rank (empty: --gpu, --gpu + 1, ...)
   double gpu_memory_utilization = 0.9;
   bool enforce_eager = false;
   bool cuda() const { return device == "cuda"; }
@@ -26,5 +28,9 @@ void add_device_options(CLI::App* cmd, DeviceArgs& args);
 // (before anything is allocated, so no context is created on another GPU);
 // else an error naming the reason.
 Status check_device(const DeviceArgs& args);
+
+// The GPU of rank `rank` of `world` GPU ranks: --gpus[rank] when given (its
+// length must be `world`), else --gpu + rank.
+Expected<int> rank_gpu(const DeviceArgs& args, int rank, int world);
 
 }  // namespace moe::apps

@@ -105,7 +105,7 @@ std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role)
   add("--max-num-seqs", std::to_string(a.max_num_seqs));
   if (a.max_model_len > 0) add("--max-model-len", std::to_string(a.max_model_len));
   add("--max-num-batched-tokens", std::to_string(a.max_num_batched_tokens));
-  add("--kv-cache-gb", fmt::format("{}", a.kv_cache_gb));
+  if (a.kv_cache_gb > 0) add("--kv-cache-gb", fmt::format("{}", a.kv_cache_gb));
   add("--page-size", std::to_string(a.page_size));
   add("--kv-dtype", a.kv_dtype);
   if (a.no_prefix_caching) v.push_back("--no-enable-prefix-caching");

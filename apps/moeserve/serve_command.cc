@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -71,10 +72,12 @@ Expected<engine::SchedulerOptions> scheduler_options(const ServeArgs& args, cons
   if (s.max_model_len > model_max)
     return invalid_argument("--max-model-len {} is over the model's max_position_embeddings {}", s.max_model_len, model_max);
   const int64_t pages_per_seq = (s.max_model_len + s.page_size - 1) / s.page_size;
-  const auto budget_pages = static_cast<int64_t>(args.kv_cache_gb * 1e9 / static_cast<double>(page_bytes_all_layers));
+  if (args.device.cuda()) return s;  // the CUDA model sizes its pool (cuda_model_options) and sets num_pages
+  const double gb = args.kv_cache_gb > 0 ? args.kv_cache_gb : kDefaultCpuKvCacheGb;
+  const auto budget_pages = static_cast<int64_t>(gb * 1e9 / static_cast<double>(page_bytes_all_layers));
   s.num_pages = static_cast<int32_t>(std::min<int64_t>(budget_pages, pages_per_seq * s.max_num_seqs));
   if (s.num_pages < pages_per_seq)
-    return invalid_argument("--kv-cache-gb {} holds {} pages; one sequence of --max-model-len {} needs {}", args.kv_cache_gb,
+    return invalid_argument("--kv-cache-gb {} holds {} pages; one sequence of --max-model-len {} needs {}", gb,
                             budget_pages, s.max_model_len, pages_per_seq);
   return s;
 }
@@ -249,7 +252,7 @@ struct GpuRanks;  // CUDA builds: the GPU ranks of a --tp/--ep instance
 
 #ifdef MOE_WITH_CUDA
 // GPU ranks of a --tp/--ep instance (docs/parallel.md, "On GPUs"): one process
-// per GPU, rank r on GPU --gpu + r. They meet over TCP on the loopback (the
+// per GPU, rank r on GPU --gpu + r (or --gpus[r]). They meet over TCP on the loopback (the
 // leader listens on a free port that its followers get as a flag), open the
 // symmetric memory of their layer collective, load their weights, and create
 // their models together (the warm-up pass runs the collectives); then they
@@ -273,9 +276,16 @@ Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, int hid
     MOE_ASSIGN_OR_RETURN(g.bootstrap, comm::TcpBootstrap::connect("127.0.0.1", p.internal_bootstrap_port,
                                                                  p.internal_rank, p.world(), kGpuRankTimeoutMs));
   } else {
-    if (Status last = engine::cuda_device_status(g.device + p.world() - 1); !last)
-      return invalid_argument("{} GPU ranks from --gpu {} need GPUs {}..{}: {}", p.world(), g.device, g.device,
-                              g.device + p.world() - 1, last.message());
+    for (int rank = 1; rank < p.world(); ++rank) {
+      MOE_ASSIGN_OR_RETURN(const int gpu, rank_gpu(args.device, rank, p.world()));
+      if (Status usable = engine::cuda_device_status(gpu); !usable)
+        return invalid_argument("GPU rank {} of {} needs GPU {} (--gpu/--gpus): {}", rank, p.world(), gpu,
+                                usable.message());
+    }
+    const std::set<int> distinct(args.device.gpus.begin(), args.device.gpus.end());
+    if (!args.device.gpus.empty() && static_cast<int>(distinct.size()) < p.world())
+      log_warn("GPU ranks share GPUs (--gpus {}): their kernels time-slice, which only tests should do",
+               fmt::join(args.device.gpus, ","));
     MOE_ASSIGN_OR_RETURN(auto listener, comm::BootstrapListener::bind("127.0.0.1", 0));
     const int port = listener.port();
     MOE_ASSIGN_OR_RETURN(auto started, spawn_followers(p, new_group_name(), 0, port));
@@ -309,6 +319,7 @@ model::CudaModelOptions cuda_model_options(const ServeArgs& args, const engine::
   cuda.max_num_seqs = sched.max_num_seqs;
   cuda.max_model_len = sched.max_model_len;
   cuda.gpu_memory_utilization = args.device.gpu_memory_utilization;
+  cuda.kv_cache_bytes = args.kv_cache_gb * 1e9;  // 0: what --gpu-memory-utilization leaves after a warm-up pass
   cuda.use_cuda_graphs = !args.device.enforce_eager;
   return cuda;
 }
@@ -514,9 +525,12 @@ Status run_serve(ServeArgs args) {
     if (spec.enabled()) MOE_RETURN_IF_ERROR(find_mtp_source(args.speculative, args.model, false).status());
     return run_cluster(std::move(args));
   }
-  // A GPU rank's own GPU (rank r on --gpu + r), made current by the device check below.
-  if (args.device.cuda() && args.parallel.world() > 1 && args.parallel.dp == 1)
-    args.device.gpu += args.parallel.internal_rank;
+  // A GPU rank's own GPU (rank r on --gpu + r, or --gpus[r]), made current by the device check below.
+  if (args.device.cuda() && args.parallel.world() > 1 && args.parallel.dp == 1) {
+    MOE_ASSIGN_OR_RETURN(args.device.gpu, rank_gpu(args.device, args.parallel.internal_rank, args.parallel.world()));
+  } else if (!args.device.gpus.empty()) {
+    return invalid_argument("--gpus names the GPUs of --tp/--ep ranks; with one rank use --gpu");
+  }
   MOE_RETURN_IF_ERROR(check_serve_args(args));
   MOE_ASSIGN_OR_RETURN(DType kv_dtype, dtype_from_name(args.kv_dtype));
   MOE_ASSIGN_OR_RETURN(const ResolvedModel resolved, resolve_model(args.model, args.load));
@@ -640,7 +654,9 @@ void add_engine_options(CLI::App* cmd, ServeArgs& a) {
   cmd->add_option("--max-model-len", args->max_model_len, "Prompt + generated tokens at most per request");
   cmd->add_option("--max-num-batched-tokens", args->max_num_batched_tokens, "Tokens per step (chunked prefill budget)")
       ->check(CLI::Range(1, 1 << 20));
-  cmd->add_option("--kv-cache-gb", args->kv_cache_gb, "Memory for the KV cache in GB")->check(CLI::Range(0.0001, 4096.0));
+  cmd->add_option("--kv-cache-gb", args->kv_cache_gb,
+                  "Memory for the KV cache in GB (per GPU rank with --device cuda; default 1 on the CPU, on GPUs what "
+                  "--gpu-memory-utilization leaves)")->check(CLI::Range(0.0001, 4096.0));
   cmd->add_option("--page-size", args->page_size, "Tokens per KV page");
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_flag("--no-enable-prefix-caching", args->no_prefix_caching, "Turn prefix caching off");

@@ -27,6 +27,8 @@
 
 namespace moe::apps {
 
+inline constexpr double kDefaultCpuKvCacheGb = 1.0;
+
 struct ServeArgs {
   std::string model;
   std::string served_model_name;
@@ -36,7 +38,7 @@ struct ServeArgs {
   int max_num_seqs = 64;
   int max_model_len = 0;  // 0: min(the model's max_position_embeddings, 4096)
   int max_num_batched_tokens = 512;
-  double kv_cache_gb = 1.0;
+  double kv_cache_gb = 0;  // 0: kDefaultCpuKvCacheGb on the CPU; on GPUs what --gpu-memory-utilization leaves
   int page_size = 16;
   std::string kv_dtype = "f32";
   bool no_prefix_caching = false;

@@ -166,6 +166,15 @@ TEST(Cli, GpuSelectionErrors) {
   CliRun cluster = run("serve --disagg --device cuda --model " + kGolden);
   EXPECT_EQ(cluster.exit_code, 1) << cluster.output;
   EXPECT_NE(cluster.output.find("serve --disagg starts CPU instances only"), std::string::npos) << cluster.output;
+  CliRun gpus_cpu = run("generate --model " + kGolden + " --prompt-ids 1 --gpus 0,1");
+  EXPECT_EQ(gpus_cpu.exit_code, 1) << gpus_cpu.output;
+  EXPECT_NE(gpus_cpu.output.find("--gpus only applies with --device cuda"), std::string::npos) << gpus_cpu.output;
+  CliRun gpus_count = run("serve --model " + kGolden + " --device cuda --tp 2 --gpus 0,0,1 --port 0");
+  EXPECT_EQ(gpus_count.exit_code, 1) << gpus_count.output;
+  EXPECT_NE(gpus_count.output.find("--gpus names 3 GPUs for 2 ranks"), std::string::npos) << gpus_count.output;
+  CliRun gpus_one = run("serve --model " + kGolden + " --device cuda --gpus 0 --port 0");
+  EXPECT_EQ(gpus_one.exit_code, 1) << gpus_one.output;
+  EXPECT_NE(gpus_one.output.find("with one rank use --gpu"), std::string::npos) << gpus_one.output;
   // No machine here has 1000 GPUs: refused before any model is loaded.
   CliRun far = run("prefill --model " + kGolden + " --device cuda --gpu 1000 --port 0");
   EXPECT_EQ(far.exit_code, 1) << far.output;

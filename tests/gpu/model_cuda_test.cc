@@ -190,6 +190,32 @@ TEST(CudaModel, BatchedMatchesOneByOne) {
   }
 }
 
+// KV pool sizes: a byte budget (serve --kv-cache-gb on a GPU) becomes whole
+// pages of the model's page bytes; a budget under one sequence is refused.
+TEST(CudaModel, KvCacheBytesGiveWholePages) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  ThreadPool pool;
+  Loaded m = load("moe_basic", pool);
+  CudaModelOptions options;
+  options.page_size = 4;
+  options.max_model_len = 64;
+  options.num_pages = 8;
+  auto fixed = CudaQwen3MoeModel::create(*m.weights, options);
+  ASSERT_TRUE(fixed.has_value()) << fixed.status().to_string();
+  EXPECT_EQ((*fixed)->num_pages(), 8);
+  const double page_bytes = static_cast<double>((*fixed)->kv_page_bytes());
+  options.num_pages = 0;
+  options.kv_cache_bytes = page_bytes * 100.5;
+  auto budget = CudaQwen3MoeModel::create(*m.weights, options);
+  ASSERT_TRUE(budget.has_value()) << budget.status().to_string();
+  EXPECT_EQ((*budget)->num_pages(), 100);
+  options.kv_cache_bytes = page_bytes * 15;  // 64 tokens need 16 pages of 4
+  auto small = CudaQwen3MoeModel::create(*m.weights, options);
+  ASSERT_FALSE(small.has_value());
+  EXPECT_EQ(small.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(small.status().message().find("needs 16"), std::string::npos) << small.status().message();
+}
+
 
 // A dummy model with head_dim 128 and 16 q heads per kv head, so the
 // tensor-core attention kernels (prefill and decode) run inside the model:

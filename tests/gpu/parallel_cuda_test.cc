@@ -225,7 +225,7 @@ TEST(CudaParallelPlan, RefusesWhatItCannotRun) {
   auto mismatched = CudaQwen3MoeModel::create(*weights, options);
   ASSERT_FALSE(mismatched.has_value());
   EXPECT_NE(mismatched.status().message().find("layer communicator"), std::string::npos) << mismatched.status().message();
-  options.plan.tp_rank = 1;
+  options.plan.tp_rank = 0;
   options.plan.dp_attention = true;
   options.plan.tp_size = 1;
   options.plan.ep_size = 2;

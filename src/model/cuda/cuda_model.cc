@@ -364,7 +364,7 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   s->weights_and_activations_bytes = s->bytes;
   const int64_t max_model_len = options.max_model_len > 0 ? options.max_model_len : std::max<int64_t>(c.max_position_embeddings, 1);
   s->max_pages_per_seq = static_cast<int>((max_model_len + options.page_size - 1) / options.page_size);
-  const bool size_from_memory = s->options.num_pages == 0;
+  const bool size_from_memory = s->options.num_pages == 0 && options.kv_cache_bytes <= 0;
   // Sized from memory: a pool just large enough for a warm-up forward pass of
   // max_num_tokens first, so what that pass allocates (cuBLASLt workspaces,
   // kernel modules loaded on first launch) is counted before the real pool.
@@ -372,7 +372,16 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   const int32_t warmup_pages = (warmup_tokens + options.page_size - 1) / options.page_size;
   auto model = std::unique_ptr<CudaQwen3MoeModel>(new CudaQwen3MoeModel(std::move(s)));
   if (options.mtp != nullptr) MOE_RETURN_IF_ERROR(model->upload_mtp(*options.mtp));
-  MOE_RETURN_IF_ERROR(model->allocate_kv_pool(size_from_memory ? warmup_pages : options.num_pages));
+  if (!size_from_memory && options.num_pages == 0) {  // a budget in bytes: pages of this model's page size
+    const double pages = std::floor(options.kv_cache_bytes / static_cast<double>(model->kv_page_bytes()));
+    const int per_seq = model->state_->max_pages_per_seq;
+    if (pages < per_seq)
+      return invalid_argument("a KV cache of {:.3f} GB holds {} pages of {} tokens on this GPU; one sequence of {} "
+                              "tokens needs {}", options.kv_cache_bytes / 1e9, pages, options.page_size, max_model_len,
+                              per_seq);
+    model->state_->options.num_pages = static_cast<int32_t>(std::min<double>(pages, INT32_MAX - 1));
+  }
+  MOE_RETURN_IF_ERROR(model->allocate_kv_pool(size_from_memory ? warmup_pages : model->state_->options.num_pages));
   // Ranks finish their uploads at different times: meet before the warm-up's collectives.
   if (options.comm != nullptr) MOE_RETURN_IF_ERROR(options.comm->barrier());
   if (size_from_memory) MOE_RETURN_IF_ERROR(model->size_kv_pool_after_warm_up(warmup_tokens));

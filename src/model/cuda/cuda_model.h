@@ -32,7 +32,8 @@ namespace moe::model {
 struct CudaModelOptions {
   int device = 0;              // CUDA ordinal; made current on every thread that calls into the model
   int page_size = 16;
-  int32_t num_pages = 0;       // KV pages per layer; 0: sized from gpu_memory_utilization after a warm-up pass
+  int32_t num_pages = 0;       // KV pages per layer; 0: kv_cache_bytes, else sized from gpu_memory_utilization
+  double kv_cache_bytes = 0;   // with num_pages 0: a KV pool of this many bytes (all layers); 0: from memory
   double gpu_memory_utilization = 0.9;  // share of the GPU's memory this process may hold in all
   int max_num_tokens = 256;    // tokens per forward (activation buffers)
   int max_num_seqs = 64;
@@ -120,6 +121,8 @@ class CudaQwen3MoeModel {
   void set_layer_hook(std::function<void(int)> hook);
   // Bytes of device memory held (weights, KV, activations).
   size_t device_bytes() const;
+  // Bytes of one KV page id over all layers (the MTP layer's included).
+  size_t kv_page_bytes() const;
 
  private:
   struct State;
@@ -128,7 +131,6 @@ class CudaQwen3MoeModel {
                                                                   uint64_t seed, const CudaModelOptions& options);
   Status allocate_kv_pool(int32_t num_pages);
   Status size_kv_pool_after_warm_up(int tokens);
-  size_t kv_page_bytes() const;
   Status run(const ForwardBatch& batch);
   Expected<StepShape> upload_step(const ForwardBatch& batch, int padded_tokens);
   Status launch_step(const StepShape& shape);
