@@ -171,11 +171,6 @@ Status check_parallel_args(const ServeArgs& args) {
                             "decode endpoint: use `moeserve decode --dp N --ep N --router URL`");
   if (p.dp > 1 && (p.tp != 1 || p.ep != p.dp))
     return invalid_argument("--dp {} needs --ep {} (experts split over the same ranks) and --tp 1", p.dp, p.dp);
-  if ((args.role == "prefill" || args.role == "decode") && args.device.cuda())
-    return invalid_argument("moeserve {} --device cuda is not enabled yet: its two-GPU test "
-                            "(tests/gpu/disagg_cuda_test.cc) fails with an illegal memory access on the first "
-                            "forward pass (docs/disagg.md, \"On GPUs\"); run the disaggregated roles with --device cpu",
-                            args.role);
   if (p.world() > 1 && args.device.cuda() && (p.dp > 1 || args.role != "colocated"))
     return invalid_argument("GPU ranks run `moeserve serve --tp N --ep N --device cuda` only for now; the prefill "
                             "and decode roles and --dp run CPU ranks (docs/parallel.md)");

@@ -9,7 +9,7 @@
 # the parts' limits add up to more than one call's 10 minutes.
 #
 #   PARTS="check comm bench serve disagg ranks" (default: all) picks parts;
-#   BENCH_ONLY=moe_prefill passes --only to gpu_bench.
+#   BENCH_ONLY=moe_prefill passes --only to gpu_bench; PEERS=0 skips the PyTorch peers.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -32,9 +32,9 @@ for part in $PARTS; do
   case $part in
     check) run_part check 300 tools/gpu/check.sh ;;
     comm) if [[ $gpus -ge 2 ]]; then run_part comm 240 tools/gpu/comm_check.sh; else echo "comm: skipped, $gpus GPU(s)"; fi ;;
-    bench) BENCH_ONLY=${BENCH_ONLY:-} run_part bench 420 tools/gpu/bench.sh ;;
+    bench) BENCH_ONLY=${BENCH_ONLY:-} PEERS=${PEERS:-1} run_part bench 420 tools/gpu/bench.sh ;;
     serve) run_part serve 120 tools/gpu/serve_check.sh ;;
-    disagg) if [[ $gpus -ge 2 ]]; then run_part disagg 300 tools/gpu/disagg_check.sh; else echo "disagg: skipped, $gpus GPU(s)"; fi ;;
+    disagg) run_part disagg 240 tools/gpu/disagg_check.sh ;;  # one GPU: both instances on it
     ranks) if [[ $gpus -ge 2 ]]; then run_part ranks 420 tools/gpu/ranks_bench.sh; else echo "ranks: skipped, $gpus GPU(s)"; fi ;;
   esac
 done

@@ -8,4 +8,5 @@ OUT=${OUT:-/tmp/out}
 BIN=${BIN:-build-gpu/bin}
 mkdir -p "$OUT"
 "$BIN/gpu_bench" --json "$OUT/gpu_bench.jsonl" --layers "${LAYERS:-4}" ${BENCH_ONLY:+--only "$BENCH_ONLY"} 2>&1 | tee "$OUT/gpu_bench.log"
-python3 bench/gpu/peer_bench.py "$OUT/peer_bench.jsonl" 2>&1 | tee "$OUT/peer_bench.log"
+# PEERS=0: ours only (sections whose peers are not in this run's table).
+[[ ${PEERS:-1} == 0 ]] || python3 bench/gpu/peer_bench.py "$OUT/peer_bench.jsonl" 2>&1 | tee "$OUT/peer_bench.log"
