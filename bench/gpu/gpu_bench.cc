@@ -433,12 +433,13 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
       (graphs ? step_ms : eager_ms) = ms[2 + (ms.size() - 2) / 2];
     }
     const model::ModelConfig& c = *config;
-    // Expert bytes: bf16, or E4M3 plus one f32 scale per 128 x 128 block.
+    // Expert and attention projection bytes: bf16, or (dummy fp8-block: both
+    // quantized) E4M3 plus one f32 scale per 128 x 128 block.
+    const double bytes_per_weight = experts == ops::QuantFormat::kFp8Block ? 1.0 + 4.0 / (128 * 128) : 2.0;
     const double expert_elements = double(c.num_experts) * 3 * c.hidden_size * c.moe_intermediate_size;
-    const double expert_bytes = experts == ops::QuantFormat::kFp8Block ? expert_elements * (1.0 + 4.0 / (128 * 128))
-                                                                        : 2.0 * expert_elements;
-    const double layer_weights = 2.0 * (double(c.q_size() + 2 * c.kv_size()) * c.hidden_size +
-                                        double(c.hidden_size) * c.q_size()) + expert_bytes;
+    const double attention_elements = double(c.q_size() + 2 * c.kv_size()) * c.hidden_size +
+                                      double(c.hidden_size) * c.q_size();
+    const double layer_weights = bytes_per_weight * (attention_elements + expert_elements);
     const double kv = 2.0 * batch * context * c.num_kv_heads * c.head_dim * 2;
     const double head_bytes = 2.0 * 2 * c.vocab_size * c.hidden_size;
     const double floor_ms = (num_layers * (layer_weights + kv) + head_bytes) / (copy_gbs * 1e6);

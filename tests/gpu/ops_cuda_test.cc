@@ -368,6 +368,64 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
   }
 }
 
+// A dense projection through the FP8 grouped GEMMs as one group (the CUDA
+// model's FP8 attention projections): at decode sizes the few tiles are split
+// along K (k_splits from fp8_gemm_k_splits, adding into a zeroed output),
+// which must give what one item per tile gives and what the CPU's quantized
+// linear gives, for fp8-block and MXFP8 weights.
+TEST_F(CudaOps, Fp8DenseProjectionSplitAlongKMatchesTheCpu) {
+  if (!k::hopper_kernels_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs an sm_90 device";
+  struct Case { int tokens, N, K; };
+  for (const QuantFormat format : {QuantFormat::kFp8Block, QuantFormat::kMxfp8}) {
+    const bool mx = format == QuantFormat::kMxfp8;
+    for (const Case& c : {Case{64, 2048, 4096}, Case{37, 1024, 8192}, Case{8, 4096, 1024}}) {
+      Host x = random_bf16({c.tokens, c.K}, rng_);
+      Host w = random_bf16({c.N, c.K}, rng_, 1.0f / std::sqrt(static_cast<float>(c.K)));
+      const Shape scale_shape = quant_scale_shape(format, c.N, c.K);
+      Tensor values(DType::kF8E4M3, {c.N, c.K}), scales(mx ? DType::kE8M0 : DType::kF32, scale_shape);
+      const QuantizedTensor q{format, values.view(), scales.view(), TensorView(), 0};
+      quantize_matrix(w.f32.data_as<float>(), q);
+      Tensor ref(DType::kF32, {c.tokens, c.N});
+      cpu::quantized_linear(pool_, x.f32.view(), q, ref.view());
+
+      const int tile = k::kGroupedGemmTileRows, row_tiles = (c.tokens + tile - 1) / tile;
+      const int splits = k::fp8_gemm_k_splits(c.N, c.K, row_tiles);
+      DeviceTensor d_x = upload(x.bf16), d_w = upload(values), d_s = upload(scales);
+      DeviceTensor offsets = upload_vector(std::vector<int32_t>{0, c.tokens}, DType::kI32);
+      DeviceTensor tiles = upload_vector(std::vector<int32_t>{0, row_tiles}, DType::kI32);
+      const int scale_bytes = mx ? c.tokens * c.K / 32 : c.tokens * (c.K / 128) * 4;
+      Output x_q = Output::make(static_cast<size_t>(c.tokens) * c.K), x_s = Output::make(scale_bytes);
+      if (mx) {
+        ASSERT_EQ(k::quantize_mxfp8({d_x.data_as<bf16>(), x_q.get<uint8_t>(), x_s.get<uint8_t>(), c.tokens, c.K}, nullptr),
+                  cudaSuccess);
+      } else {
+        ASSERT_EQ(k::quantize_fp8_groups({d_x.data_as<bf16>(), x_q.get<uint8_t>(), x_s.get<float>(), c.tokens, c.K},
+                                         nullptr), cudaSuccess);
+      }
+      std::vector<std::vector<float>> outs;
+      for (const int k_splits : {1, splits}) {
+        Output out = Output::make(static_cast<size_t>(c.tokens) * c.N * sizeof(float));
+        ASSERT_EQ(cudaMemset(out.get<void>(), 0, static_cast<size_t>(c.tokens) * c.N * sizeof(float)), cudaSuccess);
+        const cudaError_t launched =
+            mx ? k::mxfp8_grouped_gemm({x_q.get<uint8_t>(), x_s.get<uint8_t>(), nullptr, d_w.data_as<uint8_t>(),
+                                        d_s.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                                        out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, k_splits}, nullptr)
+               : k::fp8_grouped_gemm({x_q.get<uint8_t>(), x_s.get<float>(), nullptr, d_w.data_as<uint8_t>(),
+                                      d_s.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                                      out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, k_splits}, nullptr);
+        ASSERT_EQ(launched, cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        outs.push_back(as_floats(out.download(), DType::kF32));
+        EXPECT_LT(scaled_error(outs.back(), ref.data_as<float>(), ref.num_elements()), 2e-2)
+            << quant_format_name(format) << ", " << c.tokens << " x " << c.N << " x " << c.K << ", k_splits " << k_splits;
+      }
+      EXPECT_LT(scaled_error(outs[1], outs[0].data(), static_cast<int64_t>(outs[0].size())), 1e-5)
+          << "split along K (" << splits << ") against one item per tile";
+      EXPECT_GT(splits, 1) << c.N << " x " << c.K << " has too few tiles to fill the GPU unsplit";
+    }
+  }
+}
+
 // The MXFP8 activation quantizer writes the bytes the CPU quantizer writes
 // for the same matrix (E4M3 values, E8M0 scales per 1 x 32, the OCP rule),
 // zero groups and a partial last group included.

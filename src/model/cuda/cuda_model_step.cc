@@ -231,16 +231,20 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
   };
   // An attention projection in FP8: `in` [T, K] quantized as the experts'
   // inputs are, then the grouped GEMM with one group, f32 rows out.
+  // At decode sizes its few tiles are split along K (fp8_gemm_k_splits) so
+  // the whole GPU streams the weights, adding into `out` zeroed first.
   auto fp8_projection = [&](const DeviceTensor& in, int K, const DeviceTensor& w, const DeviceTensor& w_scales,
                             void* out, int N) -> Status {
     const int tile = dense_tile_rows(T), tiles = (T + tile - 1) / tile + 1;
+    const int k_splits = tile == k::kPrefillGemmTileRows ? 1 : k::fp8_gemm_k_splits(N, K, (T + tile - 1) / tile);
+    if (k_splits > 1) MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(out, 0, sizeof(float) * T * N, s.stream));
     if (s.mx_experts) {
       MOE_LAUNCH(k::quantize_mxfp8({in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<uint8_t>(), T,
                                     K}, s.stream));
       MOE_LAUNCH(k::mxfp8_grouped_gemm({s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<uint8_t>(), nullptr,
                                         w.data_as<uint8_t>(), w_scales.data_as<uint8_t>(),
                                         s.dense_offsets.data_as<int32_t>(), s.dense_tile_offsets.data_as<int32_t>(),
-                                        out, N, K, 1, tiles, false}, s.stream));
+                                        out, N, K, 1, tiles, false, k_splits}, s.stream));
       return Status::ok();
     }
     MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), T, K},
@@ -248,7 +252,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_LAUNCH((tile == k::kPrefillGemmTileRows ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
         {s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), nullptr, w.data_as<uint8_t>(),
          w_scales.data_as<float>(), s.dense_offsets.data_as<int32_t>(), s.dense_tile_offsets.data_as<int32_t>(), out, N,
-         K, 1, tiles, false},
+         K, 1, tiles, false, k_splits},
         s.stream));
     return Status::ok();
   };

@@ -77,4 +77,17 @@ __device__ __forceinline__ void store_f32_row(float* out_row, const float (&acc)
   }
 }
 
+// As store_f32_row, adding into out_row (atomically: split-K items of one tile
+// add their shares into an output zeroed beforehand).
+template <int kSize>
+__device__ __forceinline__ void add_f32_row(float* out_row, const float (&acc)[kSize], int n_base, int N, int h,
+                                            int q) {
+#pragma unroll
+  for (int i = 0; i < kSize / 4; ++i) {
+    const int n = n_base + 8 * i + 2 * q;
+    if (n < N) atomicAdd(out_row + n, acc[4 * i + 2 * h]);
+    if (n + 1 < N) atomicAdd(out_row + n + 1, acc[4 * i + 2 * h + 1]);
+  }
+}
+
 }  // namespace moe::ops::cuda

@@ -71,6 +71,7 @@ struct Fp8GemmArgs {
   int num_n_tiles;
   int scale_cols;        // fp8-block: ceil(K / 128) floats; MXFP8: K / 32 bytes
   int gate_block_rows;   // fp8-block gate_up: ceil(N / 128), where the up half's block rows start
+  int k_splits;          // down only: K-steps split over this many items, each adding its share into `out`
 };
 
 // 2^(code - 127); code 0 is 2^-127 (a denormal), as the CPU reference reads it.
@@ -84,8 +85,9 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
 #if MOE_SM90A_DEVICE
   constexpr int kStageSize = kStageBytes<kMx>, kBarriers = kBarrierBase<kMx>;
   const Fp8GemmArgs& p = args;
-  const int num_items = p.tile_offsets[p.num_experts] * args.num_n_tiles;
+  const int num_items = p.tile_offsets[p.num_experts] * args.num_n_tiles * args.k_splits;
   const int num_k_steps = (p.K + kKStep - 1) / kKStep;
+  const int split_steps = (num_k_steps + args.k_splits - 1) / args.k_splits;  // an empty last split adds zeros
   const int columns_per_tile = kGateUp ? kWeightRows / 2 : kWeightRows;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t smem = (smem_u32(smem_raw) + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
@@ -108,8 +110,9 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
     // Producer warp. Lane l holds the source rows l and l + 32 (-1: past the tile).
     int step = 0;
     for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
-      const GemmItem item = grouped_gemm_item(p.expert_offsets, p.tile_offsets, p.num_experts, index,
+      const GemmItem item = grouped_gemm_item(p.expert_offsets, p.tile_offsets, p.num_experts, index / args.k_splits,
                                               args.num_n_tiles, columns_per_tile);
+      const int ks_begin = index % args.k_splits * split_steps, ks_end = min(num_k_steps, ks_begin + split_steps);
       int64_t source[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -133,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
         scale_row[0] = scale_row[1] = first_block + item.n0 / 128;
         scale_row[2] = scale_row[3] = first_block + min(item.n0 / 128 + 1, blocks_per_expert - 1);
       }
-      for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
+      for (int ks = ks_begin; ks < ks_end; ++ks, ++step) {
         const int stage = step % kStages;
         if (step >= kStages) mbarrier_wait(empty(stage), ((step / kStages) - 1) & 1);
         if (lane == 0) {
@@ -195,11 +198,12 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
   float acc[64], part[64];
   int step = 0;
   for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
-    const GemmItem item = grouped_gemm_item(p.expert_offsets, p.tile_offsets, p.num_experts, index,
+    const GemmItem item = grouped_gemm_item(p.expert_offsets, p.tile_offsets, p.num_experts, index / args.k_splits,
                                             args.num_n_tiles, columns_per_tile);
+    const int ks_begin = index % args.k_splits * split_steps, ks_end = min(num_k_steps, ks_begin + split_steps);
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
+    for (int ks = ks_begin; ks < ks_end; ++ks, ++step) {
       const int stage = step % kStages;
       mbarrier_wait(full(stage), (step / kStages) & 1);
       fence_proxy_async_shared();  // the A rows came through cp.async (generic proxy)
@@ -257,6 +261,9 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
       if constexpr (kGateUp) {
         store_silu_mul_row<8>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
                               item.n0 + 64 * consumer, p.N, h, q);
+      } else if (args.k_splits > 1) {
+        add_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
+                    item.n0 + 128 * consumer, p.N, h, q);
       } else {
         store_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
                       item.n0 + 128 * consumer, p.N, h, q);
@@ -342,13 +349,14 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& args, const void* w, int max_tile
                             cudaStream_t stream) {
   if (!hopper_kernels_available()) return cudaErrorNotSupported;
   if (args.K % (kMx ? 128 : 16) != 0) return cudaErrorInvalidValue;
+  if (args.k_splits < 1 || (gate_up && args.k_splits > 1)) return cudaErrorInvalidValue;
   if (max_tiles == 0) return cudaSuccess;
   const uint64_t weight_rows = static_cast<uint64_t>(args.num_experts) * (gate_up ? 2 * args.N : args.N);
   CUtensorMap map;
   cudaError_t error = make_tensor_map_2d(&map, w, 1, weight_rows, args.K, static_cast<uint64_t>(args.K),
                                          kWeightRows / 4, kKStep);
   if (error != cudaSuccess) return error;
-  const int blocks = std::min(multiprocessor_count(), args.num_n_tiles * max_tiles);
+  const int blocks = std::min(multiprocessor_count(), args.num_n_tiles * max_tiles * args.k_splits);
   auto kernel = gate_up ? fp8_grouped_gemm_kernel<true, kMx> : fp8_grouped_gemm_kernel<false, kMx>;
   error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<kMx>);
   if (error != cudaSuccess) return error;
@@ -362,6 +370,17 @@ int fp8_n_tiles(int N, bool gate_up) {
 }
 
 }  // namespace
+
+int fp8_gemm_k_splits(int N, int K, int row_tiles) {
+  const int items = fp8_n_tiles(N, false) * row_tiles, steps = (K + kKStep - 1) / kKStep;
+  const int sms = multiprocessor_count();
+  if (items * 2 > sms || steps < 8) return 1;
+  // As many items as fit one wave, each split at least 4 K-steps (512
+  // columns), then as many splits as that many steps each needs (none empty).
+  const int wanted = std::min(sms / items, steps / 4);
+  const int split_steps = (steps + wanted - 1) / wanted;
+  return (steps + split_steps - 1) / split_steps;
+}
 
 cudaError_t quantize_fp8_groups(const QuantizeFp8Params& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
@@ -380,13 +399,13 @@ cudaError_t quantize_mxfp8(const QuantizeMxfp8Params& p, cudaStream_t stream) {
 cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream) {
   const Fp8GemmArgs args{p.a, p.a_scales, p.sorted_token, p.w_scales, p.expert_offsets, p.tile_offsets, p.out, p.N,
                          p.K, p.num_experts, fp8_n_tiles(p.N, p.gate_up), (p.K + kGroup - 1) / kGroup,
-                         (p.N + 127) / 128};
+                         (p.N + 127) / 128, p.k_splits};
   return launch_fp8_gemm<false>(args, p.w, p.max_tiles, p.gate_up, stream);
 }
 
 cudaError_t mxfp8_grouped_gemm(const Mxfp8GroupedGemmParams& p, cudaStream_t stream) {
   const Fp8GemmArgs args{p.a, p.a_scales, p.sorted_token, p.w_scales, p.expert_offsets, p.tile_offsets, p.out, p.N,
-                         p.K, p.num_experts, fp8_n_tiles(p.N, p.gate_up), p.K / kMxGroup, 0};
+                         p.K, p.num_experts, fp8_n_tiles(p.N, p.gate_up), p.K / kMxGroup, 0, p.k_splits};
   return launch_fp8_gemm<true>(args, p.w, p.max_tiles, p.gate_up, stream);
 }
 

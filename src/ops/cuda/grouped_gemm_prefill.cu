@@ -272,6 +272,7 @@ cudaError_t wgmma_grouped_gemm_prefill(const GroupedGemmParams& p, cudaStream_t 
 }
 
 cudaError_t fp8_grouped_gemm_prefill(const Fp8GroupedGemmParams& p, cudaStream_t stream) {
+  if (p.k_splits != 1) return cudaErrorInvalidValue;
   const PrefillArgs args{p.a,     p.a_scales, p.sorted_token, p.w_scales, p.expert_offsets, p.tile_offsets,
                          p.out,   p.N,        p.K,            p.num_experts,
                          num_n_tiles(p.N, p.gate_up, Tile<true>::kWeightRows), (p.K + 127) / 128, (p.N + 127) / 128};

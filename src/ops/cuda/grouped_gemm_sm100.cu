@@ -436,7 +436,7 @@ bool sm100_kernels_available() { return sm100_device(); }
 
 cudaError_t mxfp8_grouped_gemm_sm100(const Mxfp8GroupedGemmParams& p, cudaStream_t stream) {
   if (!sm100_device()) return cudaErrorNotSupported;
-  if (p.K <= 0 || p.K % kKStep != 0 || p.N <= 0) return cudaErrorInvalidValue;
+  if (p.K <= 0 || p.K % kKStep != 0 || p.N <= 0 || p.k_splits != 1) return cudaErrorInvalidValue;
   if (p.max_tiles == 0) return cudaSuccess;
   const int columns_per_item = p.gate_up ? kHalfRows : 2 * kHalfRows;
   const Sm100GemmArgs args{p, (p.N + columns_per_item - 1) / columns_per_item, p.K / kMxBlock};

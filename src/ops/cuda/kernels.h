@@ -189,8 +189,16 @@ struct Fp8GroupedGemmParams {
   void* out;                     // gate_up: bf16 [num_rows, N]; down: f32 [num_rows, N]
   int N, K, num_experts, max_tiles;
   bool gate_up;
+  // Down only: each tile's K-steps split over this many items that add their
+  // shares into `out` (atomically), which the caller must have zeroed. For
+  // GEMMs with too few tiles to fill the GPU (a dense projection at decode
+  // sizes); fp8_gemm_k_splits picks it. Not used by the *_prefill kernels.
+  int k_splits = 1;
 };
 cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream);
+// The k_splits that gives a down GEMM of N columns, K deep and `row_tiles`
+// row tiles at most one wave of items (1 when its tiles already fill half the GPU).
+int fp8_gemm_k_splits(int N, int K, int row_tiles);
 
 // MXFP8 (OCP MX v1.0, ops/quant.h): E4M3 values and one E8M0 scale byte
 // (2^(code - 127)) per row and 32 columns, the OCP rule choosing the scale.
@@ -218,6 +226,7 @@ struct Mxfp8GroupedGemmParams {
   void* out;
   int N, K, num_experts, max_tiles;
   bool gate_up;
+  int k_splits = 1;  // as Fp8GroupedGemmParams::k_splits (the Hopper kernel only)
 };
 cudaError_t mxfp8_grouped_gemm(const Mxfp8GroupedGemmParams& p, cudaStream_t stream);
 // The same GEMM on Blackwell (grouped_gemm_sm100.cu): tcgen05 block-scaled
