@@ -36,10 +36,10 @@ Status check_device(const DeviceArgs& args) {
 #endif
 }
 
-Expected<int> rank_gpu(const DeviceArgs& args, int rank, int world) {
+Expected<int> rank_gpu(const DeviceArgs& args, int rank, int world, const char* unit) {
   if (args.gpus.empty()) return args.gpu + rank;
   if (static_cast<int>(args.gpus.size()) != world)
-    return invalid_argument("--gpus names {} GPUs for {} ranks: give one per rank", args.gpus.size(), world);
+    return invalid_argument("--gpus names {} GPUs for {} {}: give one each", args.gpus.size(), world, unit);
   return args.gpus[rank];
 }
 

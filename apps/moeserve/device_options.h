@@ -29,8 +29,9 @@ void add_device_options(CLI::App* cmd, DeviceArgs& args);
 // else an error naming the reason.
 Status check_device(const DeviceArgs& args);
 
-// The GPU of rank `rank` of `world` GPU ranks: --gpus[rank] when given (its
-// length must be `world`), else --gpu + rank.
-Expected<int> rank_gpu(const DeviceArgs& args, int rank, int world);
+// The GPU of rank `rank` of `world` GPU ranks (or instance of `serve
+// --disagg`'s instances: `unit` names them in errors): --gpus[rank] when given
+// (its length must be `world`), else --gpu + rank.
+Expected<int> rank_gpu(const DeviceArgs& args, int rank, int world, const char* unit = "ranks");
 
 }  // namespace moe::apps

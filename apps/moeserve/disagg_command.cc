@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -98,9 +99,16 @@ struct Child {
   std::string url;
 };
 
-std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role) {
+// `gpu`: the instance's GPU with --device cuda.
+std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role, int gpu) {
   std::vector<std::string> v = {"moeserve", role, "--model", a.model, "--host", "127.0.0.1", "--port", "0"};
   auto add = [&](const char* flag, const std::string& value) { v.push_back(flag), v.push_back(value); };
+  if (a.device.cuda()) {
+    add("--device", "cuda");
+    add("--gpu", std::to_string(gpu));
+    add("--gpu-memory-utilization", fmt::format("{}", a.device.gpu_memory_utilization));
+    if (a.device.enforce_eager) v.push_back("--enforce-eager");
+  }
   if (!a.served_model_name.empty()) add("--served-model-name", a.served_model_name);
   add("--max-num-seqs", std::to_string(a.max_num_seqs));
   if (a.max_model_len > 0) add("--max-model-len", std::to_string(a.max_model_len));
@@ -123,10 +131,10 @@ std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role)
   return v;
 }
 
-Expected<Child> spawn_child(const ServeArgs& args, const std::string& role, int index) {
+Expected<Child> spawn_child(const ServeArgs& args, const std::string& role, int index, int gpu) {
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) return internal_error("pipe: {}", std::strerror(errno));
-  const std::vector<std::string> argv_strings = child_argv(args, role);
+  const std::vector<std::string> argv_strings = child_argv(args, role, gpu);
   std::vector<char*> argv;
   for (const auto& s : argv_strings) argv.push_back(const_cast<char*>(s.c_str()));
   argv.push_back(nullptr);
@@ -195,9 +203,20 @@ void stop_children(std::vector<Child>& children) {
 
 Status run_cluster(ServeArgs args) {
   if (args.model.empty()) args.model = find_default_model();
-  if (args.device.cuda())
-    return unimplemented("serve --disagg starts CPU instances only; the GPU prefill and decode roles are not "
-                         "enabled yet (docs/disagg.md, \"On GPUs\")");
+  // With --device cuda, instance i (prefill instances first) on GPU --gpu + i or --gpus[i].
+  const int num_instances = args.prefill_instances + args.decode_instances;
+  std::vector<int> gpus;
+  if (args.device.cuda()) {
+    for (int i = 0; i < num_instances; ++i) {
+      MOE_ASSIGN_OR_RETURN(const int gpu, rank_gpu(args.device, i, num_instances, "instances"));
+      if (std::find(gpus.begin(), gpus.end(), gpu) != gpus.end() && args.kv_cache_gb <= 0)
+        return invalid_argument("serve --disagg --device cuda: instances sharing GPU {} need --kv-cache-gb (each "
+                                "would size its KV pool from memory the other is about to take)", gpu);
+      gpus.push_back(gpu);
+    }
+  } else if (!args.device.gpus.empty() || args.device.gpu != 0) {
+    return invalid_argument("--gpu/--gpus only apply with --device cuda");
+  }
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
@@ -210,9 +229,10 @@ Status run_cluster(ServeArgs args) {
     stop_children(children);
     return s;
   };
-  for (int i = 0; i < args.prefill_instances + args.decode_instances; ++i) {
+  for (int i = 0; i < num_instances; ++i) {
     const bool prefill = i < args.prefill_instances;
-    auto child = spawn_child(args, prefill ? "prefill" : "decode", prefill ? i : i - args.prefill_instances);
+    auto child = spawn_child(args, prefill ? "prefill" : "decode", prefill ? i : i - args.prefill_instances,
+                             gpus.empty() ? 0 : gpus[i]);
     if (!child) return fail(child.status());
     children.push_back(*child);
   }
@@ -220,7 +240,8 @@ Status run_cluster(ServeArgs args) {
   for (Child& c : children) {
     if (Status s = await_listening(c, 600); !s.is_ok()) return fail(s);
     (c.role == "prefill" ? prefill_urls : decode_urls).push_back(c.url);
-    log_info("cluster: {} instance {} (pid {}) at {}", c.role, c.index, c.pid, c.url);
+    log_info("cluster: {} instance {} (pid {}) at {}{}", c.role, c.index, c.pid, c.url,
+             gpus.empty() ? std::string() : fmt::format(" on GPU {}", gpus[&c - children.data()]));
   }
   // The supervisor: a child that dies is logged; the router's health checks
   // take it out of rotation.

@@ -64,8 +64,8 @@ Expected<std::vector<int32_t>> parse_ids(const std::string& text) {
 }
 
 Status run_generate(const GenerateArgs& args) {
-  // Before the device check: a GPU request with speculation is refused the same way with or without a GPU.
-  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec, check_speculative(args.speculative, args.device, false));
+  // Before the device check: a bad config is refused the same way with or without a GPU.
+  MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec, check_speculative(args.speculative));
   MOE_RETURN_IF_ERROR(check_device(args.device));
   MOE_ASSIGN_OR_RETURN(const ResolvedModel resolved, resolve_model(args.model, args.load));
   const model::ModelConfig& config = resolved.config;

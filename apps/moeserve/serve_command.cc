@@ -514,7 +514,7 @@ Expected<model::ModelWeights> load_weights(const std::string& model_dir, const m
 
 Status run_serve(ServeArgs args) {
   MOE_ASSIGN_OR_RETURN(const engine::SpeculativeConfig spec,
-                       check_speculative(args.speculative, args.device, args.role != "colocated"));
+                       check_speculative(args.speculative));
   if (args.disagg) {  // the instances load the MTP layer: refuse here what would stop them all
     if (args.model.empty()) args.model = find_default_model();
     if (spec.enabled()) MOE_RETURN_IF_ERROR(find_mtp_source(args.speculative, args.model, false).status());

@@ -12,16 +12,12 @@ void add_speculative_options(CLI::App* cmd, SpeculativeArgs& args) {
                   "mtp.* tensors of the --model directory");
 }
 
-Expected<engine::SpeculativeConfig> check_speculative(const SpeculativeArgs& args, const DeviceArgs& device,
-                                                      bool disaggregated_role) {
+Expected<engine::SpeculativeConfig> check_speculative(const SpeculativeArgs& args) {
   MOE_ASSIGN_OR_RETURN(auto config, engine::parse_speculative_config(args.config_json));
   if (!config.enabled()) {
     if (!args.model_dir.empty()) return invalid_argument("--speculative-model needs --speculative-config");
     return config;
   }
-  if (device.cuda() && disaggregated_role)
-    return unimplemented("speculative decoding on --device cuda runs in `serve` and `generate` only for now, not in "
-                         "the prefill and decode roles; use --device cpu or drop --speculative-config");
   return config;
 }
 

@@ -10,7 +10,6 @@
 
 #include <CLI/CLI.hpp>
 
-#include "apps/moeserve/device_options.h"
 #include "core/status.h"
 #include "engine/speculative.h"
 #include "model/config.h"
@@ -25,12 +24,10 @@ struct SpeculativeArgs {
 
 void add_speculative_options(CLI::App* cmd, SpeculativeArgs& args);
 
-// The parsed config (method "mtp", 1..8 tokens; off when no flag), refused
-// where speculation does not run yet (the prefill and decode roles on CUDA).
-// With --device cuda the MTP layer runs on the CPU from the target's
-// hidden states (docs/speculative.md).
-Expected<engine::SpeculativeConfig> check_speculative(const SpeculativeArgs& args, const DeviceArgs& device,
-                                                      bool disaggregated_role);
+// The parsed config (method "mtp", 1..8 tokens; off when no flag);
+// --speculative-model without a config is refused. The MTP layer runs where
+// the target does (docs/speculative.md).
+Expected<engine::SpeculativeConfig> check_speculative(const SpeculativeArgs& args);
 
 // Where the MTP layer comes from.
 struct MtpSource {

@@ -186,8 +186,8 @@ Expected<std::unique_ptr<PrefillService>> PrefillService::create(engine::Engine&
            l.page_size, dtype_name(l.dtype), s->kv_transport_);
   if (const kv::KvCache* mtp = engine.mtp_cache()) {
     const ops::PagedKv kv = mtp->layer(0);
-    MOE_ASSIGN_OR_RETURN(s->mtp_k_region_, transfer.register_region(kv.k_pages.data(), kv.k_pages.num_bytes()));
-    MOE_ASSIGN_OR_RETURN(s->mtp_v_region_, transfer.register_region(kv.v_pages.data(), kv.v_pages.num_bytes()));
+    MOE_ASSIGN_OR_RETURN(s->mtp_k_region_, disagg::register_kv_pool(transfer, kv.k_pages));
+    MOE_ASSIGN_OR_RETURN(s->mtp_v_region_, disagg::register_kv_pool(transfer, kv.v_pages));
   }
   return s;
 }

@@ -73,9 +73,6 @@ TEST(Cli, SpeculativeGenerateAndItsErrors) {
       {base + "--speculative-config 'mtp'", "must be a JSON object"},
       {base + "--speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'",
        "has no mtp.* tensors either"},
-      {"decode --model " + kGolden + " --device cuda --speculative-config "
-                                     "'{\"method\":\"mtp\",\"num_speculative_tokens\":2}' --speculative-model " + mtp,
-       "not in the prefill and decode roles"},
       {"serve --disagg --model " + kGolden + " --speculative-config '{\"method\":\"mtp\",\"num_speculative_tokens\":2}'",
        "needs --speculative-model"},
   };
@@ -142,7 +139,8 @@ TEST(Cli, SpeculativeGenerateWithTheMtpLayerInTheModelDirectory) {
   // `serve` and the prefill and decode roles (what `serve --disagg` starts)
   // load it too: they log where it came from, then fail on the host given to
   // stop them there. `serve --disagg` checks before starting any instance;
-  // its refusal of --device cuda comes after that check.
+  // its refusal of two GPU instances sharing a GPU without --kv-cache-gb
+  // comes after that check.
   const std::string stop = " --host 256.0.0.1 --port 0 --threads 1 --kv-cache-gb 0.01 ";
   for (const char* role : {"serve", "prefill", "decode"}) {
     CliRun r = run(std::string(role) + " --model " + model.dir() + stop + speculate);
@@ -151,10 +149,9 @@ TEST(Cli, SpeculativeGenerateWithTheMtpLayerInTheModelDirectory) {
         << role << "\n" << r.output;
     EXPECT_NE(r.output.find("256.0.0.1: not an IP address"), std::string::npos) << role << "\n" << r.output;
   }
-  CliRun cluster = run("serve --disagg --device cuda --model " + model.dir() + " " + speculate);
+  CliRun cluster = run("serve --disagg --device cuda --gpus 0,0 --model " + model.dir() + " " + speculate);
   EXPECT_EQ(cluster.exit_code, 1) << cluster.output;
-  EXPECT_NE(cluster.output.find("serve --disagg starts CPU instances only"), std::string::npos)
-      << cluster.output;
+  EXPECT_NE(cluster.output.find("instances sharing GPU 0 need --kv-cache-gb"), std::string::npos) << cluster.output;
 }
 
 // --gpu and the GPU disaggregated roles (docs/gpu.md, docs/disagg.md): clear
@@ -163,9 +160,12 @@ TEST(Cli, GpuSelectionErrors) {
   CliRun cpu_gpu = run("generate --model " + kGolden + " --prompt-ids 1 --gpu 1");
   EXPECT_EQ(cpu_gpu.exit_code, 1) << cpu_gpu.output;
   EXPECT_NE(cpu_gpu.output.find("--gpu 1 only applies with --device cuda"), std::string::npos) << cpu_gpu.output;
-  CliRun cluster = run("serve --disagg --device cuda --model " + kGolden);
+  CliRun cluster = run("serve --disagg --device cuda --gpus 0,1,2 --model " + kGolden);
   EXPECT_EQ(cluster.exit_code, 1) << cluster.output;
-  EXPECT_NE(cluster.output.find("serve --disagg starts CPU instances only"), std::string::npos) << cluster.output;
+  EXPECT_NE(cluster.output.find("--gpus names 3 GPUs for 2 instances"), std::string::npos) << cluster.output;
+  CliRun cluster_cpu = run("serve --disagg --gpu 1 --model " + kGolden);
+  EXPECT_EQ(cluster_cpu.exit_code, 1) << cluster_cpu.output;
+  EXPECT_NE(cluster_cpu.output.find("only apply with --device cuda"), std::string::npos) << cluster_cpu.output;
   CliRun gpus_cpu = run("generate --model " + kGolden + " --prompt-ids 1 --gpus 0,1");
   EXPECT_EQ(gpus_cpu.exit_code, 1) << gpus_cpu.output;
   EXPECT_NE(gpus_cpu.output.find("--gpus only applies with --device cuda"), std::string::npos) << gpus_cpu.output;

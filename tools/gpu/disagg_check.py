@@ -140,6 +140,19 @@ def serve(args):
         failures.append(f"decode: {activated:.0f} sequences activated, expected {3 * len(prompts)}")
     results["transfer"] = {"kv_bytes_sent": kv_bytes, "activated": activated, "prefill_prefix_cache_hits": hits,
                            "transport_info": seen}
+    drafted = ""
+    if args.speculative:  # the decode instance drafts from what the prefill instance sent (docs/speculative.md)
+        drafts = metric(decode_metrics, "moeserve:spec_decode_num_draft_tokens_total") or 0
+        accepted = metric(decode_metrics, "moeserve:spec_decode_num_accepted_tokens_total") or 0
+        without = metric(decode_metrics, "moeserve:disagg_commits_without_mtp_total") or 0
+        results["speculation"] = {"draft_tokens": drafts, "accepted_tokens": accepted, "commits_without_mtp": without}
+        drafted = f"; decode drafted {drafts:.0f} tokens, accepted {accepted:.0f}"
+        if drafts <= 0:
+            failures.append("decode: no draft tokens verified")
+        if args.expect_accepted and accepted <= 0:
+            failures.append(f"decode: none of {drafts:.0f} draft tokens accepted (a trained MTP layer)")
+        if without > 0:
+            failures.append(f"decode: {without:.0f} commits came without the MTP state")
     results["failures"] = failures
     with open(args.out, "a") as f:
         f.write(json.dumps(results) + "\n")
@@ -147,7 +160,7 @@ def serve(args):
           f"{'yes' if not any(x.startswith('sequential') and 'generate' in x for x in failures) else 'NO'}; "
           f"{num_golden} tokens per pass compared with transformers; {len(order)} concurrent requests; "
           f"KV sent {kv_bytes / 1e6:.2f} MB ({seen['prefill']}), {activated:.0f} activations, prefix-cache hits "
-          f"{hits if hits is not None else 'n/a'}")
+          f"{hits if hits is not None else 'n/a'}{drafted}")
     for failure in failures:
         print(f"  FAILED {failure}")
     return 1 if failures else 0
@@ -170,6 +183,8 @@ def main():
     s.add_argument("--reference", required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--metrics", required=True)
+    s.add_argument("--speculative", action="store_true", help="the instances speculate: the decode side must draft")
+    s.add_argument("--expect-accepted", action="store_true", help="with --speculative: drafts must be accepted")
     args = parser.parse_args()
     return reference(args) if args.command == "reference" else serve(args)
 

@@ -10,6 +10,9 @@
 #     bf16 noise (0.1, as model_cuda_test);
 #   - every prompt twice at once (batched, prefix-cache hits): the goldens rule;
 #   - the instances' metrics: KV in device memory, transport cuda_ipc, bytes sent;
+#   - moe_basic and the demo model again with an MTP layer, k = 1..4 (not
+#     with NO_SPECULATIVE=1): the same greedy tokens, the decode instance
+#     drafts, and on the demo's trained layer accepts drafts;
 # and first runs disagg_cuda_test (the same path in one process, no HTTP).
 # Binaries come from
 #   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOE_STATIC_RUNTIME=ON
@@ -71,6 +74,56 @@ stop() {
   for pid in "$@"; do wait "$pid" 2>/dev/null; done
 }
 
+# One model behind router + prefill + decode, against its reference (plain
+# `generate --device cuda`); extra arguments go to both instances and, with a
+# speculative config, disagg_check.py also wants the decode instance to draft.
+check_disagg() {
+  local model=$1 tag=$2
+  shift 2
+  local name
+  name=$(basename "$model")
+  say "=== $name$tag: router :$ROUTER_PORT, prefill --device cuda --gpu 0 :$PREFILL_PORT," \
+    "decode --device cuda --gpu $DECODE_GPU :$DECODE_PORT $*"
+  local common=(--model "$model" --device cuda --kv-cache-gb 4 --host 127.0.0.1 "$@")
+  echo "=== $name$tag" | tee -a "$OUT/prefill.log" "$OUT/decode.log" "$OUT/router.log" > /dev/null
+  "$BIN/moeserve" prefill "${common[@]}" --gpu 0 --port $PREFILL_PORT >> "$OUT/prefill.log" 2>&1 &
+  local prefill=$!
+  "$BIN/moeserve" decode "${common[@]}" --gpu $DECODE_GPU --port $DECODE_PORT >> "$OUT/decode.log" 2>&1 &
+  local decode=$!
+  if ! wait_healthy "http://127.0.0.1:$PREFILL_PORT" $prefill ||
+     ! wait_healthy "http://127.0.0.1:$DECODE_PORT" $decode; then
+    say "  FAILED: an instance did not start (prefill.log, decode.log)"
+    tail -5 "$OUT/prefill.log" "$OUT/decode.log" | tee -a "$OUT/summary.txt"
+    stop $prefill $decode
+    status=1
+    return
+  fi
+  "$BIN/moeserve" router --model "$model" --port $ROUTER_PORT --prefill "http://127.0.0.1:$PREFILL_PORT" \
+    --decode "http://127.0.0.1:$DECODE_PORT" >> "$OUT/router.log" 2>&1 &
+  local router=$!
+  if ! wait_healthy "http://127.0.0.1:$ROUTER_PORT" $router; then
+    say "  FAILED: the router did not become healthy (router.log)"
+    stop $router $prefill $decode
+    status=1
+    return
+  fi
+  local speculative=()
+  [[ "$*" == *--speculative-config* ]] && speculative=(--speculative)
+  [[ "$*" == *moeserve-demo-mtp* ]] && speculative+=(--expect-accepted)  # a trained MTP layer
+  python3 tools/gpu/disagg_check.py serve --router "http://127.0.0.1:$ROUTER_PORT" \
+    --prefill "http://127.0.0.1:$PREFILL_PORT" --decode "http://127.0.0.1:$DECODE_PORT" --model "$model" \
+    --reference "$work/reference_$name.json" --out "$OUT/results.jsonl" --metrics "$OUT/metrics.txt" \
+    "${speculative[@]}" | tee -a "$OUT/summary.txt"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  stop $router
+  stop $prefill $decode
+  # Where each instance put its KV and how it moved, as they logged it (this run's part of the logs).
+  for log in "$OUT/prefill.log" "$OUT/decode.log"; do
+    awk -v header="=== $name$tag" '$0 == header {on = 1; next} /^=== / {on = 0} on' "$log" \
+      | grep -E "prefill: KV of|decode: KV of|CUDA model on device" | sed 's/^/  /' | tee -a "$OUT/summary.txt"
+  done
+}
+
 for model in $MODELS; do
   name=$(basename "$model")
   say "=== $name: reference, moeserve generate --device cuda --gpu 0 (one prompt per run)"
@@ -79,43 +132,20 @@ for model in $MODELS; do
     status=1
     continue
   fi
-  say "=== $name: router :$ROUTER_PORT, prefill --device cuda --gpu 0 :$PREFILL_PORT," \
-    "decode --device cuda --gpu $DECODE_GPU :$DECODE_PORT"
-  common=(--model "$model" --device cuda --kv-cache-gb 4 --host 127.0.0.1)
-  echo "=== $name" | tee -a "$OUT/prefill.log" "$OUT/decode.log" "$OUT/router.log" > /dev/null
-  "$BIN/moeserve" prefill "${common[@]}" --gpu 0 --port $PREFILL_PORT >> "$OUT/prefill.log" 2>&1 &
-  prefill=$!
-  "$BIN/moeserve" decode "${common[@]}" --gpu $DECODE_GPU --port $DECODE_PORT >> "$OUT/decode.log" 2>&1 &
-  decode=$!
-  if ! wait_healthy "http://127.0.0.1:$PREFILL_PORT" $prefill ||
-     ! wait_healthy "http://127.0.0.1:$DECODE_PORT" $decode; then
-    say "  FAILED: an instance did not start (prefill.log, decode.log)"
-    tail -5 "$OUT/prefill.log" "$OUT/decode.log" | tee -a "$OUT/summary.txt"
-    stop $prefill $decode
-    status=1
-    continue
+  check_disagg "$model" ""
+  # With an MTP layer, k = 1..4: the decode instance drafts from the state the
+  # prefill instance sends; greedy output stays the reference's. moe_basic has
+  # the random golden MTP layer (few drafts accepted), the demo model its
+  # trained one (drafts must be accepted).
+  mtp=""
+  [[ $name == moe_basic ]] && mtp=tests/data/mtp_golden
+  [[ $name == moeserve-demo ]] && mtp=models/moeserve-demo-mtp
+  if [[ -n $mtp && -z ${NO_SPECULATIVE:-} ]]; then
+    for k in 1 2 3 4; do
+      check_disagg "$model" " (MTP, k=$k)" --speculative-config "{\"method\":\"mtp\",\"num_speculative_tokens\":$k}" \
+        --speculative-model "$mtp"
+    done
   fi
-  "$BIN/moeserve" router --model "$model" --port $ROUTER_PORT --prefill "http://127.0.0.1:$PREFILL_PORT" \
-    --decode "http://127.0.0.1:$DECODE_PORT" >> "$OUT/router.log" 2>&1 &
-  router=$!
-  if ! wait_healthy "http://127.0.0.1:$ROUTER_PORT" $router; then
-    say "  FAILED: the router did not become healthy (router.log)"
-    stop $router $prefill $decode
-    status=1
-    continue
-  fi
-  python3 tools/gpu/disagg_check.py serve --router "http://127.0.0.1:$ROUTER_PORT" \
-    --prefill "http://127.0.0.1:$PREFILL_PORT" --decode "http://127.0.0.1:$DECODE_PORT" --model "$model" \
-    --reference "$work/reference_$name.json" --out "$OUT/results.jsonl" --metrics "$OUT/metrics.txt" \
-    | tee -a "$OUT/summary.txt"
-  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-  stop $router
-  stop $prefill $decode
-  # Where each instance put its KV and how it moved, as they logged it (this model's part of the logs).
-  for log in "$OUT/prefill.log" "$OUT/decode.log"; do
-    awk -v header="=== $name" '$0 == header {on = 1; next} /^=== / {on = 0} on' "$log" \
-      | grep -E "prefill: KV of|decode: KV of|CUDA model on device" | sed 's/^/  /' | tee -a "$OUT/summary.txt"
-  done
 done
 grep -hE "ERROR|error|CHECK failed|Segmentation" "$OUT/prefill.log" "$OUT/decode.log" "$OUT/router.log" | head -10 \
   | sed 's/^/  log: /' | tee -a "$OUT/summary.txt"

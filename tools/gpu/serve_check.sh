@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # End to end on a GPU machine (binaries carried as tools/gpu/check.sh says):
 # generate on cuda against cpu, serve the demo model on the GPU and call it,
-# and a dummy Qwen3-235B cut to a few layers. Logs in $OUT.
+# a dummy Qwen3-235B cut to a few layers, then the demo model served as GPU
+# ranks (--tp/--ep) and as `serve --disagg --device cuda`, each against one
+# GPU (on a one-GPU machine the ranks or instances share it). Logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,6 +32,29 @@ grep -E "CUDA model|KV cache|config:" "$OUT/serve.log" | head -5
 echo "=== dummy Qwen3-235B-A22B, 8 layers, on the GPU"
 "$BIN/moeserve" generate --model tests/data/configs/qwen3-235b-a22b.config.json --load-format dummy --num-layers 8 \
   --prompt-ids 1,2,3,4,5,6,7,8 --prompt-ids 9,10 --max-tokens 32 --ignore-eos --device cuda --output json 2>&1 | tail -4
+# Waits for a server on PORT (pid PID) to answer /health; 1 if it exited first.
+wait_up() {
+  for _ in $(seq 1 300); do curl -sf "localhost:$1/health" > /dev/null && return 0; kill -0 "$2" 2>/dev/null || return 1; sleep 0.2; done
+  return 1
+}
+# Greedy token ids of three prompts from the servers on ports A and B, compared.
+compare() {
+  local label=$1 a_port=$2 b_port=$3
+  for prompt in "Tell me a fortune." "The sea is" "A computer once said"; do
+    body='{"model": "moeserve-demo", "prompt": "'"$prompt"'", "max_tokens": 24, "temperature": 0, "return_token_ids": true}'
+    a=$(curl -s localhost:$a_port/v1/completions -H 'Content-Type: application/json' -d "$body" | python3 -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["token_ids"])')
+    b=$(curl -s localhost:$b_port/v1/completions -H 'Content-Type: application/json' -d "$body" | python3 -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["token_ids"])')
+    [[ -n "$a" && "$a" == "$b" ]] && echo "$label: equal ($prompt)" || echo "$label: DIFFER ($prompt): $a vs $b"
+  done
+}
+
+# The single-GPU server every check below compares with. Fixed KV pools
+# (--kv-cache-gb, per process or rank): processes sharing a GPU must not size
+# theirs from free memory.
+"$BIN/moeserve" serve --device cuda --gpu 0 --kv-cache-gb 2 --port 18557 > /dev/null 2> "$OUT/serve_one.log" &
+single=$!
+wait_up 18557 $single || echo "the single-GPU server did not start (serve_one.log)"
+
 # GPU ranks (docs/parallel.md, "On GPUs"): the demo model on two GPUs against
 # one; with one GPU, both ranks on it (--gpus 0,0: time-sliced, a correctness
 # check only).
@@ -37,19 +62,21 @@ gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 if [[ $gpus -ge 2 ]]; then placement="--gpus 0,1"; else placement="--gpus 0,0"; fi
 for layout in "--tp 2" "--ep 2" "--tp 2 --ep 2"; do
   echo "=== serve $layout --device cuda $placement (the demo model) against one GPU"
-  # Fixed KV pools (--kv-cache-gb, per rank): processes sharing a GPU must not size theirs from free memory.
-  "$BIN/moeserve" serve --device cuda --gpu 0 --kv-cache-gb 2 --port 18557 > /dev/null 2> "$OUT/serve_one.log" &
-  single=$!
-  for _ in $(seq 1 300); do curl -sf localhost:18557/health > /dev/null && break; kill -0 $single 2>/dev/null || break; sleep 0.2; done
   "$BIN/moeserve" serve --device cuda $layout $placement --kv-cache-gb 2 --port 18556 > "$OUT/serve_ranks.out" 2> "$OUT/serve_ranks.log" &
   server=$!
-  for _ in $(seq 1 300); do curl -sf localhost:18556/health > /dev/null && break; kill -0 $server 2>/dev/null || break; sleep 0.2; done
-  for prompt in "Tell me a fortune." "The sea is" "A computer once said"; do
-    body='{"model": "moeserve-demo", "prompt": "'"$prompt"'", "max_tokens": 24, "temperature": 0, "return_token_ids": true}'
-    a=$(curl -s localhost:18556/v1/completions -H 'Content-Type: application/json' -d "$body" | python3 -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["token_ids"])')
-    b=$(curl -s localhost:18557/v1/completions -H 'Content-Type: application/json' -d "$body" | python3 -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["token_ids"])')
-    [[ "$a" == "$b" ]] && echo "ranks $layout: equal ($prompt)" || echo "ranks $layout: DIFFER ($prompt): $a vs $b"
-  done
-  kill -INT $server $single; wait $server; echo "serve $layout exit: $?"; wait $single
+  wait_up 18556 $server || echo "serve $layout did not start"
+  compare "ranks $layout" 18556 18557
+  kill -INT $server; wait $server; echo "serve $layout exit: $?"
   grep -E "GPU rank|GPU ranks ready|share GPUs|error" "$OUT/serve_ranks.log" | head -6
 done
+
+# serve --disagg on GPUs (docs/disagg.md): router + prefill + decode instances,
+# the KV moved by CUDA IPC, against one GPU.
+echo "=== serve --disagg --device cuda $placement (the demo model) against one GPU"
+"$BIN/moeserve" serve --disagg --device cuda $placement --kv-cache-gb 2 --port 18558 > "$OUT/serve_disagg.out" 2> "$OUT/serve_disagg.log" &
+server=$!
+wait_up 18558 $server || echo "serve --disagg did not start"
+compare "disagg" 18558 18557
+kill -INT $server; wait $server; echo "serve --disagg exit: $?"
+grep -E "cluster:|KV of|error" "$OUT/serve_disagg.log" | head -6
+kill -INT $single; wait $single
