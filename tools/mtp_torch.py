@@ -89,7 +89,7 @@ def rms_norm(x, w, eps):
 def rope(x, positions, theta):
     # x [B, H, T, D]; rotate-half form.
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
     ang = positions.float()[:, None] * inv[None, :]
     cos = torch.cat([ang.cos(), ang.cos()], -1)
     sin = torch.cat([ang.sin(), ang.sin()], -1)
@@ -110,7 +110,7 @@ def attention(cfg, w, prefix, x, positions):
     rep = cfg.heads // cfg.kv_heads
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
-    mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
     scores = scores.masked_fill(mask, float("-inf"))
     out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, cfg.heads * cfg.head_dim)
     return out @ w[prefix + "self_attn.o_proj.weight"].t()
@@ -153,7 +153,7 @@ def lm_head(cfg, w):
 @torch.no_grad()
 def target_hidden(cfg, w, ids):
     """ids [B, T] -> the last hidden state after the final norm [B, T, hidden] (what lm_head reads)."""
-    positions = torch.arange(ids.shape[1])
+    positions = torch.arange(ids.shape[1], device=ids.device)
     h = w["model.embed_tokens.weight"][ids]
     for l in range(cfg.layers):
         h = decoder_layer(cfg, w, f"model.layers.{l}.", h, positions, cfg.layer_is_moe(l))

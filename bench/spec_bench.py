@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Speculative decoding on the CPU: acceptance and decode speed of the demo
-model with its trained MTP layer (models/moeserve-demo-mtp), k = 0 (plain)
-and 1..4, through `moeserve generate` (greedy, one thread, the demo's golden
-chat and text prompts as one batch). Each setting runs --repeats times; the
-median decode tokens/s is kept. Writes a JSON record (date, commit, machine,
-command, results) to --out.
+"""Speculative decoding: acceptance and decode speed of the demo model with its
+trained MTP layer (models/moeserve-demo-mtp), k = 0 (plain) and 1..4, through
+`moeserve generate` (greedy, one thread, the demo's golden chat and text
+prompts as one batch) on --device cpu or cuda. Each setting runs --repeats
+times; the median decode tokens/s is kept. Writes a JSON record (date,
+commit, machine, command, results) to --out.
 
-Usage: python3 bench/spec_cpu_bench.py --moeserve build-mtp/bin/moeserve \
+Usage: python3 bench/spec_bench.py --moeserve build-mtp/bin/moeserve \
            --out bench/results/2026-11-30_spec_cpu.json
+       python3 bench/spec_bench.py --moeserve build-gpu/bin/moeserve --device cuda --out ...
 """
 import argparse
 import datetime
@@ -39,11 +40,13 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--commit", default="", help="the commit the binary was built from (default: git HEAD)")
     args = ap.parse_args()
     golden = json.load(open(os.path.join(args.model, "golden.json")))
     prompts = [",".join(map(str, p["ids"])) for p in golden["chats"] + golden["texts"]]
     base = [args.moeserve, "generate", "--model", args.model, "--max-tokens", str(args.max_tokens), "--threads", "1",
-            "--ignore-eos"]
+            "--ignore-eos", "--device", args.device]
     for p in prompts:
         base += ["--prompt-ids", p]
     results, reference = [], None
@@ -68,13 +71,18 @@ def main():
         print(json.dumps(row), flush=True)
     for row in results:
         row["speedup"] = row["decode_tokens_per_s"] / results[0]["decode_tokens_per_s"]
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
+    if args.device == "cuda":
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip().splitlines()
+        cpu = f"{gpu[0] if gpu else 'GPU'} (host CPU {cpu})"
     record = {
         "date": datetime.date.today().isoformat(),
-        "commit": commit + " (plus the uncommitted speculative-decoding change)",
+        "commit": commit,
         "machine": f"{platform.node()}: {cpu}, {os.cpu_count()} cores shared with other jobs, 1 thread used",
-        "command": "python3 bench/spec_cpu_bench.py " + " ".join(
+        "command": "python3 bench/spec_bench.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v),
         "batch": len(prompts), "max_tokens": args.max_tokens, "greedy": True,
         "results": results,
