@@ -594,10 +594,6 @@ Status run_serve(ServeArgs args) {
   if (gpu_ranks) {
     if (spec.enabled())
       return unimplemented("speculative decoding on GPU ranks (--tp/--ep with --device cuda) is not supported yet");
-    const ops::QuantFormat format = weights ? weights->quant_format() : resolved.dummy_format;
-    if (format != ops::QuantFormat::kNone)
-      return unimplemented("{} weights on GPU ranks (--tp/--ep with --device cuda): bf16 only for now",
-                           ops::quant_format_name(format));
     MOE_ASSIGN_OR_RETURN(auto met, meet_gpu_ranks(args, std::max(sched.max_num_batched_tokens, sched.max_num_seqs),
                                                   static_cast<int>(config.hidden_size)));
     gpu_group.emplace(std::move(met));

@@ -92,6 +92,8 @@ struct QuantizedTensor {
   int64_t cols() const { return values.dim(values.rank() - 1); }
   // Matrix `g` of a stack.
   QuantizedTensor slice0(int64_t g) const;
+  // Matrices [begin, end) of a stack (a rank's experts), still a stack.
+  QuantizedTensor slice_stack(int64_t begin, int64_t end) const;
   size_t num_bytes() const { return values.num_bytes() + scales.num_bytes() + global_scale.num_bytes(); }
 };
 

@@ -6,7 +6,8 @@
 // on the host in rank order. For TP 2, EP 2 and TP 2 + EP 2 on golden models
 // (a dense MLP layer and a single k/v head among them): a two-sequence prompt
 // then decode steps; every rank's logits are identical, and within bf16
-// rounding of the whole model's; greedy tokens equal. The NVLink collectives
+// rounding of the whole model's; greedy tokens equal. Also FP8 experts over
+// EP ranks (and TP over quantized weights refused). The NVLink collectives
 // themselves are tested in tests/comm. Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -136,6 +137,58 @@ struct Layout {
   int tp, ep;
 };
 
+// Runs `layout`'s ranks as threads, each with its own model over `weights`;
+// returns each rank's logits per step (fewer steps when a rank failed).
+std::vector<std::vector<Tensor>> run_ranks(const ModelWeights& weights, Layout layout, int64_t vocab, int steps) {
+  const int world = std::max(layout.tp, layout.ep);
+  ThreadGroup group(world);
+  std::vector<std::vector<Tensor>> ranks(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      ThreadLayerComm comm(group, r);
+      [&] {
+        ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+        CudaModelOptions options = base_options();
+        options.plan.tp_size = layout.tp;
+        options.plan.tp_rank = layout.tp > 1 ? r : 0;
+        options.plan.ep_size = layout.ep;
+        options.plan.ep_rank = layout.ep > 1 ? r : 0;
+        options.comm = &comm;
+        auto model = CudaQwen3MoeModel::create(weights, options);
+        ASSERT_TRUE(model.has_value()) << "rank " << r << ": " << model.status().to_string();
+        ranks[static_cast<size_t>(r)] = run_steps(**model, vocab, steps);
+      }();
+      // A rank that failed early leaves the group, so the others fail instead of waiting for it.
+      if (ranks[static_cast<size_t>(r)].size() != static_cast<size_t>(steps) + 1) group.sync.arrive_and_drop();
+    });
+  for (auto& t : threads) t.join();
+  return ranks;
+}
+
+// Every rank's logits identical, within `tolerance` of the whole model's, and
+// the same greedy tokens where the whole model's top two are clearly apart.
+void expect_ranks_equal_whole(const std::vector<std::vector<Tensor>>& ranks, const std::vector<Tensor>& whole,
+                              int64_t vocab, double tolerance) {
+  for (size_t r = 0; r < ranks.size(); ++r) ASSERT_EQ(ranks[r].size(), whole.size()) << "rank " << r;
+  for (size_t step = 0; step < whole.size(); ++step) {
+    const float* ours = ranks[0][step].data_as<float>();
+    for (size_t r = 1; r < ranks.size(); ++r)
+      EXPECT_EQ(std::memcmp(ranks[r][step].data(), ours, ranks[0][step].num_bytes()), 0)
+          << "rank " << r << " step " << step << ": every rank holds the same residual stream";
+    for (int s = 0; s < 2; ++s) {
+      const double error = relative_error(ours + s * vocab, whole[step].data_as<float>() + s * vocab, vocab);
+      EXPECT_LT(error, tolerance) << "step " << step << " sequence " << s;
+      std::vector<float> row(whole[step].data_as<float>() + s * vocab, whole[step].data_as<float>() + (s + 1) * vocab);
+      std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<float>());
+      if (row[0] - row[1] > 0.05f * std::abs(row[0])) {
+        EXPECT_EQ(argmax_row(ours + s * vocab, vocab), argmax_row(whole[step].data_as<float>() + s * vocab, vocab))
+            << "step " << step << " sequence " << s;
+      }
+    }
+  }
+}
+
 class CudaParallel : public testing::TestWithParam<std::tuple<std::string, Layout>> {};
 
 TEST_P(CudaParallel, RanksEqualTheWholeModel) {
@@ -155,46 +208,46 @@ TEST_P(CudaParallel, RanksEqualTheWholeModel) {
     ASSERT_TRUE(model.has_value()) << model.status().to_string();
     whole = run_steps(**model, vocab, kSteps);
   }
-  const int world = std::max(layout.tp, layout.ep);
-  ThreadGroup group(world);
-  std::vector<std::vector<Tensor>> ranks(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      ThreadLayerComm comm(group, r);
-      [&] {
-        ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-        CudaModelOptions options = base_options();
-        options.plan.tp_size = layout.tp;
-        options.plan.tp_rank = layout.tp > 1 ? r : 0;
-        options.plan.ep_size = layout.ep;
-        options.plan.ep_rank = layout.ep > 1 ? r : 0;
-        options.comm = &comm;
-        auto model = CudaQwen3MoeModel::create(*weights, options);
-        ASSERT_TRUE(model.has_value()) << "rank " << r << ": " << model.status().to_string();
-        ranks[static_cast<size_t>(r)] = run_steps(**model, vocab, kSteps);
-      }();
-      // A rank that failed early leaves the group, so the others fail instead of waiting for it.
-      if (ranks[static_cast<size_t>(r)].size() != static_cast<size_t>(kSteps) + 1) group.sync.arrive_and_drop();
-    });
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) ASSERT_EQ(ranks[static_cast<size_t>(r)].size(), whole.size()) << "rank " << r;
-  for (size_t step = 0; step < whole.size(); ++step) {
-    const float* ours = ranks[0][step].data_as<float>();
-    for (int r = 1; r < world; ++r)
-      EXPECT_EQ(std::memcmp(ranks[static_cast<size_t>(r)][step].data(), ours, ranks[0][step].num_bytes()), 0)
-          << "rank " << r << " step " << step << ": every rank holds the same residual stream";
-    for (int s = 0; s < 2; ++s) {
-      const double error = relative_error(ours + s * vocab, whole[step].data_as<float>() + s * vocab, vocab);
-      EXPECT_LT(error, 3e-2) << "step " << step << " sequence " << s;
-      // Greedy tokens only where the whole model's top two are clearly apart.
-      std::vector<float> row(whole[step].data_as<float>() + s * vocab, whole[step].data_as<float>() + (s + 1) * vocab);
-      std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<float>());
-      if (row[0] - row[1] > 0.05f * std::abs(row[0])) {
-        EXPECT_EQ(argmax_row(ours + s * vocab, vocab), argmax_row(whole[step].data_as<float>() + s * vocab, vocab))
-            << "step " << step << " sequence " << s;
-      }
+  expect_ranks_equal_whole(run_ranks(*weights, layout, vocab, kSteps), whole, vocab, 3e-2);
+}
+
+// FP8 experts (fp8-block and MXFP8) split over expert-parallel ranks, the
+// attention projections (FP8 too: multiples of 128) whole on each: the ranks
+// equal one GPU holding every expert. Tensor parallelism over quantized
+// projections is refused, as on the CPU.
+TEST(CudaParallelQuantized, Fp8ExpertsSplitOverEpRanks) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!ops::cuda::hopper_kernels_available()) GTEST_SKIP() << "FP8 experts need an sm_90 device";
+  auto config = parse_model_config(std::string(R"({
+    "model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "num_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": true, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "max_position_embeddings": 4096})"));
+  ASSERT_TRUE(config.has_value()) << config.status().to_string();
+  ThreadPool pool(2);
+  constexpr int kSteps = 3;
+  for (const ops::QuantFormat format : {ops::QuantFormat::kFp8Block, ops::QuantFormat::kMxfp8}) {
+    SCOPED_TRACE(std::string(ops::quant_format_name(format)));
+    const ModelWeights weights = ModelWeights::dummy(*config, 7, pool, format);
+    std::vector<Tensor> whole;
+    {
+      auto model = CudaQwen3MoeModel::create(weights, base_options());
+      ASSERT_TRUE(model.has_value()) << model.status().to_string();
+      whole = run_steps(**model, config->vocab_size, kSteps);
     }
+    // Each rank quantizes the same activations as the whole model and runs its
+    // experts' rows of the same kernels: only the cross-rank sum's order differs.
+    expect_ranks_equal_whole(run_ranks(weights, Layout{1, 2}, config->vocab_size, kSteps), whole,
+                             config->vocab_size, 3e-2);
+    CudaModelOptions options = base_options();
+    options.plan.tp_size = 2;
+    ThreadGroup group(2);
+    ThreadLayerComm comm(group, 0);
+    options.comm = &comm;
+    auto tp = CudaQwen3MoeModel::create(weights, options);
+    ASSERT_FALSE(tp.has_value());
+    EXPECT_NE(tp.status().message().find("tensor parallelism over quantized"), std::string::npos)
+        << tp.status().message();
   }
 }
 

@@ -70,6 +70,23 @@ for layout in "--tp 2" "--ep 2" "--tp 2 --ep 2"; do
   grep -E "GPU rank|GPU ranks ready|share GPUs|error" "$OUT/serve_ranks.log" | head -6
 done
 
+# FP8 experts over EP ranks: the demo model quantized to fp8-block, served by
+# two ranks (each holding half the experts) against one GPU holding them all.
+fp8=$(mktemp -d)
+"$BIN/moeserve" quantize --model models/moeserve-demo --out "$fp8/demo-fp8" --format fp8-block > /dev/null 2>&1
+echo "=== serve --ep 2 --device cuda $placement (the demo model in fp8-block) against one GPU"
+"$BIN/moeserve" serve --model "$fp8/demo-fp8" --served-model-name moeserve-demo --device cuda --gpu 0 --kv-cache-gb 2 \
+  --port 18559 > /dev/null 2> "$OUT/serve_fp8_one.log" &
+fp8_single=$!
+"$BIN/moeserve" serve --model "$fp8/demo-fp8" --served-model-name moeserve-demo --device cuda --ep 2 $placement \
+  --kv-cache-gb 2 --port 18556 > /dev/null 2> "$OUT/serve_fp8_ranks.log" &
+server=$!
+wait_up 18559 $fp8_single && wait_up 18556 $server || echo "an fp8 server did not start (serve_fp8_*.log)"
+compare "fp8 ranks --ep 2" 18556 18559
+kill -INT $server $fp8_single; wait $server; echo "serve fp8 --ep 2 exit: $?"; wait $fp8_single
+grep -E "GPU ranks ready|FP8|fp8|error" "$OUT/serve_fp8_ranks.log" | head -4
+rm -rf "$fp8"
+
 # serve --disagg on GPUs (docs/disagg.md): router + prefill + decode instances,
 # the KV moved by CUDA IPC, against one GPU.
 echo "=== serve --disagg --device cuda $placement (the demo model) against one GPU"

@@ -159,12 +159,6 @@ Status check_cuda_parallel(const ModelConfig& full, const ModelWeights* weights,
   if (plan.single()) return Status::ok();
   MOE_RETURN_IF_ERROR(weights ? check_parallel_plan(full, *weights, plan) : check_parallel_layout(full, plan));
   if (plan.dp_attention) return unimplemented("data-parallel attention ranks on the GPU are not implemented yet");
-  if (weights && weights->quant_format() != ops::QuantFormat::kNone)
-    return unimplemented("{} weights on GPU ranks (--tp/--ep with --device cuda): bf16 only for now",
-                         ops::quant_format_name(weights->quant_format()));
-  if (!weights && options.dummy_expert_format != ops::QuantFormat::kNone)
-    return unimplemented("dummy {} experts on GPU ranks: bf16 only for now",
-                         ops::quant_format_name(options.dummy_expert_format));
   if (options.mtp != nullptr) return unimplemented("an MTP layer on GPU ranks (--tp/--ep) is not supported yet");
   const int world = std::max(plan.tp_size, plan.ep_size), rank = plan.tp_size > 1 ? plan.tp_rank : plan.ep_rank;
   if (options.comm == nullptr || options.comm->world_size() != world || options.comm->rank() != rank)
@@ -194,8 +188,14 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
     if (!rank_weights) return weights->layer(l);
     LayerWeights w = rank_weights->layer(l);
     if (w.is_moe && options.plan.ep_size > 1) {
-      w.w13 = w.w13.rows(shard.first_expert, shard.first_expert + shard.num_experts);
-      w.w2 = w.w2.rows(shard.first_expert, shard.first_expert + shard.num_experts);
+      const int64_t first = shard.first_expert, last = shard.first_expert + shard.num_experts;
+      if (w.w13_quant.empty()) {
+        w.w13 = w.w13.rows(first, last);
+        w.w2 = w.w2.rows(first, last);
+      } else {  // quantized experts (tensor parallelism over quantized weights is refused above)
+        w.w13_quant = w.w13_quant.slice_stack(first, last);
+        w.w2_quant = w.w2_quant.slice_stack(first, last);
+      }
     }
     return w;
   };

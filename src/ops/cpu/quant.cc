@@ -171,6 +171,18 @@ Shape quant_scale_shape(QuantFormat format, int64_t rows, int64_t cols, int64_t 
   return {(rows / period) * ceil_div(period, 128), num_block_cols};
 }
 
+QuantizedTensor QuantizedTensor::slice_stack(int64_t begin, int64_t end) const {
+  CHECK(rank() == 3 && 0 <= begin && begin <= end && end <= values.dim(0), "matrices [{}, {}) of a stack {}", begin,
+        end, values.shape().to_string());
+  QuantizedTensor out = *this;
+  const int64_t n = rows(), k = cols();
+  char* base = static_cast<char*>(values.data()) + dtype_bytes(values.dtype(), n * k) * static_cast<size_t>(begin);
+  out.values = TensorView(base, values.dtype(), {end - begin, n, k}, values.device());
+  out.scales = scales.rows(begin, end);
+  if (!global_scale.empty()) out.global_scale = global_scale.rows(begin, end);
+  return out;
+}
+
 QuantizedTensor QuantizedTensor::slice0(int64_t g) const {
   CHECK(rank() == 3 && g >= 0 && g < values.dim(0), "slice0({}) of a stack {}", g, values.shape().to_string());
   QuantizedTensor out = *this;
