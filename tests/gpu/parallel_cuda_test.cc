@@ -166,10 +166,11 @@ std::vector<std::vector<Tensor>> run_ranks(const ModelWeights& weights, Layout l
   return ranks;
 }
 
-// Every rank's logits identical, within `tolerance` of the whole model's, and
-// the same greedy tokens where the whole model's top two are clearly apart.
+// Every rank's logits identical, within `tolerance` of the whole model's
+// (`decode_tolerance` after the prompt step), and the same greedy tokens where
+// the whole model's top two are clearly apart.
 void expect_ranks_equal_whole(const std::vector<std::vector<Tensor>>& ranks, const std::vector<Tensor>& whole,
-                              int64_t vocab, double tolerance) {
+                              int64_t vocab, double tolerance, double decode_tolerance) {
   for (size_t r = 0; r < ranks.size(); ++r) ASSERT_EQ(ranks[r].size(), whole.size()) << "rank " << r;
   for (size_t step = 0; step < whole.size(); ++step) {
     const float* ours = ranks[0][step].data_as<float>();
@@ -178,7 +179,7 @@ void expect_ranks_equal_whole(const std::vector<std::vector<Tensor>>& ranks, con
           << "rank " << r << " step " << step << ": every rank holds the same residual stream";
     for (int s = 0; s < 2; ++s) {
       const double error = relative_error(ours + s * vocab, whole[step].data_as<float>() + s * vocab, vocab);
-      EXPECT_LT(error, tolerance) << "step " << step << " sequence " << s;
+      EXPECT_LT(error, step == 0 ? tolerance : decode_tolerance) << "step " << step << " sequence " << s;
       std::vector<float> row(whole[step].data_as<float>() + s * vocab, whole[step].data_as<float>() + (s + 1) * vocab);
       std::partial_sort(row.begin(), row.begin() + 2, row.end(), std::greater<float>());
       if (row[0] - row[1] > 0.05f * std::abs(row[0])) {
@@ -208,7 +209,7 @@ TEST_P(CudaParallel, RanksEqualTheWholeModel) {
     ASSERT_TRUE(model.has_value()) << model.status().to_string();
     whole = run_steps(**model, vocab, kSteps);
   }
-  expect_ranks_equal_whole(run_ranks(*weights, layout, vocab, kSteps), whole, vocab, 3e-2);
+  expect_ranks_equal_whole(run_ranks(*weights, layout, vocab, kSteps), whole, vocab, 3e-2, 3e-2);
 }
 
 // FP8 experts (fp8-block and MXFP8) split over expert-parallel ranks, the
@@ -235,10 +236,15 @@ TEST(CudaParallelQuantized, Fp8ExpertsSplitOverEpRanks) {
       ASSERT_TRUE(model.has_value()) << model.status().to_string();
       whole = run_steps(**model, config->vocab_size, kSteps);
     }
-    // Each rank quantizes the same activations as the whole model and runs its
-    // experts' rows of the same kernels: only the cross-rank sum's order differs.
+    // The prompt step within bf16 noise. After it the ranks' residual differs
+    // from the whole model's by the bf16 rounding of each rank's partial MoE
+    // output (the all-reduce payload), and the next layers' E4M3 activation
+    // quantization turns some of those ulps into whole E4M3 steps (1/16): on
+    // this 256-wide model up to 8% of the logits' norm was seen (MXFP8, step 1;
+    // the GPU-vs-CPU FP8 test in model_cuda_test allows 8e-2 for the same
+    // reason). Wrong experts or scales give errors near 100%.
     expect_ranks_equal_whole(run_ranks(weights, Layout{1, 2}, config->vocab_size, kSteps), whole,
-                             config->vocab_size, 3e-2);
+                             config->vocab_size, 3e-2, 0.15);
     CudaModelOptions options = base_options();
     options.plan.tp_size = 2;
     ThreadGroup group(2);
