@@ -52,6 +52,7 @@ class Followers {
   Followers& operator=(Followers&&) = delete;
   ~Followers();
   std::vector<int> fds;
+  const std::vector<pid_t>& pids() const { return pids_; }  // rank r + 1's process at index r
 
  private:
   friend Expected<Followers> spawn_followers(const ParallelArgs& args, const std::string& group, int32_t num_pages,

@@ -8,9 +8,11 @@
 #include <fstream>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "core/logging.h"
@@ -258,7 +260,32 @@ struct GpuRanks {
   std::unique_ptr<comm::TcpBootstrap> bootstrap;
   std::unique_ptr<model::SymmetricLayerComm> comm;
   int device = 0;
+  std::jthread watchdog;  // the leader's (watch_followers); declared last, so it stops first
 };
+
+// The leader's watch over its followers, every 20 ms: one that exits ends the
+// waits of the collectives in flight (SymmetricLayerComm::abort), so a step
+// that needed it fails in milliseconds instead of trapping after ~10 s; the
+// steps after fail at their plan's send. Exit status 0 is a follower told to
+// stop (shutdown); anything else is logged as an error.
+void watch_followers(const std::stop_token& stop, const std::vector<pid_t>& pids, model::SymmetricLayerComm& comm) {
+  while (!stop.stop_requested()) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      siginfo_t info{};
+      if (::waitid(P_PID, pids[i], &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != pids[i]) continue;
+      comm.abort();
+      if (info.si_code == CLD_EXITED && info.si_status == 0) {
+        log_info("GPU rank {} (pid {}) exited", i + 1, pids[i]);
+      } else {
+        log_error("GPU rank {} (pid {}) {} {}: this instance's collectives are abandoned, requests fail", i + 1,
+                  pids[i], info.si_code == CLD_EXITED ? "exited with status" : "was killed by signal",
+                  info.si_status);
+      }
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
 
 constexpr int kGpuRankTimeoutMs = 600000;  // a rank loading a large checkpoint
 
@@ -289,6 +316,11 @@ Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, int hid
   }
   MOE_ASSIGN_OR_RETURN(g.comm, model::SymmetricLayerComm::create(*g.bootstrap, g.device, max_tokens, hidden));
   log_info("GPU rank {} of {} on GPU {}: layer collective ready", p.internal_rank, p.world(), g.device);
+  if (g.followers) {
+    g.watchdog = std::jthread([pids = g.followers->pids(), comm = g.comm.get()](const std::stop_token& stop) {
+      watch_followers(stop, pids, *comm);
+    });
+  }
   return g;
 }
 

@@ -2,6 +2,10 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
 #include "core/logging.h"
 #include "engine/rank_group.h"
 
@@ -105,13 +109,26 @@ Expected<std::vector<int32_t>> CudaRunner::forward_greedy_with_hidden(const mode
 }
 
 Status run_cuda_follower(model::CudaQwen3MoeModel& model, int plan_fd) {
+  // Fault injection for tools/gpu/serve_check.sh: MOESERVE_TEST_STALL_STEP=N
+  // stops this rank for 60 s inside step N, after its first layer, so that a
+  // kill then leaves the other ranks waiting inside the step's collectives.
+  const char* stall = std::getenv("MOESERVE_TEST_STALL_STEP");
+  const int64_t stall_step = stall != nullptr ? std::atoll(stall) : -1;
   for (int64_t step = 0;; ++step) {
     MOE_ASSIGN_OR_RETURN(std::optional<model::ForwardBatch> batch, receive_step_plan(plan_fd));
     if (!batch) {
       log_info("GPU rank: the leader stopped or went away after {} steps; stopping", step);
       return Status::ok();
     }
+    if (step == stall_step) {
+      model.set_layer_hook([step](int layer) {
+        if (layer != 0) return;
+        log_warn("GPU rank: stalling inside step {} for 60 s (MOESERVE_TEST_STALL_STEP)", step);
+        std::this_thread::sleep_for(std::chrono::seconds(60));
+      });
+    }
     MOE_RETURN_IF_ERROR(model.forward_greedy(*batch).status());  // the leader samples; ids are cheap to fetch
+    if (step == stall_step) model.set_layer_hook(nullptr);
   }
 }
 

@@ -71,6 +71,32 @@ for layout in "--tp 2" "--ep 2" "--tp 2 --ep 2"; do
   grep -E "GPU rank|GPU ranks ready|share GPUs|error" "$OUT/serve_ranks.log" | head -6
 done
 
+# kill -9 of a GPU rank inside a step: the follower stalls inside its 20th
+# step (MOESERVE_TEST_STALL_STEP, after its first layer), so the leader waits
+# in that step's collective; then the kill. The leader's watchdog ends the
+# collectives' waits: the request fails with an error within a second or two
+# (not the kernels' ~10 s trap), and /health stops answering 200.
+echo "=== kill -9 of GPU rank 1 of serve --tp 2 $placement inside a step"
+MOESERVE_TEST_STALL_STEP=20 "$BIN/moeserve" serve --device cuda --tp 2 $placement --kv-cache-gb 2 --port 18556 \
+  > /dev/null 2> "$OUT/serve_kill.log" &
+server=$!
+if wait_up 18556 $server; then
+  follower=$(grep -oE "started rank 1 of 2 \(pid [0-9]+\)" "$OUT/serve_kill.log" | grep -oE "[0-9]+\)$" | tr -d ')')
+  body='{"model": "moeserve-demo", "prompt": "The sea is", "max_tokens": 200, "ignore_eos": true, "temperature": 0}'
+  curl -s -m 60 localhost:18556/v1/completions -H 'Content-Type: application/json' -d "$body" > "$OUT/kill_response.json" &
+  request=$!
+  for _ in $(seq 1 100); do grep -q "stalling inside step" "$OUT/serve_kill.log" && break; sleep 0.1; done
+  sleep 0.5  # the leader is now inside the step's collective, waiting for rank 1
+  killed=$(date +%s.%N)
+  kill -9 "$follower"
+  wait $request
+  ended=$(date +%s.%N)
+  echo "request ended $(python3 -c "print(f'{$ended - $killed:.2f}')") s after the kill: $(head -c 300 "$OUT/kill_response.json")"
+  echo "health after the kill: HTTP $(curl -s -o /dev/null -w '%{http_code}' -m 5 localhost:18556/health)"
+  grep -E "stalling|GPU rank 1 .*(killed|exited)|abandoned| E " "$OUT/serve_kill.log" | head -5
+fi
+kill -INT $server 2>/dev/null; wait $server; echo "serve exit after the kill: $?"
+
 # FP8 experts over EP ranks: the demo model quantized to fp8-block, served by
 # two ranks (each holding half the experts) against one GPU holding them all,
 # 16 tokens per prompt: the ranks' bf16 all-reduce payload moves the residual

@@ -61,7 +61,7 @@ __device__ void signal_all(const SymmetricView& v, int set, uint32_t seq) {
 // Waits until every block of every rank has raised `seq` in this rank.
 __device__ void wait_all(const SymmetricView& v, int set, uint32_t seq) {
   for (int i = threadIdx.x; i < kExpertBlocks * v.world; i += blockDim.x)
-    wait_flag(flag_of(v, v.rank, set, i / v.world, i % v.world), seq, v.timeout_cycles);
+    wait_flag(v, flag_of(v, v.rank, set, i / v.world, i % v.world), seq);
   __syncthreads();
 }
 

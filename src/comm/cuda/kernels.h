@@ -54,6 +54,10 @@ struct SymmetricView {
   size_t data_bytes;          // bytes after the signal area
   int rank, world;
   unsigned long long timeout_cycles;  // 0: wait forever
+  // A word of mapped host memory (null: none): once nonzero, a wait that has
+  // lasted kAbortCheckCycles gives up (a rank is gone; the result is garbage
+  // and the host, which set it, fails the step).
+  const volatile uint32_t* abort = nullptr;
 };
 
 // --- all-reduce ---------------------------------------------------------------

@@ -44,6 +44,13 @@ Expected<std::unique_ptr<CudaSymmetricMemory>> CudaSymmetricMemory::create(const
   mem->view_.world = world;
   mem->view_.timeout_cycles = options.kernel_timeout_cycles;
   MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
+  void* word = nullptr;
+  MOE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&word, sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable));
+  mem->abort_word_ = static_cast<volatile uint32_t*>(word);
+  *mem->abort_word_ = 0;
+  void* device_word = nullptr;
+  MOE_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&device_word, word, 0));
+  mem->view_.abort = static_cast<const volatile uint32_t*>(device_word);
   MOE_RETURN_IF_ERROR(mem->allocate_local(options));
   MOE_RETURN_IF_ERROR(mem->import_peers(options, bootstrap));
   MOE_RETURN_IF_ERROR(mem->map_all());
@@ -145,6 +152,7 @@ CudaSymmetricMemory::~CudaSymmetricMemory() {
   cudaSetDevice(device_);
   cudaDeviceSynchronize();  // no kernel of ours may still use the mappings
   if (view_.counters != nullptr) cudaFree(view_.counters);
+  if (abort_word_ != nullptr) cudaFreeHost(const_cast<uint32_t*>(abort_word_));
   for (size_t r = 0; r < handles_.size(); ++r) {
     if (is_mapped_[r]) (*api)->mem_unmap(mapped_[r], allocation_bytes_);
     if (mapped_[r] != 0) (*api)->mem_address_free(mapped_[r], allocation_bytes_);

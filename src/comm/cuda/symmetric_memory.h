@@ -56,6 +56,11 @@ class CudaSymmetricMemory {
   size_t allocation_bytes() const { return allocation_bytes_; }
   // The local allocation's handle (for binding to a multicast object, nvls.h).
   CUmemGenericAllocationHandle local_handle() const { return handles_[view_.rank]; }
+  // Ends every wait of this rank's kernels on peers, now and later (a peer is
+  // gone): they finish with garbage instead of trapping after the timeout.
+  // Any thread; async-signal-safe.
+  void abort() { *abort_word_ = 1; }
+  bool aborted() const { return *abort_word_ != 0; }
 
  private:
   CudaSymmetricMemory() = default;
@@ -68,6 +73,7 @@ class CudaSymmetricMemory {
   std::vector<CUmemGenericAllocationHandle> handles_;  // [world]; 0 until held
   std::vector<CUdeviceptr> mapped_;                    // [world]; 0 until reserved
   std::vector<bool> is_mapped_;                        // [world]
+  volatile uint32_t* abort_word_ = nullptr;            // mapped pinned host memory (view_.abort on the device)
   SymmetricView view_{};
 };
 

@@ -24,11 +24,18 @@ __device__ __forceinline__ uint32_t* flag_of(const SymmetricView& v, int r, int 
   return reinterpret_cast<uint32_t*>(v.base[r]) + (set * kMaxBlocks + block) * kMaxRanks + writer;
 }
 
-// Spins until *flag has reached `value` (wrap-safe); traps after timeout_cycles.
-__device__ __forceinline__ void wait_flag(const uint32_t* flag, uint32_t value, unsigned long long timeout_cycles) {
+// A wait reads the host's abort word only once it has lasted this long (~25
+// us): a read over PCIe on every spin would slow every collective.
+constexpr unsigned long long kAbortCheckCycles = 50'000;
+
+// Spins until *flag has reached `value` (wrap-safe); gives up when the view's
+// abort word is set, traps after its timeout_cycles.
+__device__ __forceinline__ void wait_flag(const SymmetricView& v, const uint32_t* flag, uint32_t value) {
   const unsigned long long start = clock64();
   while (static_cast<int32_t>(load_acquire(flag) - value) < 0) {
-    if (timeout_cycles != 0 && clock64() - start > timeout_cycles) __trap();
+    const unsigned long long waited = clock64() - start;
+    if (waited > kAbortCheckCycles && v.abort != nullptr && *v.abort != 0) return;
+    if (v.timeout_cycles != 0 && waited > v.timeout_cycles) __trap();
   }
 }
 
@@ -39,7 +46,7 @@ __device__ __forceinline__ void block_barrier(const SymmetricView& v, int set, i
   if (threadIdx.x < v.world) {
     __threadfence_system();
     store_release(flag_of(v, threadIdx.x, set, block, v.rank), seq);
-    wait_flag(flag_of(v, v.rank, set, block, threadIdx.x), seq, v.timeout_cycles);
+    wait_flag(v, flag_of(v, v.rank, set, block, threadIdx.x), seq);
   }
   __syncthreads();
 }

@@ -132,6 +132,7 @@ class CudaQwen3MoeModel {
   Status allocate_kv_pool(int32_t num_pages);
   Status size_kv_pool_after_warm_up(int tokens);
   Status run(const ForwardBatch& batch);
+  Status finish_step();
   Expected<StepShape> upload_step(const ForwardBatch& batch, int padded_tokens);
   Status launch_step(const StepShape& shape);
   struct LayerBuffers;

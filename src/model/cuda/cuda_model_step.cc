@@ -13,10 +13,18 @@
 #include "ops/cuda/kernels.h"
 
 namespace moe::model {
+
 namespace {
 namespace k = moe::ops::cuda;
 using bf16 = __nv_bfloat16;
 }  // namespace
+
+// The end of a step on the host: its kernels done, and (GPU ranks) its
+// collectives not abandoned for a lost rank.
+Status CudaQwen3MoeModel::finish_step() {
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(state_->stream));
+  return state_->options.comm != nullptr ? state_->options.comm->health() : Status::ok();
+}
 
 // Uploads the step's metadata. padded_tokens > 0 (a decode step replayed as a
 // CUDA graph) pads the batch to that many tokens, one sequence per token, the
@@ -417,7 +425,7 @@ Status CudaQwen3MoeModel::sync_and_fetch_hidden(int num_tokens, std::span<const 
   if (!normed.empty())
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(normed.data(), s.normed.data(), normed.size() * sizeof(uint16_t),
                                              cudaMemcpyDeviceToHost, s.stream));
-  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
+  MOE_RETURN_IF_ERROR(finish_step());
   if (hidden_rows.empty()) return Status::ok();
   hidden = Tensor(DType::kF32, {static_cast<int64_t>(hidden_rows.size()), H});
   float* out = hidden.data_as<float>();
@@ -485,7 +493,7 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
                                              cudaMemcpyDeviceToHost, s.stream));
   }
 #undef MOE_LAUNCH
-  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
+  MOE_RETURN_IF_ERROR(finish_step());
   float* h = out.hidden.data_as<float>();
   for (size_t i = 0; i < normed.size(); ++i) h[i] = bf16_to_float(normed[i]);
   return out;
@@ -508,7 +516,7 @@ Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_sample(const ForwardBa
   std::vector<int32_t> tokens(rows.size());
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens.data(), s.greedy.data(), tokens.size() * sizeof(int32_t),
                                            cudaMemcpyDeviceToHost, s.stream));
-  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
+  MOE_RETURN_IF_ERROR(finish_step());
   return tokens;
 }
 

@@ -37,6 +37,9 @@ class CudaLayerComm {
   virtual Status all_reduce_add_rms_norm(const __nv_bfloat16* delta, float* residual, const __nv_bfloat16* weight,
                                          __nv_bfloat16* out, int num_tokens, int hidden, float eps,
                                          cudaStream_t stream) = 0;
+  // After a step's kernels have finished: not ok when its collectives were
+  // abandoned (a rank is gone), so the step's results are garbage.
+  virtual Status health() const { return Status::ok(); }
 };
 
 }  // namespace moe::model

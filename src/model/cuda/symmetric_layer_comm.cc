@@ -31,4 +31,11 @@ Status SymmetricLayerComm::all_reduce_add_rms_norm(const __nv_bfloat16* delta, f
   return cuda_status(comm::cuda::fused_all_reduce_add_rms_norm(p, stream), "fused_all_reduce_add_rms_norm");
 }
 
+Status SymmetricLayerComm::health() const {
+  if (memory_->aborted())
+    return unavailable("GPU rank {} of {}: a rank of this instance is gone, the step's collectives were abandoned",
+                       rank(), world_size());
+  return Status::ok();
+}
+
 }  // namespace moe::model

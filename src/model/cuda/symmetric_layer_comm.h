@@ -29,6 +29,10 @@ class SymmetricLayerComm final : public CudaLayerComm {
   Status all_reduce_add_rms_norm(const __nv_bfloat16* delta, float* residual, const __nv_bfloat16* weight,
                                  __nv_bfloat16* out, int num_tokens, int hidden, float eps,
                                  cudaStream_t stream) override;
+  Status health() const override;
+  // A rank is gone: every wait on the peers, in flight or later, gives up
+  // (CudaSymmetricMemory::abort). Any thread.
+  void abort() { memory_->abort(); }
 
  private:
   SymmetricLayerComm(std::unique_ptr<comm::cuda::CudaSymmetricMemory> memory, comm::TcpBootstrap& bootstrap,
