@@ -555,6 +555,11 @@ Status run_serve(ServeArgs args) {
   // A GPU rank's own GPU (rank r on --gpu + r, or --gpus[r]), made current by the device check below.
   if (args.device.cuda() && args.parallel.world() > 1 && args.parallel.dp == 1) {
     MOE_ASSIGN_OR_RETURN(args.device.gpu, rank_gpu(args.device, args.parallel.internal_rank, args.parallel.world()));
+    const std::set<int> distinct(args.device.gpus.begin(), args.device.gpus.end());
+    if (!args.device.gpus.empty() && static_cast<int>(distinct.size()) < args.parallel.world() &&
+        args.kv_cache_gb <= 0)
+      return invalid_argument("GPU ranks sharing a GPU (--gpus {}) need --kv-cache-gb (each would size its KV pool "
+                              "from memory the other is about to take)", fmt::join(args.device.gpus, ","));
   } else if (!args.device.gpus.empty()) {
     return invalid_argument("--gpus names the GPUs of --tp/--ep ranks; with one rank use --gpu");
   }

@@ -172,6 +172,10 @@ TEST(Cli, GpuSelectionErrors) {
   CliRun gpus_count = run("serve --model " + kGolden + " --device cuda --tp 2 --gpus 0,0,1 --port 0");
   EXPECT_EQ(gpus_count.exit_code, 1) << gpus_count.output;
   EXPECT_NE(gpus_count.output.find("--gpus names 3 GPUs for 2 ranks"), std::string::npos) << gpus_count.output;
+  CliRun shared = run("serve --model " + kGolden + " --device cuda --tp 2 --gpus 0,0 --port 0");
+  EXPECT_EQ(shared.exit_code, 1) << shared.output;
+  EXPECT_NE(shared.output.find("GPU ranks sharing a GPU (--gpus 0,0) need --kv-cache-gb"), std::string::npos)
+      << shared.output;
   CliRun gpus_one = run("serve --model " + kGolden + " --device cuda --gpus 0 --port 0");
   EXPECT_EQ(gpus_one.exit_code, 1) << gpus_one.output;
   EXPECT_NE(gpus_one.output.find("with one rank use --gpu"), std::string::npos) << gpus_one.output;
