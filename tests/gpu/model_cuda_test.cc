@@ -316,7 +316,8 @@ TEST(CudaModel, Fp8ExpertsMatchTheCpuQuantizedModel) {
 }
 
 // Decode steps replayed as CUDA graphs (3 sequences padded to the bucket of 4,
-// the padding on the scratch page) against the same steps run eagerly.
+// the padding on the scratch page; page tables of 5 and 8 pages, both padded
+// to the graph's stride of 8) against the same steps run eagerly.
 TEST(CudaModel, GraphReplayMatchesEagerDecode) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   ThreadPool pool;
@@ -347,15 +348,17 @@ TEST(CudaModel, GraphReplayMatchesEagerDecode) {
     lengths.push_back(static_cast<int32_t>(prompts[s].size()));
   }
   for (int step = 0; step < 6; ++step) {
+    // Page tables of 5 and 8 pages in turn: the same graph, the shorter table padded.
+    const int pages = step % 2 == 0 ? 5 : 8;
     ForwardBatch batch;
-    batch.max_pages_per_seq = 8;
+    batch.max_pages_per_seq = pages;
     batch.query_start = {0};
     for (size_t s = 0; s < prompts.size(); ++s) {
       batch.token_ids.push_back(next[s]);
       batch.positions.push_back(lengths[s]++);
       batch.query_start.push_back(static_cast<int32_t>(s) + 1);
       batch.logits_rows.push_back(static_cast<int32_t>(s));
-      for (int p = 0; p < 8; ++p) batch.page_table.push_back(static_cast<int32_t>(s) * 8 + p);
+      for (int p = 0; p < pages; ++p) batch.page_table.push_back(static_cast<int32_t>(s) * 8 + p);
     }
     auto a = (*graphed)->forward(batch);
     auto b = (*eager)->forward(batch);
