@@ -1,5 +1,7 @@
 #include "apps/moeserve/device_options.h"
 
+#include <set>
+
 #ifdef MOE_WITH_CUDA
 #include "engine/cuda_runner.h"
 #endif
@@ -11,8 +13,9 @@ void add_device_options(CLI::App* cmd, DeviceArgs& args) {
   cmd->add_option("--gpu", args.gpu, "With --device cuda: the GPU to run on (CUDA ordinal, default 0)")
       ->check(CLI::Range(0, 1023));
   cmd->add_option("--gpus", args.gpus,
-                  "With --device cuda and --tp/--ep: each rank's GPU, comma-separated (default --gpu, --gpu + 1, ...); "
-                  "a GPU named twice is shared, time-sliced, which only tests should do")
+                  "With --device cuda and --tp/--ep (or serve --disagg): each rank's (instance's) GPU, comma-separated "
+                  "(default --gpu, --gpu + 1, ...); "
+                  "a GPU named twice is shared, time-sliced, which only tests should do (needs --kv-cache-gb)")
       ->delimiter(',')
       ->check(CLI::Range(0, 1023));
   cmd->add_option("--gpu-memory-utilization", args.gpu_memory_utilization,
@@ -41,6 +44,10 @@ Expected<int> rank_gpu(const DeviceArgs& args, int rank, int world, const char* 
   if (static_cast<int>(args.gpus.size()) != world)
     return invalid_argument("--gpus names {} GPUs for {} {}: give one each", args.gpus.size(), world, unit);
   return args.gpus[rank];
+}
+
+bool gpus_repeat(const DeviceArgs& args) {
+  return std::set<int>(args.gpus.begin(), args.gpus.end()).size() < args.gpus.size();
 }
 
 }  // namespace moe::apps

@@ -34,4 +34,7 @@ Status check_device(const DeviceArgs& args);
 // (its length must be `world`), else --gpu + rank.
 Expected<int> rank_gpu(const DeviceArgs& args, int rank, int world, const char* unit = "ranks");
 
+// Whether --gpus names a GPU more than once (processes sharing it).
+bool gpus_repeat(const DeviceArgs& args);
+
 }  // namespace moe::apps

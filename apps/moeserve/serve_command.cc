@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
-#include <set>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -304,8 +303,7 @@ Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, int hid
         return invalid_argument("GPU rank {} of {} needs GPU {} (--gpu/--gpus): {}", rank, p.world(), gpu,
                                 usable.message());
     }
-    const std::set<int> distinct(args.device.gpus.begin(), args.device.gpus.end());
-    if (!args.device.gpus.empty() && static_cast<int>(distinct.size()) < p.world())
+    if (gpus_repeat(args.device))
       log_warn("GPU ranks share GPUs (--gpus {}): their kernels time-slice, which only tests should do",
                fmt::join(args.device.gpus, ","));
     MOE_ASSIGN_OR_RETURN(auto listener, comm::BootstrapListener::bind("127.0.0.1", 0));
@@ -555,9 +553,7 @@ Status run_serve(ServeArgs args) {
   // A GPU rank's own GPU (rank r on --gpu + r, or --gpus[r]), made current by the device check below.
   if (args.device.cuda() && args.parallel.world() > 1 && args.parallel.dp == 1) {
     MOE_ASSIGN_OR_RETURN(args.device.gpu, rank_gpu(args.device, args.parallel.internal_rank, args.parallel.world()));
-    const std::set<int> distinct(args.device.gpus.begin(), args.device.gpus.end());
-    if (!args.device.gpus.empty() && static_cast<int>(distinct.size()) < args.parallel.world() &&
-        args.kv_cache_gb <= 0)
+    if (gpus_repeat(args.device) && args.kv_cache_gb <= 0)
       return invalid_argument("GPU ranks sharing a GPU (--gpus {}) need --kv-cache-gb (each would size its KV pool "
                               "from memory the other is about to take)", fmt::join(args.device.gpus, ","));
   } else if (!args.device.gpus.empty()) {
