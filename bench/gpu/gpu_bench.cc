@@ -71,6 +71,24 @@ double time_ms(const std::function<void()>& body, int warmup = 3, int repeats = 
   return ms[ms.size() / 2];
 }
 
+// Per-call milliseconds of `body(stream)` replayed from a CUDA graph of
+// `calls` calls: no host launch cost, as in the model's decode graphs.
+double time_graph_ms(const std::function<void(cudaStream_t)>& body, int calls = 20) {
+  cudaStream_t stream;
+  check(cudaStreamCreate(&stream), "stream");
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+  for (int i = 0; i < calls; ++i) body(stream);
+  check(cudaStreamEndCapture(stream, &graph), "end capture");
+  check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  const double ms = time_ms([&] { cudaGraphLaunch(exec, stream); }) / calls;
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  return ms;
+}
+
 DeviceTensor random_bf16(Shape shape, uint64_t seed, float scale = 1.0f) {
   auto t = DeviceTensor::allocate(DType::kBF16, shape);
   check(t.status());
@@ -321,10 +339,13 @@ void bench_prefill_grouped_gemm() {
 }
 
 // Decode attention: one new token per sequence over `context` cached tokens.
-void bench_decode_attention(double copy_gbs) {
+// only_batch / only_context (0: all) pick one shape, e.g. for a profiler.
+void bench_decode_attention(double copy_gbs, int only_batch, int only_context) {
   const int Hq = 64, Hkv = 4, D = 128, page = 16;
-  for (auto [batch, context] : {std::pair{64, 1024}, std::pair{64, 8192}, std::pair{256, 2048}, std::pair{256, 8192},
-                                std::pair{64, 32768}}) {
+  for (auto [batch, context] : {std::pair{64, 1024}, std::pair{128, 1024}, std::pair{256, 1024}, std::pair{64, 8192},
+                                std::pair{256, 2048}, std::pair{256, 8192}, std::pair{64, 32768}, std::pair{64, 64}}) {
+    if (context == 64 && only_batch != 64) continue;  // the fixed cost (64 positions), on request only
+    if ((only_batch != 0 && batch != only_batch) || (only_context != 0 && context != only_context)) continue;
     const int pages_per_seq = context / page, num_pages = batch * pages_per_seq;
     DeviceTensor kp = random_bf16({num_pages, Hkv, page, D}, 21), vp = random_bf16({num_pages, Hkv, page, D}, 22);
     DeviceTensor q = random_bf16({batch, Hq, D}, 23);
@@ -340,13 +361,32 @@ void bench_decode_attention(double copy_gbs) {
     const size_t ws_bytes = k::mma_attention_workspace_bytes(batch, Hq, context - 1);
     auto ws = DeviceBuffer::allocate(ws_bytes);
     check(ws.status());
-    const double ms = time_ms([&] { k::mma_paged_attention(params, context - 1, ws->data_as<float>(), ws_bytes, nullptr); });
-    const double simple_ms = time_ms([&] { k::paged_attention(params, nullptr); }, 1, 3);
+    // The default (stages 0) and each pipeline depth, splits chosen by the launcher.
+    double stage_ms[5] = {};
+    time_ms([&] { k::mma_paged_attention(params, context - 1, ws->data_as<float>(), ws_bytes, nullptr); });  // warm-up
+    for (int stages : {0, 2, 3, 4}) {
+      k::PagedAttentionParams ps = params;
+      ps.decode_stages = stages;
+      stage_ms[stages] =
+          time_ms([&] { k::mma_paged_attention(ps, context - 1, ws->data_as<float>(), ws_bytes, nullptr); });
+    }
+    const double ms = stage_ms[0];
+    const double graph_ms = time_graph_ms(
+        [&](cudaStream_t stream) { k::mma_paged_attention(params, context - 1, ws->data_as<float>(), ws_bytes, stream); });
     check(cudaGetLastError(), "decode attention");
+    if (only_batch != 0) {  // one shape: also sweep the split count (default stages)
+      for (int splits = 1; splits <= 8; ++splits) {
+        k::PagedAttentionParams ps = params;
+        ps.decode_splits = splits;
+        std::printf("  splits %d: %.4f ms\n", splits,
+                    time_ms([&] { k::mma_paged_attention(ps, context - 1, ws->data_as<float>(), ws_bytes, nullptr); }));
+      }
+    }
     const double kv_bytes = 2.0 * batch * context * Hkv * D * 2;
-    char shape[96], extra[96];
+    char shape[96], extra[160];
     std::snprintf(shape, sizeof shape, "batch %d, context %d", batch, context);
-    std::snprintf(extra, sizeof extra, "%.0f GB/s of KV (CUDA-core kernel: %.3f ms)", kv_bytes / (ms * 1e6), simple_ms);
+    std::snprintf(extra, sizeof extra, "%.0f GB/s of KV (in a graph: %.4f ms; 2/3/4 stages: %.4f / %.4f / %.4f ms)",
+                  kv_bytes / (ms * 1e6), graph_ms, stage_ms[2], stage_ms[3], stage_ms[4]);
     report("decode_attention", shape, ms, kv_bytes / (copy_gbs * 1e6), extra);
   }
 }
@@ -530,7 +570,7 @@ void bench_verify(const std::string& config_path, int num_layers) {
 
 int main(int argc, char** argv) {
   std::string json_path, config_path = "tests/data/configs/qwen3-235b-a22b.config.json";
-  int layers = 4;
+  int layers = 4, attention_batch = 0, attention_context = 0;  // --attention-shape BATCH,CONTEXT: one decode shape
   std::string only;  // sections to run (comma-separated): moe, moe_fp8, moe_prefill, decode_attention, prefill_attention, model, model_fp8, verify
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -538,6 +578,7 @@ int main(int argc, char** argv) {
     else if (a == "--config" && i + 1 < argc) config_path = argv[++i];
     else if (a == "--layers" && i + 1 < argc) layers = std::atoi(argv[++i]);
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    else if (a == "--attention-shape" && i + 1 < argc) std::sscanf(argv[++i], "%d,%d", &attention_batch, &attention_context);
   }
   if (!json_path.empty()) moe::json_out = std::fopen(json_path.c_str(), "w");
   cudaDeviceProp prop{};
@@ -557,7 +598,7 @@ int main(int argc, char** argv) {
   if (wanted("moe")) moe::bench_grouped_gemm(copy_gbs);
   if (wanted("moe") || wanted("moe_fp8")) moe::bench_fp8_grouped_gemm(copy_gbs);
   if (wanted("moe") || wanted("moe_prefill")) moe::bench_prefill_grouped_gemm();
-  if (wanted("decode_attention")) moe::bench_decode_attention(copy_gbs);
+  if (wanted("decode_attention")) moe::bench_decode_attention(copy_gbs, attention_batch, attention_context);
   if (wanted("prefill_attention")) moe::bench_prefill_attention();
   if (wanted("model")) moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kNone);
   if ((wanted("model") || wanted("model_fp8")) && moe::ops::cuda::hopper_kernels_available())

@@ -6,7 +6,8 @@ over contiguous KV for decode attention (a bandwidth peer; it has no paging).
 At prefill size (375 rows per expert): torch._grouped_mm, and cuBLAS dense GEMMs
 of the same FLOPs (torch.mm in bf16, torch._scaled_mm in FP8 with per-row and
 per-column scales) as the compute peers of the grouped kernels.
-Prints one line per result and writes JSON lines to the path in argv[1].
+Prints one line per result and writes JSON lines to the path in argv[1];
+argv[2] == "attention" runs the attention peers only.
 """
 import json
 import sys
@@ -38,6 +39,16 @@ def main():
     out = open(sys.argv[1], "w") if len(sys.argv) > 1 else None
     dev = "cuda"
     results = []
+    if len(sys.argv) < 3 or sys.argv[2] != "attention":
+        gemm_peers(results, dev)
+    attention_peers(results, dev)
+    for r in results:
+        print(json.dumps(r))
+        if out:
+            out.write(json.dumps(r) + "\n")
+
+
+def gemm_peers(results, dev):
     E, H, I = 128, 4096, 1536
     w13 = torch.randn(E, H, 2 * I, device=dev, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, I, H, device=dev, dtype=torch.bfloat16) * 0.02
@@ -91,15 +102,25 @@ def main():
                         "tflops": flops / (ms * 1e9)})
     except Exception as e:  # noqa: BLE001
         results.append({"bench": "cublas_dense_fp8_rowwise", "shape": f"{per_expert} tok/expert", "error": str(e)[:200]})
-    del x, a
+
+
+def attention_peers(results, dev):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     T, Hq, Hkv, D = 6144, 64, 4, 128
     q = torch.randn(1, Hq, T, D, device=dev, dtype=torch.bfloat16)
     k = torch.randn(1, Hkv, T, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn(1, Hkv, T, D, device=dev, dtype=torch.bfloat16)
-    ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     flops = 4.0 * Hq * D * (T * (T + 1) / 2)
-    results.append({"bench": "torch_sdpa_prefill", "shape": "6144 tokens", "ms": ms, "tflops": flops / (ms * 1e9)})
-    for batch, context in [(64, 1024), (64, 8192), (256, 2048), (256, 8192), (64, 32768)]:
+    # The flash backend is the issue's peer; cuDNN's, where it runs, for reference.
+    for name, backend in [("torch_sdpa_prefill", SDPBackend.FLASH_ATTENTION),
+                          ("torch_sdpa_prefill_cudnn", SDPBackend.CUDNN_ATTENTION)]:
+        try:
+            with sdpa_kernel(backend):
+                ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+            results.append({"bench": name, "shape": "6144 tokens", "ms": ms, "tflops": flops / (ms * 1e9)})
+        except Exception as e:  # noqa: BLE001 - report and continue
+            results.append({"bench": name, "shape": "6144 tokens", "error": str(e)[:200]})
+    for batch, context in [(64, 1024), (128, 1024), (256, 1024), (64, 8192), (256, 2048), (256, 8192), (64, 32768)]:
         q = torch.randn(batch, Hq, 1, D, device=dev, dtype=torch.bfloat16)
         k = torch.randn(batch, Hkv, context, D, device=dev, dtype=torch.bfloat16)
         v = torch.randn(batch, Hkv, context, D, device=dev, dtype=torch.bfloat16)
@@ -108,10 +129,6 @@ def main():
         results.append({"bench": "torch_sdpa_decode", "shape": f"batch {batch}, context {context}", "ms": ms,
                         "gbs": kv_bytes / (ms * 1e6)})
         del k, v
-    for r in results:
-        print(json.dumps(r))
-        if out:
-            out.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
   for (const Case& c : {Case{4, 2, 32, 4, 5, 7}, Case{64, 4, 128, 16, 1000, 1}, Case{64, 4, 128, 16, 40, 33},
                         Case{4, 1, 16, 1, 0, 9}, Case{32, 4, 128, 4, 3000, 3}, Case{8, 2, 128, 16, 7, 1},
                         Case{64, 4, 128, 16, 0, 300}, Case{16, 4, 128, 16, 130, 150}, Case{8, 8, 128, 16, 0, 260},
-                        Case{24, 2, 128, 8, 61, 70}}) {
+                        Case{24, 2, 128, 8, 61, 70}, Case{64, 4, 128, 32, 700, 2}}) {
     const int seq_len = c.prefix + c.new_tokens, pages = (seq_len + c.page_size - 1) / c.page_size;
     const int qkv_width = (c.q_heads + 2 * c.kv_heads) * c.dim;
     // The prefix K/V go straight into the pages; the new tokens come through qkv.
@@ -199,12 +199,14 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
       const size_t bytes = k::mma_attention_workspace_bytes(c.new_tokens, c.q_heads, max_position);
       auto workspace = DeviceBuffer::allocate(bytes);
       ASSERT_TRUE(workspace.has_value());
-      for (bool split : {false, true})
-        for (int stages : {2, 3}) {
+      // Splits: none (no workspace), chosen, and forced to 3.
+      for (int split : {0, 1, 2})
+        for (int stages : {2, 3, 4}) {
           Output mma_out = Output::make(static_cast<size_t>(c.new_tokens) * c.q_heads * c.dim * sizeof(bf16));
           k::PagedAttentionParams pm = params;
           pm.out = mma_out.get<bf16>();
           pm.decode_stages = stages;
+          pm.decode_splits = split == 2 ? 3 : 0;
           ASSERT_EQ(k::mma_paged_attention(pm, max_position, split ? workspace->data_as<float>() : nullptr,
                                            split ? bytes : 0, nullptr), cudaSuccess);
           EXPECT_LT(scaled_error(as_floats(mma_out.download(), DType::kBF16), out.data_as<float>(), out.num_elements()),

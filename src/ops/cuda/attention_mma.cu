@@ -29,17 +29,18 @@ namespace {
 constexpr int kD = 128, kRows = 16, kChunk = 16, kWarps = 4;
 constexpr int kRowBytes = kD * 2 + 16;  // padded shared-memory row: conflict-free ldmatrix
 constexpr int kChunkBytes = kChunk * kRowBytes;
-// A decode warp's shared memory: kStages chunks of K and V. Two stages (one
-// chunk loading while the warp attends to another) keep three blocks resident
-// per SM; three stages hide more latency but fit two (measured on an H200:
-// batch 64 x 1k 0.069 -> 0.052 ms with one split, every larger shape 10-16%
-// slower). Picking per launch needs the split choice and the depth modelled
-// together: choosing three stages for grids of at most two waves of the
-// two-stage plan made batch 64 x 1k slower (0.077 ms, three splits) and
-// batch 64 x 8k too, so the default stays two until that model exists.
+// A decode warp's shared memory: kStages chunks of K and V, kStages - 1 of
+// them loading while it attends to one. Measured on an H200 (2026-12-01,
+// 64 q / 4 kv heads, pages of 16): three stages (two blocks per SM) beat two
+// (three blocks per SM) at every batch x context from 64 x 1k to 64 x 32k,
+// by up to 27% at 64 x 1k, and four (one block per SM) lose 3-18%.
+constexpr int kDefaultDecodeStages = 3;
 template <int kStages>
 constexpr int kWarpSmem = kStages * 2 /*K, V*/ * kChunkBytes;
-constexpr int kMergeBytes = kWarps * kRows * (kD + 2) * sizeof(float);
+// The warps' merge: f32 rows of kD + 8 floats, so the float2 stores of a
+// warp's O fragments (8 rows x 4 column pairs) hit distinct banks.
+constexpr int kMergeStride = kD + 8;
+constexpr int kMergeBytes = kWarps * kRows * (kMergeStride + 2) * sizeof(float);
 template <int kStages>
 constexpr int kDecodeSmem = kWarps * kWarpSmem<kStages> > kMergeBytes ? kWarps * kWarpSmem<kStages> : kMergeBytes;
 constexpr int kMinSplitPositions = 64, kMaxSplits = 64;  // split-KV bounds
@@ -74,6 +75,13 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 2^x on the SFU (ex2.approx: 2 ulp, and 2^-inf = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -88,21 +96,26 @@ struct MmaAttentionParams {
 };
 
 // Q fragments of one token's group of q heads (rows past `group` are zero),
-// pre-scaled by scale * log2(e) so the softmax runs in base 2.
-__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[kD / 16][4], const bf16* q0, int group, float q_scale,
-                                                 int lane) {
+// loaded as they are (32-bit loads, nothing waits on them yet) ...
+__device__ __forceinline__ void load_q_raw(uint32_t (&qa)[kD / 16][4], const bf16* q0, int group, int lane) {
   const int g = lane >> 2, tq = lane & 3;
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int row = g + (r & 1) * 8, col = ks * 16 + tq * 2 + (r >> 1) * 8;
-      float lo = 0.0f, hi = 0.0f;
-      if (row < group) {
-        lo = __bfloat162float(q0[row * kD + col]) * q_scale;
-        hi = __bfloat162float(q0[row * kD + col + 1]) * q_scale;
-      }
-      qa[ks][r] = pack_bf16(lo, hi);
+      qa[ks][r] = row < group ? *reinterpret_cast<const uint32_t*>(q0 + row * kD + col) : 0u;
+    }
+}
+
+// ... then pre-scaled by scale * log2(e), so the softmax runs in base 2.
+__device__ __forceinline__ void scale_q(uint32_t (&qa)[kD / 16][4], float q_scale) {
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qa[ks][r]));
+      qa[ks][r] = pack_bf16(v.x * q_scale, v.y * q_scale);
     }
 }
 
@@ -127,9 +140,14 @@ __device__ __forceinline__ void attend_chunk(RowState& state, const uint32_t (&q
                                              const unsigned char* k_tile, const unsigned char* v_tile, int chunk_start,
                                              int begin, int end, int lane) {
   const int tq = lane & 3;
-  float s[kN / 8][4];
+  // S = Q K^T; with one 16-position group the k steps rotate over
+  // kChains accumulators (MMA chains of 8 / kChains), summed at the end.
+  constexpr int kChains = kN == 16 ? 4 : 1;
+  float s[kChains][kN / 8][4];
 #pragma unroll
-  for (int nt = 0; nt < kN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+  for (int c = 0; c < kChains; ++c)
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt) s[c][nt][0] = s[c][nt][1] = s[c][nt][2] = s[c][nt][3] = 0.0f;
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
 #pragma unroll
@@ -138,49 +156,60 @@ __device__ __forceinline__ void attend_chunk(RowState& state, const uint32_t (&q
       const int mat = lane >> 3, row = pg * 16 + (lane & 7) + (mat >> 1) * 8, col = ks * 16 + (mat & 1) * 8;
       uint32_t b0, b1, b2, b3;
       ldmatrix_x4(smem_address(k_tile + row * kRowBytes + col * 2), b0, b1, b2, b3);
-      mma_16816(s[2 * pg], qa[ks], b0, b1);
-      mma_16816(s[2 * pg + 1], qa[ks], b2, b3);
+      mma_16816(s[ks % kChains][2 * pg], qa[ks], b0, b1);
+      mma_16816(s[ks % kChains][2 * pg + 1], qa[ks], b2, b3);
     }
   }
 #pragma unroll
-  for (int nt = 0; nt < kN / 8; ++nt)
+  for (int c = 1; c < kChains; ++c)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int position = chunk_start + nt * 8 + tq * 2 + (r & 1);
-      if (position < begin || position >= end) s[nt][r] = -FLT_MAX;
-    }
+    for (int nt = 0; nt < kN / 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) s[0][nt][r] += s[c][nt][r];
+  if (chunk_start < begin || chunk_start + kN > end) {  // warp-uniform: only a split's edges are masked
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int position = chunk_start + nt * 8 + tq * 2 + (r & 1);
+        if (position < begin || position >= end) s[0][nt][r] = -INFINITY;
+      }
+  }
   // Online softmax for rows g (r = 0, 1) and g + 8 (r = 2, 3), in base 2.
   float corr[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float row_max = -FLT_MAX;
 #pragma unroll
-    for (int nt = 0; nt < kN / 8; ++nt) row_max = fmaxf(row_max, fmaxf(s[nt][2 * h], s[nt][2 * h + 1]));
+    for (int nt = 0; nt < kN / 8; ++nt) row_max = fmaxf(row_max, fmaxf(s[0][nt][2 * h], s[0][nt][2 * h + 1]));
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
     const float new_max = fmaxf(state.m[h], row_max);
-    corr[h] = exp2f(state.m[h] - new_max);
+    corr[h] = fast_exp2(state.m[h] - new_max);
     state.m[h] = new_max;
     float sum = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        float& v = s[nt][2 * h + c];
-        v = v == -FLT_MAX ? 0.0f : exp2f(v - new_max);
+        float& v = s[0][nt][2 * h + c];
+        v = fast_exp2(v - new_max);  // a masked -inf gives 0; new_max is finite (every chunk has a visible position)
         sum += v;
       }
     state.l[h] = state.l[h] * corr[h] + sum;
   }
+  // Once the row maxima settle most chunks leave them alone: skip the rescale then.
+  if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-  for (int i = 0; i < kD / 8; ++i) {
-    state.o[i][0] *= corr[0], state.o[i][1] *= corr[0], state.o[i][2] *= corr[1], state.o[i][3] *= corr[1];
+    for (int i = 0; i < kD / 8; ++i) {
+      state.o[i][0] *= corr[0], state.o[i][1] *= corr[0], state.o[i][2] *= corr[1], state.o[i][3] *= corr[1];
+    }
   }
   // O += P V, 16 positions at a time; P's A fragment comes straight from the S accumulators.
 #pragma unroll
   for (int pg = 0; pg < kN / 16; ++pg) {
-    const uint32_t pa[4] = {pack_bf16(s[2 * pg][0], s[2 * pg][1]), pack_bf16(s[2 * pg][2], s[2 * pg][3]),
-                            pack_bf16(s[2 * pg + 1][0], s[2 * pg + 1][1]), pack_bf16(s[2 * pg + 1][2], s[2 * pg + 1][3])};
+    const uint32_t pa[4] = {pack_bf16(s[0][2 * pg][0], s[0][2 * pg][1]), pack_bf16(s[0][2 * pg][2], s[0][2 * pg][3]),
+                            pack_bf16(s[0][2 * pg + 1][0], s[0][2 * pg + 1][1]), pack_bf16(s[0][2 * pg + 1][2], s[0][2 * pg + 1][3])};
 #pragma unroll
     for (int dt = 0; dt < kD / 16; ++dt) {
       // x4.trans: (positions +0-7, dims dt*16+0..7), (+8-15, +0..7), (+0-7, +8..15), (+8-15, +8..15).
@@ -217,6 +246,10 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
   const int t = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   const int group = p.num_q_heads / p.num_kv_heads;
+  // Q's loads go out first: the copies below wait on two dependent loads
+  // (the position, then the page table).
+  uint32_t qa[kD / 16][4];
+  load_q_raw(qa, p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD, group, lane);
   const int pos = p.positions[t];
   const int begin = split * args.split_len;
   if (begin > pos) return;
@@ -226,28 +259,54 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* warp_smem = smem + warp * kWarpSmem<kStages>;
 
-  uint32_t qa[kD / 16][4];
-  load_q_fragments(qa, p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD, group,
-                   p.scale * 1.4426950408889634f, lane);
-  RowState state;
-  state.init();
   // Chunks of this warp: first + warp + kWarps * i, kStages - 1 of them
   // loading while it attends to one. Every step commits a group (empty past
   // the last chunk) so wait_group's count stays the same.
   const int first_chunk = begin / kChunk, last_chunk = (end - 1) / kChunk;
-  auto issue = [&](int chunk, int stage) {
-    if (chunk <= last_chunk) {
+  // When a chunk never straddles pages (page_size a multiple of kChunk), its
+  // K rows are 4 KB in a row: lane i keeps the page of the warp's chunk
+  // i (mod 32), read 32 chunks at a time, so no copy waits on a page-table
+  // load (measured on an H200 at batch 64 x 1k, two stages: 0.069 ms with a
+  // lookup per copied piece, 0.062 ms so).
+  const bool page_chunks = p.page_size % kChunk == 0;
+  int lane_page = 0;
+  auto issue = [&](int i, int stage) {  // the warp's i-th chunk
+    const int chunk = first_chunk + warp + kWarps * i;
+    unsigned char* tile = warp_smem + (stage * 2) * kChunkBytes;
+    if (page_chunks) {
+      if ((i & 31) == 0) {
+        const int mine = chunk + kWarps * lane;
+        lane_page = mine <= last_chunk ? pages[mine * kChunk / p.page_size] : 0;
+      }
+      const int page = __shfl_sync(0xffffffffu, lane_page, i & 31);
+      if (chunk <= last_chunk) {
+        const bf16* k_rows = p.k_pages + ((static_cast<int64_t>(page) * p.num_kv_heads + kv_head) * p.page_size +
+                                          chunk * kChunk % p.page_size) * kD;
+        const bf16* v_rows = p.v_pages + (k_rows - p.k_pages);
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        copy_chunk_piece<kChunk>(p, pages, kv_head, chunk, end, lane + 32 * i, warp_smem + (stage * 2) * kChunkBytes);
+        for (int j = 0; j < 8; ++j) {
+          const int piece = lane + 32 * j, row = piece >> 4;
+          const bool valid = chunk * kChunk + row < end;
+          const uint32_t dst = smem_address(tile + row * kRowBytes + (piece & 15) * 16);
+          cp_async16(dst, valid ? k_rows + piece * 8 : p.k_pages, valid);
+          cp_async16(dst + kChunkBytes, valid ? v_rows + piece * 8 : p.v_pages, valid);
+        }
+      }
+    } else if (chunk <= last_chunk) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) copy_chunk_piece<kChunk>(p, pages, kv_head, chunk, end, lane + 32 * j, tile);
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue(first_chunk + warp + s * kWarps, s);
+  for (int s = 0; s < kStages - 1; ++s) issue(s, s);
+
+  scale_q(qa, p.scale * 1.4426950408889634f);
+  RowState state;
+  state.init();
   int stage = 0;
-  for (int chunk = first_chunk + warp; chunk <= last_chunk; chunk += kWarps) {
-    issue(chunk + (kStages - 1) * kWarps, (stage + kStages - 1) % kStages);
+  for (int i = 0, chunk = first_chunk + warp; chunk <= last_chunk; ++i, chunk += kWarps) {
+    issue(i + kStages - 1, (stage + kStages - 1) % kStages);
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 1));
     __syncwarp();
     const unsigned char* k_tile = warp_smem + (stage * 2) * kChunkBytes;
@@ -267,37 +326,40 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
   }
   __syncthreads();
-  float* merge_o = reinterpret_cast<float*>(smem);            // [kWarps][kRows][kD]
-  float* merge_ml = merge_o + kWarps * kRows * kD;            // [kWarps][kRows][2]
+  float* merge_o = reinterpret_cast<float*>(smem);            // [kWarps][kRows][kMergeStride]
+  float* merge_ml = merge_o + kWarps * kRows * kMergeStride;  // [kWarps][kRows][2]
 #pragma unroll
   for (int dt = 0; dt < kD / 8; ++dt)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = g + (r >> 1) * 8, col = dt * 8 + tq * 2 + (r & 1);
-      merge_o[(warp * kRows + row) * kD + col] = o[dt][r];
-    }
+    for (int h = 0; h < 2; ++h)
+      *reinterpret_cast<float2*>(merge_o + (warp * kRows + g + h * 8) * kMergeStride + dt * 8 + tq * 2) =
+          make_float2(o[dt][2 * h], o[dt][2 * h + 1]);
   if (tq == 0) {
     merge_ml[(warp * kRows + g) * 2] = m[0], merge_ml[(warp * kRows + g) * 2 + 1] = l[0];
     merge_ml[(warp * kRows + g + 8) * 2] = m[1], merge_ml[(warp * kRows + g + 8) * 2 + 1] = l[1];
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < group * kD; idx += blockDim.x) {
-    const int row = idx / kD, col = idx % kD;
+  for (int idx = threadIdx.x; idx < group * kD / 2; idx += blockDim.x) {  // two columns each
+    const int row = idx / (kD / 2), col = idx % (kD / 2) * 2;
     float max_all = -FLT_MAX;
     for (int w = 0; w < kWarps; ++w) max_all = fmaxf(max_all, merge_ml[(w * kRows + row) * 2]);
-    float numerator = 0.0f, denominator = 0.0f;
+    float2 numerator = make_float2(0.0f, 0.0f);
+    float denominator = 0.0f;
     for (int w = 0; w < kWarps; ++w) {
       const float lw = merge_ml[(w * kRows + row) * 2 + 1];
-      const float c = lw > 0.0f ? exp2f(merge_ml[(w * kRows + row) * 2] - max_all) : 0.0f;
-      numerator += merge_o[(w * kRows + row) * kD + col] * c;
+      const float c = lw > 0.0f ? fast_exp2(merge_ml[(w * kRows + row) * 2] - max_all) : 0.0f;
+      const float2 v = *reinterpret_cast<const float2*>(merge_o + (w * kRows + row) * kMergeStride + col);
+      numerator.x += v.x * c, numerator.y += v.y * c;
       denominator += lw * c;
     }
+    const float inv = 1.0f / denominator;
     const int head = kv_head * group + row;
     if (args.num_splits == 1) {
-      p.out[(static_cast<int64_t>(t) * p.num_q_heads + head) * kD + col] = __float2bfloat16(numerator / denominator);
+      *reinterpret_cast<__nv_bfloat162*>(p.out + (static_cast<int64_t>(t) * p.num_q_heads + head) * kD + col) =
+          __floats2bfloat162_rn(numerator.x * inv, numerator.y * inv);
     } else {
       const int64_t slot = (static_cast<int64_t>(t) * p.num_q_heads + head) * args.num_splits + split;
-      args.partial_o[slot * kD + col] = numerator / denominator;
+      *reinterpret_cast<float2*>(args.partial_o + slot * kD + col) = make_float2(numerator.x * inv, numerator.y * inv);
       if (col == 0) args.partial_ml[slot * 2] = max_all, args.partial_ml[slot * 2 + 1] = denominator;
     }
   }
@@ -352,9 +414,10 @@ __global__ void __launch_bounds__(kPrefillWarps * 32, 2) mma_prefill_kernel(MmaP
   extern __shared__ __align__(128) unsigned char smem[];
 
   uint32_t qa[kD / 16][4];
-  if (active)
-    load_q_fragments(qa, p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD, group,
-                     p.scale * 1.4426950408889634f, lane);
+  if (active) {
+    load_q_raw(qa, p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD, group, lane);
+    scale_q(qa, p.scale * 1.4426950408889634f);
+  }
   RowState state;
   state.init();
   const int last_chunk = last_position / kPrefillChunk;
@@ -433,8 +496,7 @@ int decode_block_slots() {  // blocks of the decode kernel resident at once on t
 // one for the combine kernel when splitting. Measured on an H200 before this
 // model: splitting only until the grid reached 2 blocks per SM left the last
 // of two waves 30% full at batch 64 (65% of the bandwidth floor).
-int choose_splits(int num_blocks, int positions, int max_splits) {
-  const int slots = decode_block_slots<2>();
+int choose_splits(int slots, int num_blocks, int positions, int max_splits) {
   int best = 1;
   double best_cost = 1e30;
   for (int splits = 1; splits <= max_splits; ++splits) {
@@ -448,17 +510,33 @@ int choose_splits(int num_blocks, int positions, int max_splits) {
   return best;
 }
 
+template <int kStages>
+cudaError_t launch_decode(const MmaAttentionParams& args, cudaStream_t stream) {
+  const PagedAttentionParams& p = args.p;
+  cudaError_t error =
+      cudaFuncSetAttribute(mma_attention_kernel<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeSmem<kStages>);
+  if (error != cudaSuccess) return error;
+  mma_attention_kernel<kStages><<<dim3(p.num_tokens, p.num_kv_heads, args.num_splits), kWarps * 32, kDecodeSmem<kStages>,
+                                  stream>>>(args);
+  if (args.num_splits > 1) combine_splits_kernel<<<dim3(p.num_tokens, p.num_q_heads), kD, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position, float* workspace,
                                 size_t workspace_bytes, cudaStream_t stream) {
   if (!mma_attention_supported(p)) return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
+  const int stages = p.decode_stages != 0 ? p.decode_stages : kDefaultDecodeStages;
+  if (stages < 2 || stages > 4 || p.decode_splits < 0) return cudaErrorInvalidValue;
   const int positions = max_position + 1;
   const size_t split_bytes = static_cast<size_t>(p.num_tokens) * p.num_q_heads * (kD + 2) * sizeof(float);
   const int by_workspace = workspace == nullptr ? 1 : static_cast<int>(std::min<size_t>(workspace_bytes / split_bytes, kMaxSplits));
   const int max_splits = std::max(1, std::min({by_workspace, kMaxSplits, max_position / kMinSplitPositions + 1}));
-  const int splits = choose_splits(p.num_tokens * p.num_kv_heads, positions, max_splits);
+  const int slots = stages == 2 ? decode_block_slots<2>() : stages == 3 ? decode_block_slots<3>() : decode_block_slots<4>();
+  const int splits = p.decode_splits != 0 ? std::min(p.decode_splits, max_splits)
+                                          : choose_splits(slots, p.num_tokens * p.num_kv_heads, positions, max_splits);
   const int split_len = ((positions + splits - 1) / splits + kChunk - 1) / kChunk * kChunk;
   MmaAttentionParams args{p, (positions + split_len - 1) / split_len, split_len, nullptr, nullptr};
   if (args.num_splits > 1) {
@@ -466,15 +544,8 @@ cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position,
     args.partial_o = workspace;
     args.partial_ml = workspace + entries * kD;
   }
-  const int stages = p.decode_stages != 0 ? p.decode_stages : 2;
-  if (stages != 2 && stages != 3) return cudaErrorInvalidValue;
-  auto kernel = stages == 3 ? mma_attention_kernel<3> : mma_attention_kernel<2>;
-  const int smem = stages == 3 ? kDecodeSmem<3> : kDecodeSmem<2>;
-  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (error != cudaSuccess) return error;
-  kernel<<<dim3(p.num_tokens, p.num_kv_heads, args.num_splits), kWarps * 32, smem, stream>>>(args);
-  if (args.num_splits > 1) combine_splits_kernel<<<dim3(p.num_tokens, p.num_q_heads), kD, 0, stream>>>(args);
-  return cudaGetLastError();
+  return stages == 2 ? launch_decode<2>(args, stream) : stages == 3 ? launch_decode<3>(args, stream)
+                                                       : launch_decode<4>(args, stream);
 }
 
 }  // namespace moe::ops::cuda

@@ -69,9 +69,11 @@ struct PagedAttentionParams {
   bf16* out;                  // [num_tokens, num_q_heads * head_dim]
   int num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, max_pages_per_seq;
   float scale;
-  // mma_paged_attention: K/V chunks each warp has loading (2 or 3; 0: 2, see
-  // attention_mma.cu).
+  // mma_paged_attention: K/V chunks each warp has in shared memory (2 to 4;
+  // 0: 3, see attention_mma.cu), and the number of splits of the positions
+  // (0: chosen from the grid; at most what the workspace holds).
   int decode_stages = 0;
+  int decode_splits = 0;
 };
 // head_dim <= 128 and num_q_heads / num_kv_heads <= 16.
 cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
