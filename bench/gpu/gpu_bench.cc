@@ -166,28 +166,37 @@ void bench_grouped_gemm(double copy_gbs) {
     check(cudaMemset(weights.data(), 0, weights.num_bytes()), "memset");
     const int max_tiles = (T * topk + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
     using Gemm = cudaError_t (*)(const k::GroupedGemmParams&, cudaStream_t);
-    auto time_layer = [&](Gemm gemm) {
-      return time_ms([&] {
-        k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-                        sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, nullptr);
-        gemm({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
-              tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, nullptr);
-        gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-              rows.data(), H, I, E, max_tiles, false}, nullptr);
-        k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(), out.data_as<float>(),
-                          T, topk, H}, nullptr);
-      });
+    auto layer = [&](Gemm gemm, cudaStream_t stream) {
+      k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                      sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, stream);
+      gemm({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
+            tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, stream);
+      gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+            rows.data(), H, I, E, max_tiles, false}, stream);
+      k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(), out.data_as<float>(),
+                        T, topk, H}, stream);
     };
-    const double mma_ms = time_layer(k::mma_grouped_gemm);
+    const double mma_ms = time_ms([&] { layer(k::mma_grouped_gemm, nullptr); });
     check(cudaGetLastError(), "grouped gemm (WMMA)");
     const bool hopper = k::hopper_kernels_available();
-    const double ms = hopper ? time_layer(k::wgmma_grouped_gemm) : mma_ms;
+    const Gemm best = hopper ? k::wgmma_grouped_gemm : k::mma_grouped_gemm;
+    const double ms = hopper ? time_ms([&] { layer(best, nullptr); }) : mma_ms;
+    const double graph_ms = time_graph_ms([&](cudaStream_t stream) { layer(best, stream); }, 4);
+    // The two grouped GEMMs alone (what torch._grouped_mm does), in a graph.
+    const double gemms_ms = time_graph_ms([&](cudaStream_t stream) {
+      best({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
+            tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, stream);
+      best({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+            rows.data(), H, I, E, max_tiles, false}, stream);
+    }, 4);
     check(cudaGetLastError(), "grouped gemm (wgmma)");
     const double floor_ms = weight_bytes / (copy_gbs * 1e6);
-    char shape[96], extra[128];
+    char shape[96], extra[192];
     std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
-    std::snprintf(extra, sizeof extra, "%.0f GB/s of weights, %s (WMMA kernel: %.3f ms)", weight_bytes / (ms * 1e6),
-                  hopper ? "wgmma" : "WMMA", mma_ms);
+    std::snprintf(extra, sizeof extra,
+                  "%.0f GB/s of weights, %s (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%; WMMA kernel: %.3f ms)",
+                  weight_bytes / (ms * 1e6), hopper ? "wgmma" : "WMMA", graph_ms, 100.0 * floor_ms / graph_ms, gemms_ms,
+                  100.0 * floor_ms / gemms_ms, mma_ms);
     report("moe_experts_decode", shape, ms, floor_ms, extra);
   }
 }
@@ -229,31 +238,53 @@ void bench_fp8_grouped_gemm(double copy_gbs) {
       const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
       auto experts = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows_in, int K, const int32_t* gather,
                          const DeviceTensor& w, const DeviceTensor& block, const DeviceTensor& mx_s, void* dst, int N,
-                         bool gate_up) {
+                         bool gate_up, cudaStream_t stream) {
         if (mx) {
-          k::quantize_mxfp8({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows_in, K}, nullptr);
+          k::quantize_mxfp8({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows_in, K}, stream);
           k::mxfp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather, w.data_as<uint8_t>(),
                                  mx_s.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), dst, N, K,
-                                 E, max_tiles, gate_up}, nullptr);
+                                 E, max_tiles, gate_up}, stream);
         } else {
-          k::quantize_fp8_groups({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows_in, K}, nullptr);
+          k::quantize_fp8_groups({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows_in, K}, stream);
           k::fp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<float>(), gather, w.data_as<uint8_t>(),
                                block.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), dst, N, K, E,
-                               max_tiles, gate_up}, nullptr);
+                               max_tiles, gate_up}, stream);
         }
       };
-      const double ms = time_ms([&] {
+      auto layer = [&](cudaStream_t stream) {
         k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-                        sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, nullptr);
-        experts(x, x_q, x_s, T, H, sorted.data_as<int32_t>(), w13, s13, mx13, act.data(), I, true);
-        experts(act, act_q, act_s, pairs, I, nullptr, w2, s2, mx2, rows.data(), H, false);
+                        sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, stream);
+        experts(x, x_q, x_s, T, H, sorted.data_as<int32_t>(), w13, s13, mx13, act.data(), I, true, stream);
+        experts(act, act_q, act_s, pairs, I, nullptr, w2, s2, mx2, rows.data(), H, false, stream);
         k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(), out.data_as<float>(),
-                          T, topk, H}, nullptr);
-      });
+                          T, topk, H}, stream);
+      };
+      const double ms = time_ms([&] { layer(nullptr); });
+      const double graph_ms = time_graph_ms(layer, 4);
+      // The two grouped GEMMs alone (activations already quantized), in a graph.
+      const double gemms_ms = time_graph_ms([&](cudaStream_t stream) {
+        if (mx) {
+          k::mxfp8_grouped_gemm({x_q.data_as<uint8_t>(), x_s.data_as<uint8_t>(), sorted.data_as<int32_t>(),
+                                 w13.data_as<uint8_t>(), mx13.data_as<uint8_t>(), offsets.data_as<int32_t>(),
+                                 tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, stream);
+          k::mxfp8_grouped_gemm({act_q.data_as<uint8_t>(), act_s.data_as<uint8_t>(), nullptr, w2.data_as<uint8_t>(),
+                                 mx2.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(),
+                                 H, I, E, max_tiles, false}, stream);
+        } else {
+          k::fp8_grouped_gemm({x_q.data_as<uint8_t>(), x_s.data_as<float>(), sorted.data_as<int32_t>(),
+                               w13.data_as<uint8_t>(), s13.data_as<float>(), offsets.data_as<int32_t>(),
+                               tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, stream);
+          k::fp8_grouped_gemm({act_q.data_as<uint8_t>(), act_s.data_as<float>(), nullptr, w2.data_as<uint8_t>(),
+                               s2.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(), H,
+                               I, E, max_tiles, false}, stream);
+        }
+      }, 4);
       check(cudaGetLastError(), mx ? "mxfp8 grouped gemm" : "fp8 grouped gemm");
-      char shape[96], extra[96];
+      const double floor_ms = weight_bytes / (copy_gbs * 1e6);
+      char shape[96], extra[160];
       std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
-      std::snprintf(extra, sizeof extra, "%.0f GB/s of FP8 weights + scales", weight_bytes / (ms * 1e6));
+      std::snprintf(extra, sizeof extra, "%.0f GB/s of FP8 weights + scales (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%)",
+                    weight_bytes / (ms * 1e6), graph_ms, 100.0 * floor_ms / graph_ms, gemms_ms, 100.0 * floor_ms / gemms_ms);
       report(mx ? "moe_experts_decode_mxfp8" : "moe_experts_decode_fp8", shape, ms, weight_bytes / (copy_gbs * 1e6), extra);
     }
   }

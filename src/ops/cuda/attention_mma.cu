@@ -246,10 +246,6 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
   const int t = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   const int group = p.num_q_heads / p.num_kv_heads;
-  // Q's loads go out first: the copies below wait on two dependent loads
-  // (the position, then the page table).
-  uint32_t qa[kD / 16][4];
-  load_q_raw(qa, p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD, group, lane);
   const int pos = p.positions[t];
   const int begin = split * args.split_len;
   if (begin > pos) return;
@@ -270,14 +266,15 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
   // lookup per copied piece, 0.062 ms so).
   const bool page_chunks = p.page_size % kChunk == 0;
   int lane_page = 0;
+  auto refill_pages = [&](int chunk) {  // pages of the warp's 32 chunks from `chunk` on
+    const int mine = chunk + kWarps * lane;
+    lane_page = mine <= last_chunk ? pages[mine * kChunk / p.page_size] : 0;
+  };
   auto issue = [&](int i, int stage) {  // the warp's i-th chunk
     const int chunk = first_chunk + warp + kWarps * i;
     unsigned char* tile = warp_smem + (stage * 2) * kChunkBytes;
     if (page_chunks) {
-      if ((i & 31) == 0) {
-        const int mine = chunk + kWarps * lane;
-        lane_page = mine <= last_chunk ? pages[mine * kChunk / p.page_size] : 0;
-      }
+      if ((i & 31) == 0 && i > 0) refill_pages(chunk);
       const int page = __shfl_sync(0xffffffffu, lane_page, i & 31);
       if (chunk <= last_chunk) {
         const bf16* k_rows = p.k_pages + ((static_cast<int64_t>(page) * p.num_kv_heads + kv_head) * p.page_size +
@@ -298,6 +295,13 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
+  if (page_chunks) refill_pages(first_chunk + warp);
+  // Launched as a programmatic dependent of the kernel before it (the one
+  // that writes q and this step's K/V): everything above overlaps that
+  // kernel's tail; nothing written by it is read before this wait.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  uint32_t qa[kD / 16][4];
+  load_q_raw(qa, p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD, group, lane);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(s, s);
 
@@ -516,8 +520,23 @@ cudaError_t launch_decode(const MmaAttentionParams& args, cudaStream_t stream) {
   cudaError_t error =
       cudaFuncSetAttribute(mma_attention_kernel<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeSmem<kStages>);
   if (error != cudaSuccess) return error;
-  mma_attention_kernel<kStages><<<dim3(p.num_tokens, p.num_kv_heads, args.num_splits), kWarps * 32, kDecodeSmem<kStages>,
-                                  stream>>>(args);
+  // Programmatic dependent launch: this grid may start while the previous
+  // kernel in the stream finishes (see griddepcontrol.wait in the kernel).
+  // Measured on an H200, same binary with and without, twice each: batch
+  // 64 x 1k 0.0405-0.0409 ms against 0.0422 eager, 0.0402 against 0.0407
+  // in a graph; no change in the 4-layer decode step.
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(p.num_tokens, p.num_kv_heads, args.num_splits);
+  config.blockDim = dim3(kWarps * 32);
+  config.dynamicSmemBytes = kDecodeSmem<kStages>;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  error = cudaLaunchKernelEx(&config, mma_attention_kernel<kStages>, args);
+  if (error != cudaSuccess) return error;
   if (args.num_splits > 1) combine_splits_kernel<<<dim3(p.num_tokens, p.num_q_heads), kD, 0, stream>>>(args);
   return cudaGetLastError();
 }
