@@ -172,9 +172,9 @@ Status check_parallel_args(const ServeArgs& args) {
                             "decode endpoint: use `moeserve decode --dp N --ep N --router URL`");
   if (p.dp > 1 && (p.tp != 1 || p.ep != p.dp))
     return invalid_argument("--dp {} needs --ep {} (experts split over the same ranks) and --tp 1", p.dp, p.dp);
-  if (p.world() > 1 && args.device.cuda() && (p.dp > 1 || args.role != "colocated"))
-    return invalid_argument("GPU ranks run `moeserve serve --tp N --ep N --device cuda` only for now; the prefill "
-                            "and decode roles and --dp run CPU ranks (docs/parallel.md)");
+  if (p.world() > 1 && args.device.cuda() && (p.dp > 1 || args.role == "decode"))
+    return invalid_argument("GPU ranks run `moeserve serve|prefill --tp N --ep N --device cuda` for now; data-parallel "
+                            "decode ranks (--dp) run on CPUs (docs/parallel.md)");
   if (p.world() > 1 && p.dp == 1 && args.role == "decode")
     return invalid_argument("a decode instance runs data-parallel ranks: use --dp N --ep N, not --tp");
   return Status::ok();
@@ -336,6 +336,26 @@ Expected<int32_t> agree_on_pages(comm::TcpBootstrap& bootstrap, int32_t mine) {
   return pages;
 }
 
+// A prefill instance with heads split over GPU ranks sends every rank's KV
+// pages, so the leader maps the others' pools (one host).
+bool sends_rank_kv(const ServeArgs& args) { return args.role == "prefill" && args.parallel.tp > 1; }
+
+// Every rank calls it after agree_on_pages: the other ranks' KV pools, mapped
+// here (the followers drop theirs: only the leader sends).
+Expected<std::vector<std::unique_ptr<engine::SharedKvPool>>> share_kv_pools(comm::TcpBootstrap& bootstrap,
+                                                                            const model::CudaQwen3MoeModel& model) {
+  MOE_ASSIGN_OR_RETURN(const std::vector<uint8_t> mine, engine::describe_kv_pool(model));
+  MOE_ASSIGN_OR_RETURN(auto all, bootstrap.all_gather(mine));
+  std::vector<std::unique_ptr<engine::SharedKvPool>> pools;
+  if (bootstrap.rank() != 0) return pools;
+  for (size_t rank = 1; rank < all.size(); ++rank) {
+    auto pool = engine::SharedKvPool::open(all[rank]);
+    if (!pool) return pool.status().with_context(fmt::format("the KV pool of GPU rank {}", rank));
+    pools.push_back(std::move(pool).value());
+  }
+  return pools;
+}
+
 model::CudaModelOptions cuda_model_options(const ServeArgs& args, const engine::SchedulerOptions& sched, int device) {
   model::CudaModelOptions cuda;
   cuda.device = device;
@@ -374,6 +394,7 @@ Status run_gpu_rank_follower(const ServeArgs& args, const ResolvedModel& resolve
   MOE_ASSIGN_OR_RETURN(auto model, weights ? model::CudaQwen3MoeModel::create(*weights, cuda)
                                            : model::CudaQwen3MoeModel::create_dummy(config, 0, cuda));
   MOE_RETURN_IF_ERROR(agree_on_pages(*g.bootstrap, model->num_pages()).status());
+  if (sends_rank_kv(args)) MOE_RETURN_IF_ERROR(share_kv_pools(*g.bootstrap, *model).status());
   MOE_RETURN_IF_ERROR(engine::signal_ready(args.parallel.internal_plan_fd));
   return engine::run_cuda_follower(*model, args.parallel.internal_plan_fd);
 }
@@ -438,8 +459,11 @@ Status rank_group_ready(RankGroup& g, const ParallelArgs& par) {
 
 struct Runner {
   std::unique_ptr<engine::ModelRunner> runner;
-  std::vector<const kv::KvCache*> rank_caches;  // every rank's KV (the roles send it; the GPU's is device memory)
+  std::vector<const kv::KvCache*> rank_caches;  // the KV the roles send: every rank's with heads split (device memory on GPUs)
   std::unique_ptr<engine::MtpRunner> mtp;       // the MTP layer on the GPU (with `mtp` given to make_runner)
+#ifdef MOE_WITH_CUDA
+  std::vector<std::unique_ptr<engine::SharedKvPool>> gpu_rank_kv;  // a GPU prefill leader's view of its ranks' KV
+#endif
 };
 
 // The model runner of this rank: CUDA, a DP rank's, a TP/EP leader's, or the
@@ -467,6 +491,9 @@ Expected<Runner> make_runner(const ServeArgs& args, const ResolvedModel& resolve
     sched.num_pages = cuda_runner->num_pages();
     if (gpu != nullptr) {
       MOE_ASSIGN_OR_RETURN(sched.num_pages, agree_on_pages(*gpu->bootstrap, sched.num_pages));
+      if (sends_rank_kv(args)) {
+        MOE_ASSIGN_OR_RETURN(r.gpu_rank_kv, share_kv_pools(*gpu->bootstrap, cuda_runner->model()));
+      }
       MOE_RETURN_IF_ERROR(engine::wait_for_followers(gpu->followers->fds));
       log_info("{} GPU ranks ready (tp {}, ep {}), {} KV pages each", args.parallel.world(), args.parallel.tp,
                args.parallel.ep, sched.num_pages);
@@ -474,6 +501,7 @@ Expected<Runner> make_runner(const ServeArgs& args, const ResolvedModel& resolve
     }
     layout.num_pages = sched.num_pages;
     r.rank_caches = {&cuda_runner->cache()};
+    for (const auto& shared : r.gpu_rank_kv) r.rank_caches.push_back(&shared->cache());
     r.mtp = cuda_runner->mtp_runner();
     r.runner = std::move(cuda_runner);
     return r;
@@ -489,6 +517,8 @@ Expected<Runner> make_runner(const ServeArgs& args, const ResolvedModel& resolve
     auto leader = std::make_unique<engine::LeaderRunner>(*model, pool, layout, std::exchange(group.followers->fds, {}),
                                                          std::move(group.follower_kv));
     r.rank_caches = leader->rank_caches();
+    // Heads whole on every rank (--ep alone): the leader's pages are the KV to send.
+    if (args.parallel.tp == 1) r.rank_caches.resize(1);
     r.runner = std::move(leader);
   } else {
     auto cpu_runner = std::make_unique<engine::Qwen3Runner>(*model, pool, layout);

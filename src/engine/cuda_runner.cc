@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include "core/logging.h"
@@ -30,6 +31,61 @@ Status use_cuda_device(int device) {
 
 kv::KvCacheLayout kv_cache_layout(const model::CudaKvPoolLayout& pool) {
   return {pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.page_size, pool.num_pages, DType::kBF16};
+}
+
+namespace {
+
+// What describe_kv_pool() sends: fixed size, host byte order (one host).
+struct KvPoolDescription {
+  char magic[8] = {'m', 'o', 'e', 'k', 'v', 'i', 'p', 'c'};
+  int32_t device = 0;
+  int32_t num_layers = 0, num_kv_heads = 0, head_dim = 0, page_size = 0, num_pages = 0;
+  uint64_t num_bytes = 0;
+  cudaIpcMemHandle_t handle{};
+};
+
+}  // namespace
+
+Expected<std::vector<uint8_t>> describe_kv_pool(const model::CudaQwen3MoeModel& model) {
+  const model::CudaKvPoolLayout& pool = model.kv_pool_layout();
+  KvPoolDescription d;
+  d.device = model.device();
+  d.num_layers = pool.num_layers, d.num_kv_heads = pool.num_kv_heads, d.head_dim = pool.head_dim;
+  d.page_size = pool.page_size, d.num_pages = pool.num_pages;
+  d.num_bytes = pool.num_bytes();
+  const cudaError_t error = cudaIpcGetMemHandle(&d.handle, model.kv_pool());  // the pool is one cudaMalloc
+  if (error != cudaSuccess) return unavailable("sharing the KV pool with the leader: cudaIpcGetMemHandle: {}",
+                                               cudaGetErrorString(error));
+  const auto* bytes = reinterpret_cast<const uint8_t*>(&d);
+  return std::vector<uint8_t>(bytes, bytes + sizeof d);
+}
+
+Expected<std::unique_ptr<SharedKvPool>> SharedKvPool::open(std::span<const uint8_t> description) {
+  KvPoolDescription d;
+  if (description.size() != sizeof d) return invalid_argument("a GPU rank's KV pool description has {} bytes, not {}",
+                                                              description.size(), sizeof d);
+  std::memcpy(&d, description.data(), sizeof d);
+  if (std::memcmp(d.magic, KvPoolDescription{}.magic, sizeof d.magic) != 0)
+    return invalid_argument("a GPU rank's KV pool description is not one");
+  const model::CudaKvPoolLayout pool{d.num_layers, d.num_kv_heads, d.head_dim, d.page_size, d.num_pages};
+  if (pool.num_bytes() != d.num_bytes)
+    return invalid_argument("a GPU rank's KV pool description is inconsistent ({} bytes for its layout, {} sent)",
+                            pool.num_bytes(), d.num_bytes);
+  std::unique_ptr<SharedKvPool> shared(new SharedKvPool());
+  // Mapped on the calling thread's device, which reaches the rank's GPU peer to peer.
+  const cudaError_t error = cudaIpcOpenMemHandle(&shared->base_, d.handle, cudaIpcMemLazyEnablePeerAccess);
+  if (error != cudaSuccess) {
+    cudaGetLastError();
+    return unavailable("mapping the KV pool of the GPU rank on GPU {}: cudaIpcOpenMemHandle: {}", d.device,
+                       cudaGetErrorString(error));
+  }
+  shared->cache_.emplace(kv_cache_layout(pool), shared->base_, Device::cuda(d.device));
+  return shared;
+}
+
+SharedKvPool::~SharedKvPool() {
+  cache_.reset();
+  if (base_ != nullptr) cudaIpcCloseMemHandle(base_);
 }
 
 CudaRunner::CudaRunner(std::unique_ptr<model::CudaQwen3MoeModel> model) : model_(std::move(model)) {

@@ -12,6 +12,8 @@
 
 #include <memory>
 #include <optional>
+#include <span>
+#include <vector>
 
 #include "engine/model_runner.h"
 #include "engine/speculative.h"
@@ -61,6 +63,7 @@ class CudaRunner final : public ModelRunner {
   // told to stop on destruction), which run it on their shares of the model
   // (run_cuda_follower); their collectives meet this rank's inside the layers.
   void lead(std::vector<int> follower_fds) { follower_fds_ = std::move(follower_fds); }
+  const model::CudaQwen3MoeModel& model() const { return *model_; }
 
  private:
   explicit CudaRunner(std::unique_ptr<model::CudaQwen3MoeModel> model);
@@ -77,5 +80,26 @@ Status run_cuda_follower(model::CudaQwen3MoeModel& model, int plan_fd);
 
 // The kv::KvCacheLayout of a CUDA model's pool (model/cuda/kv_pool.h).
 kv::KvCacheLayout kv_cache_layout(const model::CudaKvPoolLayout& pool);
+
+// A GPU rank's KV pool seen by its prefill leader, which sends every rank's
+// pages (docs/parallel.md): each rank describes its pool with
+// describe_kv_pool() (a CUDA IPC handle, its GPU and layout: a few hundred
+// bytes that travel over the ranks' bootstrap), and the leader maps the
+// others' with SharedKvPool::open(). One host only.
+Expected<std::vector<uint8_t>> describe_kv_pool(const model::CudaQwen3MoeModel& model);
+class SharedKvPool {
+ public:
+  static Expected<std::unique_ptr<SharedKvPool>> open(std::span<const uint8_t> description);
+  ~SharedKvPool();  // unmaps the pool
+  SharedKvPool(const SharedKvPool&) = delete;
+  SharedKvPool& operator=(const SharedKvPool&) = delete;
+  // The pool as a cache over the other process's device memory (never touched by the CPU).
+  const kv::KvCache& cache() const { return *cache_; }
+
+ private:
+  SharedKvPool() = default;
+  void* base_ = nullptr;
+  std::optional<kv::KvCache> cache_;
+};
 
 }  // namespace moe::engine

@@ -1,5 +1,7 @@
 #include "server/disagg_prefill.h"
 
+#include <fmt/ranges.h>
+
 #include "core/logging.h"
 #include "server/http_client.h"
 #include "server/metrics_text.h"
@@ -180,9 +182,16 @@ Expected<std::unique_ptr<PrefillService>> PrefillService::create(engine::Engine&
   s->kv_on_device_ = rank_caches[0]->on_device();
   MOE_ASSIGN_OR_RETURN(const transfer::RegionDescriptor first, transfer.describe(s->k_regions_[0][0]));
   s->kv_transport_ = transfer::transport_name(first.transport);
-  log_info("prefill: KV of {} layers in {} (page size {}, {}), sent with the {} transport", l.num_layers,
-           s->kv_on_device_ ? fmt::format("the memory of GPU {}", rank_caches[0]->device().index)
-                            : std::string("host memory"),
+  std::string where = s->kv_on_device_ ? fmt::format("the memory of GPU {}", rank_caches[0]->device().index)
+                                       : std::string("host memory");
+  if (s->tp_size_ > 1) {
+    std::vector<std::string> gpus;
+    for (const kv::KvCache* cache : rank_caches) gpus.push_back(std::to_string(cache->device().index));
+    where = s->kv_on_device_ ? fmt::format("the memory of GPUs {} ({} ranks, heads split)", fmt::join(gpus, ","),
+                                           s->tp_size_)
+                             : fmt::format("host memory ({} ranks, heads split)", s->tp_size_);
+  }
+  log_info("prefill: KV of {} layers in {} (page size {}, {}), sent with the {} transport", l.num_layers, where,
            l.page_size, dtype_name(l.dtype), s->kv_transport_);
   if (const kv::KvCache* mtp = engine.mtp_cache()) {
     const ops::PagedKv kv = mtp->layer(0);

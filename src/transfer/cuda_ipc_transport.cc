@@ -44,7 +44,13 @@ struct ExportData {
   int64_t pid = 0;
 };
 
+// The export data of a region that can only be read here (see export_region).
+constexpr const char* kNotExportable = "not-exportable";
+
 Expected<ExportData> parse_export(const std::string& text) {
+  if (text == kNotExportable)
+    return invalid_argument("CUDA IPC: the region was mapped into its owner from a third process and cannot be "
+                            "written by peers");
   const size_t a = text.find(':');
   const size_t b = a == std::string::npos ? a : text.find(':', a + 1);
   ExportData data;
@@ -135,7 +141,14 @@ Status CudaIpcTransport::export_region(const LocalRegion& region, RegionDescript
     return out_of_range("register_region: {} bytes at {} run past their allocation", region.length_bytes,
                         static_cast<void*>(region.base));
   cudaIpcMemHandle_t handle{};
-  MOE_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(allocation)));
+  if (cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(allocation)) != cudaSuccess) {
+    // Memory this process mapped from another one (a GPU rank's KV pool, seen
+    // by its prefill leader) cannot be exported again: it stays a copy source
+    // here, and a peer that tries to write into it gets kNotExportable.
+    cudaGetLastError();
+    descriptor.export_data = kNotExportable;
+    return Status::ok();
+  }
   descriptor.export_data = fmt::format("{}:{}:{}", to_hex(&handle, sizeof(handle)), offset, getpid());
   return Status::ok();
 }

@@ -7,7 +7,9 @@
 // share the mapping)
 // and copies with cudaMemcpyAsync on its own stream per device (peer copies
 // over NVLink when the GPUs have peer access). A writer in the same process
-// uses the region's address directly. When a batch's copies are done (its
+// uses the region's address directly. Device memory that this process
+// itself mapped from another (cudaIpcOpenMemHandle) registers as a source
+// only: the driver does not export it again. When a batch's copies are done (its
 // event completes, watched by one completion thread) the transport sends a
 // kNotify frame over the TCP connection to the peer, which counts the batch
 // for its imm. The receiver does not see the bytes: disarm() there cannot

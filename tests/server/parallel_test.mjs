@@ -39,7 +39,7 @@ const alive = (pid) => { try { process.kill(pid, 0); return true; } catch { retu
 // Dead, or a zombie its parent has not reaped yet.
 const gone = (pid) => { try { return /\) Z /.test(readFileSync(`/proc/${pid}/stat`, 'utf8')); } catch { return true; } };
 
-for (const flags of [['--tp', '2', '--ep', '2'], ['--tp', '4']]) {
+for (const flags of [['--tp', '2', '--ep', '2'], ['--tp', '4'], ['--ep', '2']]) {
   test(`serve ${flags.join(' ')} gives the single-rank greedy output`, async () => {
     const server = await startProcess('serve', [...base, ...flags]);
     try {
@@ -180,7 +180,7 @@ test('bad --dp flags are refused with a reason', async () => {
                        /needs --ep 2/);
 });
 
-for (const flags of [['--tp', '2', '--ep', '2'], ['--tp', '4']]) {
+for (const flags of [['--tp', '2', '--ep', '2'], ['--tp', '4'], ['--ep', '2']]) {
   test(`prefill ${flags.join(' ')} behind the router: every rank's KV heads reach the decode instance`, async () => {
     const router = await startProcess('router', ['--request-timeout', '120']);
     const prefill = await startProcess('prefill', [...base, ...flags, '--max-num-batched-tokens', '16',

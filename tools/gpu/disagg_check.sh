@@ -13,6 +13,10 @@
 #   - moe_basic and the demo model again with an MTP layer, k = 1..4 (not
 #     with NO_SPECULATIVE=1): the same greedy tokens, the decode instance
 #     drafts, and on the demo's trained layer accepts drafts;
+#   - every model again with a two-rank prefill instance (`prefill --tp 2
+#     --gpus 0,D`, not with NO_TP=1): heads split over GPU ranks, the leader
+#     sends both ranks' KV (moe_dense_layer's one kv head is replicated: only
+#     its writer rank's pages go); the same greedy tokens;
 # and first runs disagg_cuda_test (the same path in one process, no HTTP).
 # Binaries come from
 #   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOE_STATIC_RUNTIME=ON
@@ -82,11 +86,11 @@ check_disagg() {
   shift 2
   local name
   name=$(basename "$model")
-  say "=== $name$tag: router :$ROUTER_PORT, prefill --device cuda --gpu 0 :$PREFILL_PORT," \
+  say "=== $name$tag: router :$ROUTER_PORT, prefill --device cuda ${PREFILL_PLACEMENT[*]} :$PREFILL_PORT," \
     "decode --device cuda --gpu $DECODE_GPU :$DECODE_PORT $*"
   local common=(--model "$model" --device cuda --kv-cache-gb 4 --host 127.0.0.1 "$@")
   echo "=== $name$tag" | tee -a "$OUT/prefill.log" "$OUT/decode.log" "$OUT/router.log" > /dev/null
-  "$BIN/moeserve" prefill "${common[@]}" --gpu 0 --port $PREFILL_PORT >> "$OUT/prefill.log" 2>&1 &
+  "$BIN/moeserve" prefill "${common[@]}" "${PREFILL_PLACEMENT[@]}" --port $PREFILL_PORT >> "$OUT/prefill.log" 2>&1 &
   local prefill=$!
   "$BIN/moeserve" decode "${common[@]}" --gpu $DECODE_GPU --port $DECODE_PORT >> "$OUT/decode.log" 2>&1 &
   local decode=$!
@@ -124,6 +128,7 @@ check_disagg() {
   done
 }
 
+PREFILL_PLACEMENT=(--gpu 0)  # the prefill instance's GPU(s); the TP check below gives it two ranks
 for model in $MODELS; do
   name=$(basename "$model")
   say "=== $name: reference, moeserve generate --device cuda --gpu 0 (one prompt per run)"
@@ -145,6 +150,12 @@ for model in $MODELS; do
       check_disagg "$model" " (MTP, k=$k)" --speculative-config "{\"method\":\"mtp\",\"num_speculative_tokens\":$k}" \
         --speculative-model "$mtp"
     done
+  fi
+  # A prefill instance of two GPU ranks (heads split): the leader sends every rank's KV.
+  if [[ -z ${NO_TP:-} ]]; then
+    PREFILL_PLACEMENT=(--tp 2 --gpus "0,$DECODE_GPU")
+    check_disagg "$model" " (prefill --tp 2)"
+    PREFILL_PLACEMENT=(--gpu 0)
   fi
 done
 grep -hE "ERROR|error|CHECK failed|Segmentation" "$OUT/prefill.log" "$OUT/decode.log" "$OUT/router.log" | head -10 \

@@ -279,7 +279,11 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                                  b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(), T, c.num_q_heads,
                                  c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
                                  c.rms_norm_eps}, s.stream));
-  if (s.layer_hook && layer >= 0) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
+  // The layer hook's event: once this layer's KV is stored; with heads split
+  // over ranks, once the attention all-reduce is through (every rank has
+  // stored its heads by then, and the prefill leader sends them all).
+  const bool tp = layer >= 0 && s.options.plan.tp_size > 1;
+  if (s.layer_hook && layer >= 0 && !tp) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
   const k::PagedAttentionParams attention{s.q.data_as<bf16>(), b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(),
                                           s.positions.data_as<int32_t>(), s.token_seq.data_as<int32_t>(),
                                           s.page_table.data_as<int32_t>(), s.attended.data_as<bf16>(), T, c.num_q_heads,
@@ -300,7 +304,8 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(),
                                        DType::kF32, T, H, c.q_size(), s.stream));
   }
-  MOE_RETURN_IF_ERROR(layer_boundary(b.post_attention_norm.data_as<bf16>(), T, layer >= 0 && s.options.plan.tp_size > 1));
+  MOE_RETURN_IF_ERROR(layer_boundary(b.post_attention_norm.data_as<bf16>(), T, tp));
+  if (s.layer_hook && tp) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
   // MLP.
   if (b.is_moe) {
     const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
