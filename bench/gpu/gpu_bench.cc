@@ -205,7 +205,8 @@ void bench_grouped_gemm(double copy_gbs) {
 // quantized per 1 x 128 on the GPU, E4M3 weights with 128 x 128 scales), then
 // MXFP8 (E8M0 scales per 1 x 32 on both). Floor: the FP8 weight bytes (plus
 // their scales) read once.
-void bench_fp8_grouped_gemm(double copy_gbs) {
+// only_per_expert (0: all): one tokens-per-expert count, e.g. for a profiler.
+void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
   if (!k::hopper_kernels_available()) return;
   const int E = 128, H = 4096, I = 1536, topk = 8;
   DeviceTensor w13 = fp8_weights(int64_t{E} * 2 * I, H, 14), w2 = fp8_weights(int64_t{E} * H, I, 15);
@@ -224,6 +225,7 @@ void bench_fp8_grouped_gemm(double copy_gbs) {
         1.0 * E * 3.0 * H * I + (mx ? mx13.num_bytes() + mx2.num_bytes() : s13.num_bytes() + s2.num_bytes());
     const int group = mx ? 32 : 128;
     for (int per_expert : {1, 8, 64}) {
+      if (only_per_expert != 0 && per_expert != only_per_expert) continue;
       const int T = per_expert * E / topk, pairs = T * topk;
       std::vector<int32_t> ids(static_cast<size_t>(pairs));
       for (int i = 0; i < pairs; ++i) ids[i] = i % E;
@@ -602,6 +604,7 @@ void bench_verify(const std::string& config_path, int num_layers) {
 int main(int argc, char** argv) {
   std::string json_path, config_path = "tests/data/configs/qwen3-235b-a22b.config.json";
   int layers = 4, attention_batch = 0, attention_context = 0;  // --attention-shape BATCH,CONTEXT: one decode shape
+  int moe_tokens = 0;                                          // --moe-tokens N: one FP8 tokens-per-expert count
   std::string only;  // sections to run (comma-separated): moe, moe_fp8, moe_prefill, decode_attention, prefill_attention, model, model_fp8, verify
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -609,6 +612,7 @@ int main(int argc, char** argv) {
     else if (a == "--config" && i + 1 < argc) config_path = argv[++i];
     else if (a == "--layers" && i + 1 < argc) layers = std::atoi(argv[++i]);
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    else if (a == "--moe-tokens" && i + 1 < argc) moe_tokens = std::atoi(argv[++i]);
     else if (a == "--attention-shape" && i + 1 < argc) std::sscanf(argv[++i], "%d,%d", &attention_batch, &attention_context);
   }
   if (!json_path.empty()) moe::json_out = std::fopen(json_path.c_str(), "w");
@@ -627,7 +631,7 @@ int main(int argc, char** argv) {
     return false;
   };
   if (wanted("moe")) moe::bench_grouped_gemm(copy_gbs);
-  if (wanted("moe") || wanted("moe_fp8")) moe::bench_fp8_grouped_gemm(copy_gbs);
+  if (wanted("moe") || wanted("moe_fp8")) moe::bench_fp8_grouped_gemm(copy_gbs, moe_tokens);
   if (wanted("moe") || wanted("moe_prefill")) moe::bench_prefill_grouped_gemm();
   if (wanted("decode_attention")) moe::bench_decode_attention(copy_gbs, attention_batch, attention_context);
   if (wanted("prefill_attention")) moe::bench_prefill_attention();
