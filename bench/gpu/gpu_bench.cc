@@ -465,7 +465,9 @@ void bench_prefill_attention() {
 }
 
 // Whole decoder layers of dummy Qwen3-235B at decode batch sizes, context 2048.
-void bench_model(const std::string& config_path, int num_layers, double copy_gbs, ops::QuantFormat experts) {
+// only_batch (0: all): one batch size, e.g. for a profiler.
+void bench_model(const std::string& config_path, int num_layers, double copy_gbs, ops::QuantFormat experts,
+                 int only_batch) {
   std::ifstream in(config_path);
   std::string text((std::istreambuf_iterator<char>(in)), {});
   auto config = model::parse_model_config(text);
@@ -473,6 +475,7 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
   config->num_layers = num_layers;
   const int context = 2048, page = 16;
   for (int batch : {64, 128, 256}) {
+    if (only_batch != 0 && batch != only_batch) continue;
     double step_ms = 0, eager_ms = 0;
     model::ForwardBatch step;
     for (bool graphs : {true, false}) {
@@ -497,6 +500,8 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
         for (int p = 0; p < step.max_pages_per_seq; ++p) step.page_table.push_back(b * step.max_pages_per_seq + p);
       }
       std::vector<double> ms;
+      std::fprintf(stderr, "phase: batch %d, %s, from %.3f s\n", batch, graphs ? "graph" : "eager",
+                   std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
       for (int i = 0; i < 10; ++i) {
         const auto start = std::chrono::steady_clock::now();
         check((*m)->forward_greedy(step).status());
@@ -605,6 +610,7 @@ int main(int argc, char** argv) {
   std::string json_path, config_path = "tests/data/configs/qwen3-235b-a22b.config.json";
   int layers = 4, attention_batch = 0, attention_context = 0;  // --attention-shape BATCH,CONTEXT: one decode shape
   int moe_tokens = 0;                                          // --moe-tokens N: one FP8 tokens-per-expert count
+  int model_batch = 0;                                         // --model-batch N: one decode-step batch size
   std::string only;  // sections to run (comma-separated): moe, moe_fp8, moe_prefill, decode_attention, prefill_attention, model, model_fp8, verify
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -613,6 +619,7 @@ int main(int argc, char** argv) {
     else if (a == "--layers" && i + 1 < argc) layers = std::atoi(argv[++i]);
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--moe-tokens" && i + 1 < argc) moe_tokens = std::atoi(argv[++i]);
+    else if (a == "--model-batch" && i + 1 < argc) model_batch = std::atoi(argv[++i]);
     else if (a == "--attention-shape" && i + 1 < argc) std::sscanf(argv[++i], "%d,%d", &attention_batch, &attention_context);
   }
   if (!json_path.empty()) moe::json_out = std::fopen(json_path.c_str(), "w");
@@ -635,9 +642,9 @@ int main(int argc, char** argv) {
   if (wanted("moe") || wanted("moe_prefill")) moe::bench_prefill_grouped_gemm();
   if (wanted("decode_attention")) moe::bench_decode_attention(copy_gbs, attention_batch, attention_context);
   if (wanted("prefill_attention")) moe::bench_prefill_attention();
-  if (wanted("model")) moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kNone);
+  if (wanted("model")) moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kNone, model_batch);
   if ((wanted("model") || wanted("model_fp8")) && moe::ops::cuda::hopper_kernels_available())
-    moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kFp8Block);
+    moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kFp8Block, model_batch);
   if (wanted("verify")) moe::bench_verify(config_path, layers);
   if (moe::json_out) std::fclose(moe::json_out);
   return 0;

@@ -106,7 +106,8 @@ class CudaOps : public testing::Test {
 };
 
 TEST_F(CudaOps, AddRmsNorm) {
-  for (auto [tokens, hidden] : {std::pair{3, 64}, std::pair{37, 4096}}) {
+  // Vectorised rows (hidden % 4 == 0, up to 8192) and the scalar kernel (4098, 12288).
+  for (auto [tokens, hidden] : {std::pair{3, 64}, std::pair{37, 4096}, std::pair{5, 4098}, std::pair{2, 12288}}) {
     Host residual = random_bf16({tokens, hidden}, rng_, 2.0f), delta = random_bf16({tokens, hidden}, rng_);
     Host weight = random_bf16({hidden}, rng_);
     DeviceTensor d_residual = upload(residual.f32), d_delta = upload(delta.f32), d_weight = upload(weight.bf16);
@@ -526,21 +527,26 @@ TEST_F(CudaOps, Mxfp8GroupedGemmSm100MatchesTheCpuQuantizedMoe) {
 }
 
 TEST_F(CudaOps, ArgmaxTakesTheLowestIndexOnTies) {
-  const int rows = 3, vocab = 151936;
-  std::vector<float> logits(static_cast<size_t>(rows) * vocab);
-  std::uniform_real_distribution<float> u(-5, 5);
-  for (auto& v : logits) v = u(rng_);
-  logits[0 * vocab + 77] = 9, logits[0 * vocab + 150000] = 9;
-  logits[1 * vocab + 151935] = 10;
-  logits[2 * vocab + 0] = 11;
-  DeviceTensor d = upload_vector(logits, DType::kF32);
-  Output ids = Output::make(rows * 4);
-  ASSERT_EQ(k::argmax({d.data_as<float>(), ids.get<int32_t>(), rows, vocab}, nullptr), cudaSuccess);
-  auto got = ids.download();
-  const int32_t* g = reinterpret_cast<const int32_t*>(got.data());
-  EXPECT_EQ(g[0], 77);
-  EXPECT_EQ(g[1], 151935);
-  EXPECT_EQ(g[2], 0);
+  // A vocabulary of a multiple of 4 (float4 loads) and an odd one (scalar).
+  for (const int vocab : {151936, 1001}) {
+    const int rows = 4;
+    std::vector<float> logits(static_cast<size_t>(rows) * vocab);
+    std::uniform_real_distribution<float> u(-5, 5);
+    for (auto& v : logits) v = u(rng_);
+    logits[0 * vocab + 77] = 9, logits[0 * vocab + vocab - 3] = 9;
+    logits[1 * vocab + vocab - 1] = 10;
+    logits[2 * vocab + 0] = 11;
+    logits[3 * vocab + 503] = 12, logits[3 * vocab + 501] = 12;  // a tie inside one group of 4
+    DeviceTensor d = upload_vector(logits, DType::kF32);
+    Output ids = Output::make(rows * 4);
+    ASSERT_EQ(k::argmax({d.data_as<float>(), ids.get<int32_t>(), rows, vocab}, nullptr), cudaSuccess);
+    auto got = ids.download();
+    const int32_t* g = reinterpret_cast<const int32_t*>(got.data());
+    EXPECT_EQ(g[0], 77) << "vocab " << vocab;
+    EXPECT_EQ(g[1], vocab - 1) << "vocab " << vocab;
+    EXPECT_EQ(g[2], 0) << "vocab " << vocab;
+    EXPECT_EQ(g[3], 501) << "vocab " << vocab;
+  }
 }
 
 }  // namespace

@@ -33,6 +33,50 @@ __global__ void add_rms_norm_kernel(AddRmsNormParams p) {
     p.out[base + i] = __float2bfloat16(__bfloat162float(p.weight[i]) * (residual[i] * inv_rms));
 }
 
+// The same for rows of hidden % 4 == 0 and hidden <= 4 * kNormThreads *
+// kNormVec (every Qwen3 MoE): float4 loads, the row kept in registers between
+// the sum of squares and the scaling, 512 threads. A decode step has few
+// tokens, so each block's latency is the kernel's: measured on an H200 at 64
+// tokens x 4096, 13 us for the scalar kernel above (two passes over the row).
+constexpr int kNormThreads = 512, kNormVec = 4;
+
+__global__ void __launch_bounds__(kNormThreads) add_rms_norm_vec_kernel(AddRmsNormParams p) {
+  __shared__ float scratch[32];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * p.hidden;
+  auto* residual = reinterpret_cast<float4*>(p.residual + base);
+  const auto* delta = p.delta != nullptr ? reinterpret_cast<const float4*>(p.delta + base) : nullptr;
+  const int n = p.hidden / 4;
+  float4 v[kNormVec];
+  float sum_squares = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kNormVec; ++j) {
+    const int i = threadIdx.x + j * kNormThreads;
+    if (i >= n) continue;
+    float4 x = residual[i];
+    if (delta != nullptr) {
+      const float4 d = delta[i];
+      x.x += d.x, x.y += d.y, x.z += d.z, x.w += d.w;
+      residual[i] = x;
+    }
+    v[j] = x;
+    sum_squares += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+  }
+  const float inv_rms = rsqrtf(block_sum(sum_squares, scratch) / static_cast<float>(p.hidden) + p.eps);
+  auto* out = reinterpret_cast<uint2*>(p.out + base);
+  const auto* weight = reinterpret_cast<const uint2*>(p.weight);
+#pragma unroll
+  for (int j = 0; j < kNormVec; ++j) {
+    const int i = threadIdx.x + j * kNormThreads;
+    if (i >= n) continue;
+    const uint2 w = weight[i];
+    const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+    const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+    const __nv_bfloat162 o01 = __floats2bfloat162_rn(w01.x * (v[j].x * inv_rms), w01.y * (v[j].y * inv_rms));
+    const __nv_bfloat162 o23 = __floats2bfloat162_rn(w23.x * (v[j].z * inv_rms), w23.y * (v[j].w * inv_rms));
+    out[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&o01), *reinterpret_cast<const uint32_t*>(&o23));
+  }
+}
+
 // Block (token, head): head < num_q_heads is a q head, then the k heads, then
 // the v heads. blockDim.x == head_dim.
 __global__ void qk_norm_rope_kv_kernel(QkNormRopeKvParams p) {
@@ -89,8 +133,19 @@ __global__ void argmax_kernel(ArgmaxParams p) {
   const float* row = p.logits + static_cast<int64_t>(blockIdx.x) * p.vocab;
   float value = -INFINITY;
   int index = 0x7fffffff;
-  for (int i = threadIdx.x; i < p.vocab; i += blockDim.x)
-    if (row[i] > value) value = row[i], index = i;  // strided: the first hit per thread is its lowest
+  if (p.vocab % 4 == 0) {  // float4 loads (a decode step's rows are few: each block's read speed is the kernel's)
+    const auto* row4 = reinterpret_cast<const float4*>(row);
+    for (int i = threadIdx.x; i < p.vocab / 4; i += blockDim.x) {
+      const float4 v = row4[i];  // in index order, so the first hit per thread is still its lowest
+      if (v.x > value) value = v.x, index = 4 * i;
+      if (v.y > value) value = v.y, index = 4 * i + 1;
+      if (v.z > value) value = v.z, index = 4 * i + 2;
+      if (v.w > value) value = v.w, index = 4 * i + 3;
+    }
+  } else {
+    for (int i = threadIdx.x; i < p.vocab; i += blockDim.x)
+      if (row[i] > value) value = row[i], index = i;  // strided: the first hit per thread is its lowest
+  }
   for (int offset = 16; offset > 0; offset >>= 1) {
     const float v = __shfl_xor_sync(0xffffffffu, value, offset);
     const int j = __shfl_xor_sync(0xffffffffu, index, offset);
@@ -140,7 +195,11 @@ cudaError_t embedding(const EmbeddingParams& p, cudaStream_t stream) {
 
 cudaError_t add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
-  add_rms_norm_kernel<<<p.num_tokens, 256, 0, stream>>>(p);
+  if (p.hidden % 4 == 0 && p.hidden <= 4 * kNormThreads * kNormVec) {
+    add_rms_norm_vec_kernel<<<p.num_tokens, kNormThreads, 0, stream>>>(p);
+  } else {
+    add_rms_norm_kernel<<<p.num_tokens, 256, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 
