@@ -1,16 +1,18 @@
-// All-reduce, fused norm and dispatch/combine timings on two GPUs (ranks as
-// threads of this process, one GPU each), against NCCL in the same run.
+// All-reduce, fused norm and dispatch/combine timings on --ranks GPUs (2 by
+// default; ranks as threads of this process, one GPU each), against NCCL in
+// the same run.
 // Validation is comm_cuda_test's job; this only times. Each point: warm-up,
 // then `reps` timings of `iters` back-to-back calls between CUDA events; the
 // median per call is reported. "graph" rows capture `iters` calls in a CUDA
 // graph and time its replay (what the engine will do).
 //
 // Output: a Markdown table on stdout and one JSON object per line in
-// --json FILE. Usage: comm_cuda_bench [--json FILE] [--max-mb 256]
+// --json FILE. Usage: comm_cuda_bench [--json FILE] [--max-mb 256] [--ranks 2]
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -30,6 +32,7 @@ namespace {
 struct Row {
   std::string op, impl, mode;
   double bytes = 0, us = 0;
+  int ranks = 0;
 };
 
 std::mutex g_mutex;
@@ -75,6 +78,7 @@ double time_calls(cudaStream_t stream, TcpBootstrap& b, int iters, bool graph, F
 
 void record(TcpBootstrap& b, Row row) {
   if (b.rank() != 0) return;
+  row.ranks = b.world_size();
   std::lock_guard lock(g_mutex);
   g_rows.push_back(std::move(row));
 }
@@ -174,15 +178,18 @@ int main(int argc, char** argv) {
   using namespace moe::comm::cuda;
   std::string json_path;
   size_t max_mb = 256;
+  int ranks = 2;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--json") == 0) json_path = argv[i + 1];
     if (std::strcmp(argv[i], "--max-mb") == 0) max_mb = std::stoul(argv[i + 1]);
+    if (std::strcmp(argv[i], "--ranks") == 0) ranks = std::atoi(argv[i + 1]);
   }
-  if (moe::comm::testing::gpu_count() < 2) {
-    fprintf(stderr, "comm_cuda_bench needs 2 GPUs, found %d\n", moe::comm::testing::gpu_count());
+  if (ranks < 2 || moe::comm::testing::gpu_count() < ranks) {
+    fprintf(stderr, "comm_cuda_bench --ranks %d needs that many GPUs (at least 2), found %d\n", ranks,
+            moe::comm::testing::gpu_count());
     return 2;
   }
-  const std::string error = moe::comm::testing::run_gpu_ranks(2, [&](moe::comm::TcpBootstrap& b) {
+  const std::string error = moe::comm::testing::run_gpu_ranks(ranks, [&](moe::comm::TcpBootstrap& b) {
     cudaStream_t stream;
     cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     SymmetricMemoryOptions options;
@@ -208,13 +215,15 @@ int main(int argc, char** argv) {
   if (!error.empty()) fprintf(stderr, "%s\n", error.c_str());
   std::ofstream json;
   if (!json_path.empty()) json.open(json_path);
-  printf("| op | impl | mode | bytes | us | algbw GB/s |\n|---|---|---|---|---|---|\n");
+  printf("| op | ranks | impl | mode | bytes | us | algbw GB/s |\n|---|---|---|---|---|---|---|\n");
   for (const auto& r : moe::comm::cuda::g_rows) {
     const double gbps = r.bytes / (r.us * 1e3);
-    printf("| %s | %s | %s | %.0f | %.2f | %.1f |\n", r.op.c_str(), r.impl.c_str(), r.mode.c_str(), r.bytes, r.us, gbps);
+    printf("| %s | %d | %s | %s | %.0f | %.2f | %.1f |\n", r.op.c_str(), r.ranks, r.impl.c_str(), r.mode.c_str(),
+           r.bytes, r.us, gbps);
     if (json.is_open())
-      json << fmt::format(R"({{"op": "{}", "impl": "{}", "mode": "{}", "bytes": {}, "us": {:.3f}, "algbw_gbps": {:.2f}}})",
-                          r.op, r.impl, r.mode, r.bytes, r.us, gbps)
+      json << fmt::format(
+                  R"({{"op": "{}", "ranks": {}, "impl": "{}", "mode": "{}", "bytes": {}, "us": {:.3f}, "algbw_gbps": {:.2f}}})",
+                  r.op, r.ranks, r.impl, r.mode, r.bytes, r.us, gbps)
            << "\n";
   }
   return error.empty() ? 0 : 1;

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The communication layer on a machine with two NVIDIA GPUs (nvidia-h200-x2):
+# The communication layer on a machine with two NVIDIA GPUs (nvidia-h200-x2;
+# on x4/x8 machines RANKS="2 4" or "2 4 8" also times 4 and 8 ranks):
 # runs comm_cuda_test (all-reduce one-shot/two-shot/auto vs the CPU sum,
 # fused all-reduce + residual + RMSNorm vs the CPU reference, dispatch then
 # combine vs the reference weighted sum, NCCL vs ours), then comm_cuda_bench
@@ -49,10 +50,18 @@ timeout 600 "$BIN/comm_cuda_test" --gtest_color=no 2>&1 | tee "$OUT/comm_cuda_te
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 grep -q "SKIPPED" "$OUT/comm_cuda_test.log" && { echo "tests skipped (fewer than 2 GPUs?)"; status=1; }
 
-echo "=== comm_cuda_bench"
-timeout 900 "$BIN/comm_cuda_bench" --json "$OUT/comm_bench.jsonl" --max-mb "${MAX_MB:-256}" \
-  > "$OUT/comm_bench.md" 2> "$OUT/comm_bench.log"
-echo "bench exit: $?"
+# RANKS="2 4" (x4) or "2 4 8" (x8): the bench at each rank count the machine has GPUs for.
+: > "$OUT/comm_bench.md"
+: > "$OUT/comm_bench.jsonl"
+num_gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+for ranks in ${RANKS:-2}; do
+  if [[ $ranks -gt $num_gpus ]]; then echo "comm_cuda_bench --ranks $ranks: skipped, $num_gpus GPU(s)"; continue; fi
+  echo "=== comm_cuda_bench --ranks $ranks"
+  timeout 900 "$BIN/comm_cuda_bench" --ranks "$ranks" --json "$OUT/comm_bench_$ranks.jsonl" --max-mb "${MAX_MB:-256}" \
+    >> "$OUT/comm_bench.md" 2>> "$OUT/comm_bench.log"
+  echo "bench exit: $?"
+  cat "$OUT/comm_bench_$ranks.jsonl" >> "$OUT/comm_bench.jsonl" 2>/dev/null
+done
 cat "$OUT/comm_bench.md"
 tail -5 "$OUT/comm_bench.log"
 {
