@@ -17,6 +17,8 @@
 #include <optional>
 #include <thread>
 
+#include <fmt/ranges.h>
+
 #include "apps/moeserve/serve_command.h"
 #include "core/logging.h"
 #include "server/disagg_decode.h"
@@ -99,13 +101,17 @@ struct Child {
   std::string url;
 };
 
-// `gpu`: the instance's GPU with --device cuda.
-std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role, int gpu) {
+// `gpus`: the instance's GPUs with --device cuda (one per rank).
+std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role, const std::vector<int>& gpus) {
   std::vector<std::string> v = {"moeserve", role, "--model", a.model, "--host", "127.0.0.1", "--port", "0"};
   auto add = [&](const char* flag, const std::string& value) { v.push_back(flag), v.push_back(value); };
+  // Prefill instances take the ranks of --tp/--ep; decode instances run one rank each.
+  if (role == "prefill" && a.parallel.tp > 1) add("--tp", std::to_string(a.parallel.tp));
+  if (role == "prefill" && a.parallel.ep > 1) add("--ep", std::to_string(a.parallel.ep));
   if (a.device.cuda()) {
     add("--device", "cuda");
-    add("--gpu", std::to_string(gpu));
+    if (gpus.size() == 1) add("--gpu", std::to_string(gpus[0]));
+    else add("--gpus", fmt::format("{}", fmt::join(gpus, ",")));
     add("--gpu-memory-utilization", fmt::format("{}", a.device.gpu_memory_utilization));
     if (a.device.enforce_eager) v.push_back("--enforce-eager");
   }
@@ -131,10 +137,10 @@ std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role,
   return v;
 }
 
-Expected<Child> spawn_child(const ServeArgs& args, const std::string& role, int index, int gpu) {
+Expected<Child> spawn_child(const ServeArgs& args, const std::string& role, int index, const std::vector<int>& gpus) {
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) return internal_error("pipe: {}", std::strerror(errno));
-  const std::vector<std::string> argv_strings = child_argv(args, role, gpu);
+  const std::vector<std::string> argv_strings = child_argv(args, role, gpus);
   std::vector<char*> argv;
   for (const auto& s : argv_strings) argv.push_back(const_cast<char*>(s.c_str()));
   argv.push_back(nullptr);
@@ -203,16 +209,33 @@ void stop_children(std::vector<Child>& children) {
 
 Status run_cluster(ServeArgs args) {
   if (args.model.empty()) args.model = find_default_model();
-  // With --device cuda, instance i (prefill instances first) on GPU --gpu + i or --gpus[i].
+  const ParallelArgs& par = args.parallel;
+  if (par.dp > 1)
+    return invalid_argument("serve --disagg runs single-rank decode instances; for data-parallel decode ranks run "
+                            "`moeserve decode --dp N --ep N --router URL` behind `moeserve router` (docs/parallel.md)");
+  if (par.tp > 1 && par.ep > 1 && par.tp != par.ep)
+    return invalid_argument("--tp {} and --ep {}: with both above 1 they must be equal (docs/parallel.md)", par.tp, par.ep);
+  if (args.device.cuda() && par.world() > 1 && !args.speculative.config_json.empty())
+    return unimplemented("speculative decoding on GPU ranks (--tp/--ep with --device cuda) is not supported yet");
+  // With --device cuda, GPU slots in order: each prefill instance's ranks
+  // (--tp/--ep of them), then one per decode instance; slot s on --gpu + s
+  // or --gpus[s].
   const int num_instances = args.prefill_instances + args.decode_instances;
-  std::vector<int> gpus;
+  const int prefill_ranks = par.world();
+  const int num_slots = args.prefill_instances * prefill_ranks + args.decode_instances;
+  std::vector<std::vector<int>> gpus(static_cast<size_t>(num_instances));
   if (args.device.cuda()) {
-    for (int i = 0; i < num_instances; ++i) {
-      MOE_ASSIGN_OR_RETURN(const int gpu, rank_gpu(args.device, i, num_instances, "instances"));
-      if (std::find(gpus.begin(), gpus.end(), gpu) != gpus.end() && args.kv_cache_gb <= 0)
-        return invalid_argument("serve --disagg --device cuda: instances sharing GPU {} need --kv-cache-gb (each "
-                                "would size its KV pool from memory the other is about to take)", gpu);
-      gpus.push_back(gpu);
+    std::vector<int> taken;
+    for (int slot = 0, i = 0; i < num_instances; ++i) {
+      const int ranks = i < args.prefill_instances ? prefill_ranks : 1;
+      for (int r = 0; r < ranks; ++r, ++slot) {
+        MOE_ASSIGN_OR_RETURN(const int gpu, rank_gpu(args.device, slot, num_slots, "GPU slots (prefill ranks, then decode instances)"));
+        if (std::find(taken.begin(), taken.end(), gpu) != taken.end() && args.kv_cache_gb <= 0)
+          return invalid_argument("serve --disagg --device cuda: instances or ranks sharing GPU {} need --kv-cache-gb "
+                                  "(each would size its KV pool from memory the other is about to take)", gpu);
+        taken.push_back(gpu);
+        gpus[i].push_back(gpu);
+      }
     }
   } else if (!args.device.gpus.empty() || args.device.gpu != 0) {
     return invalid_argument("--gpu/--gpus only apply with --device cuda");
@@ -231,8 +254,7 @@ Status run_cluster(ServeArgs args) {
   };
   for (int i = 0; i < num_instances; ++i) {
     const bool prefill = i < args.prefill_instances;
-    auto child = spawn_child(args, prefill ? "prefill" : "decode", prefill ? i : i - args.prefill_instances,
-                             gpus.empty() ? 0 : gpus[i]);
+    auto child = spawn_child(args, prefill ? "prefill" : "decode", prefill ? i : i - args.prefill_instances, gpus[i]);
     if (!child) return fail(child.status());
     children.push_back(*child);
   }
@@ -240,8 +262,11 @@ Status run_cluster(ServeArgs args) {
   for (Child& c : children) {
     if (Status s = await_listening(c, 600); !s.is_ok()) return fail(s);
     (c.role == "prefill" ? prefill_urls : decode_urls).push_back(c.url);
-    log_info("cluster: {} instance {} (pid {}) at {}{}", c.role, c.index, c.pid, c.url,
-             gpus.empty() ? std::string() : fmt::format(" on GPU {}", gpus[&c - children.data()]));
+    const std::vector<int>& on = gpus[&c - children.data()];
+    log_info("cluster: {} instance {} (pid {}) at {}{}{}", c.role, c.index, c.pid, c.url,
+             c.role == "prefill" && prefill_ranks > 1 ? fmt::format(", {} ranks (tp {}, ep {})", prefill_ranks, par.tp, par.ep)
+                                                       : std::string(),
+             on.empty() ? std::string() : fmt::format(" on GPU {}", fmt::join(on, ",")));
   }
   // The supervisor: a child that dies is logged; the router's health checks
   // take it out of rotation.

@@ -78,9 +78,9 @@ before(async () => {
 });
 after(async () => { assert.equal(await oracle.stop(), 0); });
 
-async function checkCluster(numPrefill, numDecode) {
+async function checkCluster(numPrefill, numDecode, extraFlags = []) {
   const cluster = await startProcess('serve', ['--disagg', '--prefill-instances', String(numPrefill),
-                                               '--decode-instances', String(numDecode), ...engineFlags]);
+                                               '--decode-instances', String(numDecode), ...engineFlags, ...extraFlags]);
   let instances = [];
   try {
     const client = new OpenAI({ baseURL: `${cluster.url}/v1`, apiKey: 'x', maxRetries: 0, timeout: 120000 });
@@ -110,6 +110,15 @@ test('serve --disagg 1x1: 100 greedy requests at concurrency 16 equal colocated 
 
 test('serve --disagg 2x2: 100 greedy requests at concurrency 16 equal colocated serve', async () => {
   await checkCluster(2, 2);
+});
+
+test('serve --disagg --tp 2 --ep 2: prefill instances of two ranks, the same output as colocated serve', async () => {
+  await checkCluster(1, 1, ['--tp', '2', '--ep', '2']);
+});
+
+test('serve --disagg --dp is refused with where data-parallel decode ranks run', async () => {
+  await assert.rejects(startProcess('serve', ['--disagg', '--dp', '2', '--ep', '2', ...engineFlags], { timeoutMs: 30000 }),
+                       /single-rank decode instances.*moeserve decode --dp N --ep N --router URL/s);
 });
 
 test('serve --disagg on the golden model moe_basic gives transformers greedy tokens', async () => {
