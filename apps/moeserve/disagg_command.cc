@@ -4,6 +4,7 @@
 // in this process), supervises the children and stops them all on
 // SIGINT/SIGTERM.
 #include <fcntl.h>
+#include <fmt/ranges.h>
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -16,8 +17,6 @@
 #include <filesystem>
 #include <optional>
 #include <thread>
-
-#include <fmt/ranges.h>
 
 #include "apps/moeserve/serve_command.h"
 #include "core/logging.h"
@@ -102,7 +101,8 @@ struct Child {
 };
 
 // `gpus`: the instance's GPUs with --device cuda (one per rank).
-std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role, const std::vector<int>& gpus) {
+std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role,
+                                    const std::vector<int>& gpus) {
   std::vector<std::string> v = {"moeserve", role, "--model", a.model, "--host", "127.0.0.1", "--port", "0"};
   auto add = [&](const char* flag, const std::string& value) { v.push_back(flag), v.push_back(value); };
   // Prefill instances take the ranks of --tp/--ep; decode instances run one rank each.
@@ -110,8 +110,10 @@ std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role,
   if (role == "prefill" && a.parallel.ep > 1) add("--ep", std::to_string(a.parallel.ep));
   if (a.device.cuda()) {
     add("--device", "cuda");
-    if (gpus.size() == 1) add("--gpu", std::to_string(gpus[0]));
-    else add("--gpus", fmt::format("{}", fmt::join(gpus, ",")));
+    if (gpus.size() == 1)
+      add("--gpu", std::to_string(gpus[0]));
+    else
+      add("--gpus", fmt::format("{}", fmt::join(gpus, ",")));
     add("--gpu-memory-utilization", fmt::format("{}", a.device.gpu_memory_utilization));
     if (a.device.enforce_eager) v.push_back("--enforce-eager");
   }
@@ -137,7 +139,8 @@ std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role,
   return v;
 }
 
-Expected<Child> spawn_child(const ServeArgs& args, const std::string& role, int index, const std::vector<int>& gpus) {
+Expected<Child> spawn_child(const ServeArgs& args, const std::string& role, int index,
+                            const std::vector<int>& gpus) {
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) return internal_error("pipe: {}", std::strerror(errno));
   const std::vector<std::string> argv_strings = child_argv(args, role, gpus);
@@ -211,12 +214,15 @@ Status run_cluster(ServeArgs args) {
   if (args.model.empty()) args.model = find_default_model();
   const ParallelArgs& par = args.parallel;
   if (par.dp > 1)
-    return invalid_argument("serve --disagg runs single-rank decode instances; for data-parallel decode ranks run "
-                            "`moeserve decode --dp N --ep N --router URL` behind `moeserve router` (docs/parallel.md)");
+    return invalid_argument(
+        "serve --disagg runs single-rank decode instances; for data-parallel decode ranks run "
+        "`moeserve decode --dp N --ep N --router URL` behind `moeserve router` (docs/parallel.md)");
   if (par.tp > 1 && par.ep > 1 && par.tp != par.ep)
-    return invalid_argument("--tp {} and --ep {}: with both above 1 they must be equal (docs/parallel.md)", par.tp, par.ep);
+    return invalid_argument("--tp {} and --ep {}: with both above 1 they must be equal (docs/parallel.md)",
+                            par.tp, par.ep);
   if (args.device.cuda() && par.world() > 1 && !args.speculative.config_json.empty())
-    return unimplemented("speculative decoding on GPU ranks (--tp/--ep with --device cuda) is not supported yet");
+    return unimplemented(
+        "speculative decoding on GPU ranks (--tp/--ep with --device cuda) is not supported yet");
   // With --device cuda, GPU slots in order: each prefill instance's ranks
   // (--tp/--ep of them), then one per decode instance; slot s on --gpu + s
   // or --gpus[s].
@@ -229,10 +235,13 @@ Status run_cluster(ServeArgs args) {
     for (int slot = 0, i = 0; i < num_instances; ++i) {
       const int ranks = i < args.prefill_instances ? prefill_ranks : 1;
       for (int r = 0; r < ranks; ++r, ++slot) {
-        MOE_ASSIGN_OR_RETURN(const int gpu, rank_gpu(args.device, slot, num_slots, "GPU slots (prefill ranks, then decode instances)"));
+        MOE_ASSIGN_OR_RETURN(const int gpu, rank_gpu(args.device, slot, num_slots,
+                                                     "GPU slots (prefill ranks, then decode instances)"));
         if (std::find(taken.begin(), taken.end(), gpu) != taken.end() && args.kv_cache_gb <= 0)
-          return invalid_argument("serve --disagg --device cuda: instances or ranks sharing GPU {} need --kv-cache-gb "
-                                  "(each would size its KV pool from memory the other is about to take)", gpu);
+          return invalid_argument(
+              "serve --disagg --device cuda: instances or ranks sharing GPU {} need --kv-cache-gb "
+              "(each would size its KV pool from memory the other is about to take)",
+              gpu);
         taken.push_back(gpu);
         gpus[i].push_back(gpu);
       }
@@ -254,7 +263,8 @@ Status run_cluster(ServeArgs args) {
   };
   for (int i = 0; i < num_instances; ++i) {
     const bool prefill = i < args.prefill_instances;
-    auto child = spawn_child(args, prefill ? "prefill" : "decode", prefill ? i : i - args.prefill_instances, gpus[i]);
+    auto child =
+        spawn_child(args, prefill ? "prefill" : "decode", prefill ? i : i - args.prefill_instances, gpus[i]);
     if (!child) return fail(child.status());
     children.push_back(*child);
   }
@@ -264,8 +274,9 @@ Status run_cluster(ServeArgs args) {
     (c.role == "prefill" ? prefill_urls : decode_urls).push_back(c.url);
     const std::vector<int>& on = gpus[&c - children.data()];
     log_info("cluster: {} instance {} (pid {}) at {}{}{}", c.role, c.index, c.pid, c.url,
-             c.role == "prefill" && prefill_ranks > 1 ? fmt::format(", {} ranks (tp {}, ep {})", prefill_ranks, par.tp, par.ep)
-                                                       : std::string(),
+             c.role == "prefill" && prefill_ranks > 1
+                 ? fmt::format(", {} ranks (tp {}, ep {})", prefill_ranks, par.tp, par.ep)
+                 : std::string(),
              on.empty() ? std::string() : fmt::format(" on GPU {}", fmt::join(on, ",")));
   }
   // The supervisor: a child that dies is logged; the router's health checks

@@ -173,8 +173,9 @@ Status check_parallel_args(const ServeArgs& args) {
   if (p.dp > 1 && (p.tp != 1 || p.ep != p.dp))
     return invalid_argument("--dp {} needs --ep {} (experts split over the same ranks) and --tp 1", p.dp, p.dp);
   if (p.world() > 1 && args.device.cuda() && (p.dp > 1 || args.role == "decode"))
-    return invalid_argument("GPU ranks run `moeserve serve|prefill --tp N --ep N --device cuda` for now; data-parallel "
-                            "decode ranks (--dp) run on CPUs (docs/parallel.md)");
+    return invalid_argument(
+        "GPU ranks run `moeserve serve|prefill --tp N --ep N --device cuda` for now; data-parallel "
+        "decode ranks (--dp) run on CPUs (docs/parallel.md)");
   if (p.world() > 1 && p.dp == 1 && args.role == "decode")
     return invalid_argument("a decode instance runs data-parallel ranks: use --dp N --ep N, not --tp");
   return Status::ok();
@@ -338,12 +339,14 @@ Expected<int32_t> agree_on_pages(comm::TcpBootstrap& bootstrap, int32_t mine) {
 
 // A prefill instance with heads split over GPU ranks sends every rank's KV
 // pages, so the leader maps the others' pools (one host).
-bool sends_rank_kv(const ServeArgs& args) { return args.role == "prefill" && args.parallel.tp > 1; }
+bool sends_rank_kv(const ServeArgs& args) {
+  return args.role == "prefill" && args.parallel.tp > 1;
+}
 
 // Every rank calls it after agree_on_pages: the other ranks' KV pools, mapped
 // here (the followers drop theirs: only the leader sends).
-Expected<std::vector<std::unique_ptr<engine::SharedKvPool>>> share_kv_pools(comm::TcpBootstrap& bootstrap,
-                                                                            const model::CudaQwen3MoeModel& model) {
+Expected<std::vector<std::unique_ptr<engine::SharedKvPool>>> share_kv_pools(
+    comm::TcpBootstrap& bootstrap, const model::CudaQwen3MoeModel& model) {
   MOE_ASSIGN_OR_RETURN(const std::vector<uint8_t> mine, engine::describe_kv_pool(model));
   MOE_ASSIGN_OR_RETURN(auto all, bootstrap.all_gather(mine));
   std::vector<std::unique_ptr<engine::SharedKvPool>> pools;
@@ -459,10 +462,12 @@ Status rank_group_ready(RankGroup& g, const ParallelArgs& par) {
 
 struct Runner {
   std::unique_ptr<engine::ModelRunner> runner;
-  std::vector<const kv::KvCache*> rank_caches;  // the KV the roles send: every rank's with heads split (device memory on GPUs)
+  // The KV the roles send: every rank's with heads split (device memory on GPUs).
+  std::vector<const kv::KvCache*> rank_caches;
   std::unique_ptr<engine::MtpRunner> mtp;       // the MTP layer on the GPU (with `mtp` given to make_runner)
 #ifdef MOE_WITH_CUDA
-  std::vector<std::unique_ptr<engine::SharedKvPool>> gpu_rank_kv;  // a GPU prefill leader's view of its ranks' KV
+  // A GPU prefill leader's view of its ranks' KV.
+  std::vector<std::unique_ptr<engine::SharedKvPool>> gpu_rank_kv;
 #endif
 };
 

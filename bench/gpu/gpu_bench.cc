@@ -167,14 +167,19 @@ void bench_grouped_gemm(double copy_gbs) {
     const int max_tiles = (T * topk + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
     using Gemm = cudaError_t (*)(const k::GroupedGemmParams&, cudaStream_t);
     auto layer = [&](Gemm gemm, cudaStream_t stream) {
-      k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-                      sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, stream);
+      k::moe_permute(
+          {d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+           sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows},
+          stream);
       gemm({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
-            tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, stream);
-      gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-            rows.data(), H, I, E, max_tiles, false}, stream);
-      k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(), out.data_as<float>(),
-                        T, topk, H}, stream);
+            tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true},
+           stream);
+      gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(),
+            tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false},
+           stream);
+      k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(),
+                        out.data_as<float>(), T, topk, H},
+                       stream);
     };
     const double mma_ms = time_ms([&] { layer(k::mma_grouped_gemm, nullptr); });
     check(cudaGetLastError(), "grouped gemm (WMMA)");
@@ -183,20 +188,25 @@ void bench_grouped_gemm(double copy_gbs) {
     const double ms = hopper ? time_ms([&] { layer(best, nullptr); }) : mma_ms;
     const double graph_ms = time_graph_ms([&](cudaStream_t stream) { layer(best, stream); }, 4);
     // The two grouped GEMMs alone (what torch._grouped_mm does), in a graph.
-    const double gemms_ms = time_graph_ms([&](cudaStream_t stream) {
-      best({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
-            tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, stream);
-      best({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-            rows.data(), H, I, E, max_tiles, false}, stream);
-    }, 4);
+    const double gemms_ms = time_graph_ms(
+        [&](cudaStream_t stream) {
+          best({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
+                tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true},
+               stream);
+          best({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(),
+                tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false},
+               stream);
+        },
+        4);
     check(cudaGetLastError(), "grouped gemm (wgmma)");
     const double floor_ms = weight_bytes / (copy_gbs * 1e6);
     char shape[96], extra[192];
     std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
     std::snprintf(extra, sizeof extra,
-                  "%.0f GB/s of weights, %s (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%; WMMA kernel: %.3f ms)",
-                  weight_bytes / (ms * 1e6), hopper ? "wgmma" : "WMMA", graph_ms, 100.0 * floor_ms / graph_ms, gemms_ms,
-                  100.0 * floor_ms / gemms_ms, mma_ms);
+                  "%.0f GB/s of weights, %s (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%; WMMA "
+                  "kernel: %.3f ms)",
+                  weight_bytes / (ms * 1e6), hopper ? "wgmma" : "WMMA", graph_ms, 100.0 * floor_ms / graph_ms,
+                  gemms_ms, 100.0 * floor_ms / gemms_ms, mma_ms);
     report("moe_experts_decode", shape, ms, floor_ms, extra);
   }
 }
@@ -238,55 +248,73 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
       DeviceTensor rows = alloc(DType::kF32, {pairs, H}), out = alloc(DType::kF32, {T, H});
       check(cudaMemset(weights.data(), 0, weights.num_bytes()), "memset");
       const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
-      auto experts = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows_in, int K, const int32_t* gather,
-                         const DeviceTensor& w, const DeviceTensor& block, const DeviceTensor& mx_s, void* dst, int N,
-                         bool gate_up, cudaStream_t stream) {
+      auto experts = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows_in, int K,
+                         const int32_t* gather, const DeviceTensor& w, const DeviceTensor& block,
+                         const DeviceTensor& mx_s, void* dst, int N, bool gate_up, cudaStream_t stream) {
         if (mx) {
-          k::quantize_mxfp8({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows_in, K}, stream);
-          k::mxfp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather, w.data_as<uint8_t>(),
-                                 mx_s.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), dst, N, K,
-                                 E, max_tiles, gate_up}, stream);
+          k::quantize_mxfp8(
+              {in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows_in, K}, stream);
+          k::mxfp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather,
+                                 w.data_as<uint8_t>(), mx_s.data_as<uint8_t>(), offsets.data_as<int32_t>(),
+                                 tiles.data_as<int32_t>(), dst, N, K, E, max_tiles, gate_up},
+                                stream);
         } else {
-          k::quantize_fp8_groups({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows_in, K}, stream);
+          k::quantize_fp8_groups(
+              {in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows_in, K}, stream);
           k::fp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<float>(), gather, w.data_as<uint8_t>(),
-                               block.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), dst, N, K, E,
-                               max_tiles, gate_up}, stream);
+                               block.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                               dst, N, K, E, max_tiles, gate_up},
+                              stream);
         }
       };
       auto layer = [&](cudaStream_t stream) {
-        k::moe_permute({d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-                        sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows}, stream);
+        k::moe_permute(
+            {d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+             sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows},
+            stream);
         experts(x, x_q, x_s, T, H, sorted.data_as<int32_t>(), w13, s13, mx13, act.data(), I, true, stream);
         experts(act, act_q, act_s, pairs, I, nullptr, w2, s2, mx2, rows.data(), H, false, stream);
-        k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(), out.data_as<float>(),
-                          T, topk, H}, stream);
+        k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(),
+                          out.data_as<float>(), T, topk, H},
+                         stream);
       };
       const double ms = time_ms([&] { layer(nullptr); });
       const double graph_ms = time_graph_ms(layer, 4);
       // The two grouped GEMMs alone (activations already quantized), in a graph.
-      const double gemms_ms = time_graph_ms([&](cudaStream_t stream) {
-        if (mx) {
-          k::mxfp8_grouped_gemm({x_q.data_as<uint8_t>(), x_s.data_as<uint8_t>(), sorted.data_as<int32_t>(),
-                                 w13.data_as<uint8_t>(), mx13.data_as<uint8_t>(), offsets.data_as<int32_t>(),
-                                 tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, stream);
-          k::mxfp8_grouped_gemm({act_q.data_as<uint8_t>(), act_s.data_as<uint8_t>(), nullptr, w2.data_as<uint8_t>(),
-                                 mx2.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(),
-                                 H, I, E, max_tiles, false}, stream);
-        } else {
-          k::fp8_grouped_gemm({x_q.data_as<uint8_t>(), x_s.data_as<float>(), sorted.data_as<int32_t>(),
-                               w13.data_as<uint8_t>(), s13.data_as<float>(), offsets.data_as<int32_t>(),
-                               tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true}, stream);
-          k::fp8_grouped_gemm({act_q.data_as<uint8_t>(), act_s.data_as<float>(), nullptr, w2.data_as<uint8_t>(),
-                               s2.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(), H,
-                               I, E, max_tiles, false}, stream);
-        }
-      }, 4);
+      const double gemms_ms = time_graph_ms(
+          [&](cudaStream_t stream) {
+            if (mx) {
+              k::mxfp8_grouped_gemm(
+                  {x_q.data_as<uint8_t>(), x_s.data_as<uint8_t>(), sorted.data_as<int32_t>(),
+                   w13.data_as<uint8_t>(), mx13.data_as<uint8_t>(), offsets.data_as<int32_t>(),
+                   tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true},
+                  stream);
+              k::mxfp8_grouped_gemm(
+                  {act_q.data_as<uint8_t>(), act_s.data_as<uint8_t>(), nullptr, w2.data_as<uint8_t>(),
+                   mx2.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(),
+                   H, I, E, max_tiles, false},
+                  stream);
+            } else {
+              k::fp8_grouped_gemm({x_q.data_as<uint8_t>(), x_s.data_as<float>(), sorted.data_as<int32_t>(),
+                                   w13.data_as<uint8_t>(), s13.data_as<float>(), offsets.data_as<int32_t>(),
+                                   tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true},
+                                  stream);
+              k::fp8_grouped_gemm({act_q.data_as<uint8_t>(), act_s.data_as<float>(), nullptr,
+                                   w2.data_as<uint8_t>(), s2.data_as<float>(), offsets.data_as<int32_t>(),
+                                   tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false},
+                                  stream);
+            }
+          },
+          4);
       check(cudaGetLastError(), mx ? "mxfp8 grouped gemm" : "fp8 grouped gemm");
       const double floor_ms = weight_bytes / (copy_gbs * 1e6);
       char shape[96], extra[160];
       std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
-      std::snprintf(extra, sizeof extra, "%.0f GB/s of FP8 weights + scales (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%)",
-                    weight_bytes / (ms * 1e6), graph_ms, 100.0 * floor_ms / graph_ms, gemms_ms, 100.0 * floor_ms / gemms_ms);
+      std::snprintf(
+          extra, sizeof extra,
+          "%.0f GB/s of FP8 weights + scales (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%)",
+          weight_bytes / (ms * 1e6), graph_ms, 100.0 * floor_ms / graph_ms, gemms_ms,
+          100.0 * floor_ms / gemms_ms);
       report(mx ? "moe_experts_decode_mxfp8" : "moe_experts_decode_fp8", shape, ms, weight_bytes / (copy_gbs * 1e6), extra);
     }
   }
@@ -375,8 +403,9 @@ void bench_prefill_grouped_gemm() {
 // only_batch / only_context (0: all) pick one shape, e.g. for a profiler.
 void bench_decode_attention(double copy_gbs, int only_batch, int only_context) {
   const int Hq = 64, Hkv = 4, D = 128, page = 16;
-  for (auto [batch, context] : {std::pair{64, 1024}, std::pair{128, 1024}, std::pair{256, 1024}, std::pair{64, 8192},
-                                std::pair{256, 2048}, std::pair{256, 8192}, std::pair{64, 32768}, std::pair{64, 64}}) {
+  for (auto [batch, context] :
+       {std::pair{64, 1024}, std::pair{128, 1024}, std::pair{256, 1024}, std::pair{64, 8192},
+        std::pair{256, 2048}, std::pair{256, 8192}, std::pair{64, 32768}, std::pair{64, 64}}) {
     if (context == 64 && only_batch != 64) continue;  // the fixed cost (64 positions), on request only
     if ((only_batch != 0 && batch != only_batch) || (only_context != 0 && context != only_context)) continue;
     const int pages_per_seq = context / page, num_pages = batch * pages_per_seq;
@@ -396,7 +425,8 @@ void bench_decode_attention(double copy_gbs, int only_batch, int only_context) {
     check(ws.status());
     // The default (stages 0) and each pipeline depth, splits chosen by the launcher.
     double stage_ms[5] = {};
-    time_ms([&] { k::mma_paged_attention(params, context - 1, ws->data_as<float>(), ws_bytes, nullptr); });  // warm-up
+    // A warm-up, so the first depth timed does not pay for the clocks ramping up.
+    time_ms([&] { k::mma_paged_attention(params, context - 1, ws->data_as<float>(), ws_bytes, nullptr); });
     for (int stages : {0, 2, 3, 4}) {
       k::PagedAttentionParams ps = params;
       ps.decode_stages = stages;
@@ -404,21 +434,24 @@ void bench_decode_attention(double copy_gbs, int only_batch, int only_context) {
           time_ms([&] { k::mma_paged_attention(ps, context - 1, ws->data_as<float>(), ws_bytes, nullptr); });
     }
     const double ms = stage_ms[0];
-    const double graph_ms = time_graph_ms(
-        [&](cudaStream_t stream) { k::mma_paged_attention(params, context - 1, ws->data_as<float>(), ws_bytes, stream); });
+    const double graph_ms = time_graph_ms([&](cudaStream_t stream) {
+      k::mma_paged_attention(params, context - 1, ws->data_as<float>(), ws_bytes, stream);
+    });
     check(cudaGetLastError(), "decode attention");
     if (only_batch != 0) {  // one shape: also sweep the split count (default stages)
       for (int splits = 1; splits <= 8; ++splits) {
         k::PagedAttentionParams ps = params;
         ps.decode_splits = splits;
-        std::printf("  splits %d: %.4f ms\n", splits,
-                    time_ms([&] { k::mma_paged_attention(ps, context - 1, ws->data_as<float>(), ws_bytes, nullptr); }));
+        std::printf("  splits %d: %.4f ms\n", splits, time_ms([&] {
+                      k::mma_paged_attention(ps, context - 1, ws->data_as<float>(), ws_bytes, nullptr);
+                    }));
       }
     }
     const double kv_bytes = 2.0 * batch * context * Hkv * D * 2;
     char shape[96], extra[160];
     std::snprintf(shape, sizeof shape, "batch %d, context %d", batch, context);
-    std::snprintf(extra, sizeof extra, "%.0f GB/s of KV (in a graph: %.4f ms; 2/3/4 stages: %.4f / %.4f / %.4f ms)",
+    std::snprintf(extra, sizeof extra,
+                  "%.0f GB/s of KV (in a graph: %.4f ms; 2/3/4 stages: %.4f / %.4f / %.4f ms)",
                   kv_bytes / (ms * 1e6), graph_ms, stage_ms[2], stage_ms[3], stage_ms[4]);
     report("decode_attention", shape, ms, kv_bytes / (copy_gbs * 1e6), extra);
   }
@@ -500,8 +533,9 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
         for (int p = 0; p < step.max_pages_per_seq; ++p) step.page_table.push_back(b * step.max_pages_per_seq + p);
       }
       std::vector<double> ms;
-      std::fprintf(stderr, "phase: batch %d, %s, from %.3f s\n", batch, graphs ? "graph" : "eager",
-                   std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+      std::fprintf(
+          stderr, "phase: batch %d, %s, from %.3f s\n", batch, graphs ? "graph" : "eager",
+          std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
       for (int i = 0; i < 10; ++i) {
         const auto start = std::chrono::steady_clock::now();
         check((*m)->forward_greedy(step).status());
@@ -608,9 +642,10 @@ void bench_verify(const std::string& config_path, int num_layers) {
 
 int main(int argc, char** argv) {
   std::string json_path, config_path = "tests/data/configs/qwen3-235b-a22b.config.json";
-  int layers = 4, attention_batch = 0, attention_context = 0;  // --attention-shape BATCH,CONTEXT: one decode shape
-  int moe_tokens = 0;                                          // --moe-tokens N: one FP8 tokens-per-expert count
-  int model_batch = 0;                                         // --model-batch N: one decode-step batch size
+  int layers = 4;
+  int attention_batch = 0, attention_context = 0;  // --attention-shape BATCH,CONTEXT: one decode shape
+  int moe_tokens = 0;                              // --moe-tokens N: one FP8 tokens-per-expert count
+  int model_batch = 0;                             // --model-batch N: one decode-step batch size
   std::string only;  // sections to run (comma-separated): moe, moe_fp8, moe_prefill, decode_attention, prefill_attention, model, model_fp8, verify
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -618,9 +653,12 @@ int main(int argc, char** argv) {
     else if (a == "--config" && i + 1 < argc) config_path = argv[++i];
     else if (a == "--layers" && i + 1 < argc) layers = std::atoi(argv[++i]);
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
-    else if (a == "--moe-tokens" && i + 1 < argc) moe_tokens = std::atoi(argv[++i]);
-    else if (a == "--model-batch" && i + 1 < argc) model_batch = std::atoi(argv[++i]);
-    else if (a == "--attention-shape" && i + 1 < argc) std::sscanf(argv[++i], "%d,%d", &attention_batch, &attention_context);
+    else if (a == "--moe-tokens" && i + 1 < argc)
+      moe_tokens = std::atoi(argv[++i]);
+    else if (a == "--model-batch" && i + 1 < argc)
+      model_batch = std::atoi(argv[++i]);
+    else if (a == "--attention-shape" && i + 1 < argc)
+      std::sscanf(argv[++i], "%d,%d", &attention_batch, &attention_context);
   }
   if (!json_path.empty()) moe::json_out = std::fopen(json_path.c_str(), "w");
   cudaDeviceProp prop{};
@@ -642,7 +680,8 @@ int main(int argc, char** argv) {
   if (wanted("moe") || wanted("moe_prefill")) moe::bench_prefill_grouped_gemm();
   if (wanted("decode_attention")) moe::bench_decode_attention(copy_gbs, attention_batch, attention_context);
   if (wanted("prefill_attention")) moe::bench_prefill_attention();
-  if (wanted("model")) moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kNone, model_batch);
+  if (wanted("model"))
+    moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kNone, model_batch);
   if ((wanted("model") || wanted("model_fp8")) && moe::ops::cuda::hopper_kernels_available())
     moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kFp8Block, model_batch);
   if (wanted("verify")) moe::bench_verify(config_path, layers);

@@ -54,23 +54,26 @@ Expected<std::vector<uint8_t>> describe_kv_pool(const model::CudaQwen3MoeModel& 
   d.page_size = pool.page_size, d.num_pages = pool.num_pages;
   d.num_bytes = pool.num_bytes();
   const cudaError_t error = cudaIpcGetMemHandle(&d.handle, model.kv_pool());  // the pool is one cudaMalloc
-  if (error != cudaSuccess) return unavailable("sharing the KV pool with the leader: cudaIpcGetMemHandle: {}",
-                                               cudaGetErrorString(error));
+  if (error != cudaSuccess)
+    return unavailable("sharing the KV pool with the leader: cudaIpcGetMemHandle: {}",
+                       cudaGetErrorString(error));
   const auto* bytes = reinterpret_cast<const uint8_t*>(&d);
   return std::vector<uint8_t>(bytes, bytes + sizeof d);
 }
 
 Expected<std::unique_ptr<SharedKvPool>> SharedKvPool::open(std::span<const uint8_t> description) {
   KvPoolDescription d;
-  if (description.size() != sizeof d) return invalid_argument("a GPU rank's KV pool description has {} bytes, not {}",
-                                                              description.size(), sizeof d);
+  if (description.size() != sizeof d)
+    return invalid_argument("a GPU rank's KV pool description has {} bytes, not {}", description.size(),
+                            sizeof d);
   std::memcpy(&d, description.data(), sizeof d);
   if (std::memcmp(d.magic, KvPoolDescription{}.magic, sizeof d.magic) != 0)
     return invalid_argument("a GPU rank's KV pool description is not one");
   const model::CudaKvPoolLayout pool{d.num_layers, d.num_kv_heads, d.head_dim, d.page_size, d.num_pages};
   if (pool.num_bytes() != d.num_bytes)
-    return invalid_argument("a GPU rank's KV pool description is inconsistent ({} bytes for its layout, {} sent)",
-                            pool.num_bytes(), d.num_bytes);
+    return invalid_argument(
+        "a GPU rank's KV pool description is inconsistent ({} bytes for its layout, {} sent)",
+        pool.num_bytes(), d.num_bytes);
   std::unique_ptr<SharedKvPool> shared(new SharedKvPool());
   // Mapped on the calling thread's device, which reaches the rank's GPU peer to peer.
   const cudaError_t error = cudaIpcOpenMemHandle(&shared->base_, d.handle, cudaIpcMemLazyEnablePeerAccess);

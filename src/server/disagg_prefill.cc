@@ -187,12 +187,12 @@ Expected<std::unique_ptr<PrefillService>> PrefillService::create(engine::Engine&
   if (s->tp_size_ > 1) {
     std::vector<std::string> gpus;
     for (const kv::KvCache* cache : rank_caches) gpus.push_back(std::to_string(cache->device().index));
-    where = s->kv_on_device_ ? fmt::format("the memory of GPUs {} ({} ranks, heads split)", fmt::join(gpus, ","),
-                                           s->tp_size_)
+    where = s->kv_on_device_ ? fmt::format("the memory of GPUs {} ({} ranks, heads split)",
+                                           fmt::join(gpus, ","), s->tp_size_)
                              : fmt::format("host memory ({} ranks, heads split)", s->tp_size_);
   }
-  log_info("prefill: KV of {} layers in {} (page size {}, {}), sent with the {} transport", l.num_layers, where,
-           l.page_size, dtype_name(l.dtype), s->kv_transport_);
+  log_info("prefill: KV of {} layers in {} (page size {}, {}), sent with the {} transport", l.num_layers,
+           where, l.page_size, dtype_name(l.dtype), s->kv_transport_);
   if (const kv::KvCache* mtp = engine.mtp_cache()) {
     const ops::PagedKv kv = mtp->layer(0);
     MOE_ASSIGN_OR_RETURN(s->mtp_k_region_, disagg::register_kv_pool(transfer, kv.k_pages));

@@ -49,8 +49,9 @@ constexpr const char* kNotExportable = "not-exportable";
 
 Expected<ExportData> parse_export(const std::string& text) {
   if (text == kNotExportable)
-    return invalid_argument("CUDA IPC: the region was mapped into its owner from a third process and cannot be "
-                            "written by peers");
+    return invalid_argument(
+        "CUDA IPC: the region was mapped into its owner from a third process and cannot be "
+        "written by peers");
   const size_t a = text.find(':');
   const size_t b = a == std::string::npos ? a : text.find(':', a + 1);
   ExportData data;

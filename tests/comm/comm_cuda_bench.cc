@@ -203,14 +203,17 @@ int main(int argc, char** argv) {
     void* nccl = nullptr;
 #ifdef MOE_COMM_HAVE_NCCL
     auto comm = NcclCommunicator::create(b, b.rank());
-    if (comm.has_value()) nccl = comm->get();
-    else fprintf(stderr, "rank %d: no NCCL baseline: %s\n", b.rank(), comm.status().to_string().c_str());
+    if (comm.has_value())
+      nccl = comm->get();
+    else
+      fprintf(stderr, "rank %d: no NCCL baseline: %s\n", b.rank(), comm.status().to_string().c_str());
 #endif
     bench_all_reduce(b, (*mem)->view(), nccl, max_mb << 20, stream);
     bench_fused(b, (*mem)->view(), stream);
     bench_expert_exchange(b, stream);
     cudaStreamSynchronize(stream);
-    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) fprintf(stderr, "rank %d: %s\n", b.rank(), cudaGetErrorString(e));
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+      fprintf(stderr, "rank %d: %s\n", b.rank(), cudaGetErrorString(e));
   });
   if (!error.empty()) fprintf(stderr, "%s\n", error.c_str());
   std::ofstream json;
@@ -218,13 +221,14 @@ int main(int argc, char** argv) {
   printf("| op | ranks | impl | mode | bytes | us | algbw GB/s |\n|---|---|---|---|---|---|---|\n");
   for (const auto& r : moe::comm::cuda::g_rows) {
     const double gbps = r.bytes / (r.us * 1e3);
-    printf("| %s | %d | %s | %s | %.0f | %.2f | %.1f |\n", r.op.c_str(), r.ranks, r.impl.c_str(), r.mode.c_str(),
-           r.bytes, r.us, gbps);
+    printf("| %s | %d | %s | %s | %.0f | %.2f | %.1f |\n", r.op.c_str(), r.ranks, r.impl.c_str(),
+           r.mode.c_str(), r.bytes, r.us, gbps);
     if (json.is_open())
-      json << fmt::format(
-                  R"({{"op": "{}", "ranks": {}, "impl": "{}", "mode": "{}", "bytes": {}, "us": {:.3f}, "algbw_gbps": {:.2f}}})",
-                  r.op, r.ranks, r.impl, r.mode, r.bytes, r.us, gbps)
-           << "\n";
+      json
+          << fmt::format(
+                 R"({{"op": "{}", "ranks": {}, "impl": "{}", "mode": "{}", "bytes": {}, "us": {:.3f}, "algbw_gbps": {:.2f}}})",
+                 r.op, r.ranks, r.impl, r.mode, r.bytes, r.us, gbps)
+          << "\n";
   }
   return error.empty() ? 0 : 1;
 }

@@ -107,7 +107,8 @@ class CudaOps : public testing::Test {
 
 TEST_F(CudaOps, AddRmsNorm) {
   // Vectorised rows (hidden % 4 == 0, up to 8192) and the scalar kernel (4098, 12288).
-  for (auto [tokens, hidden] : {std::pair{3, 64}, std::pair{37, 4096}, std::pair{5, 4098}, std::pair{2, 12288}}) {
+  for (auto [tokens, hidden] :
+       {std::pair{3, 64}, std::pair{37, 4096}, std::pair{5, 4098}, std::pair{2, 12288}}) {
     Host residual = random_bf16({tokens, hidden}, rng_, 2.0f), delta = random_bf16({tokens, hidden}, rng_);
     Host weight = random_bf16({hidden}, rng_);
     DeviceTensor d_residual = upload(residual.f32), d_delta = upload(delta.f32), d_weight = upload(weight.bf16);
@@ -125,10 +126,11 @@ TEST_F(CudaOps, AddRmsNorm) {
 
 TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
   struct Case { int q_heads, kv_heads, dim, page_size, prefix, new_tokens; };
-  for (const Case& c : {Case{4, 2, 32, 4, 5, 7}, Case{64, 4, 128, 16, 1000, 1}, Case{64, 4, 128, 16, 40, 33},
-                        Case{4, 1, 16, 1, 0, 9}, Case{32, 4, 128, 4, 3000, 3}, Case{8, 2, 128, 16, 7, 1},
-                        Case{64, 4, 128, 16, 0, 300}, Case{16, 4, 128, 16, 130, 150}, Case{8, 8, 128, 16, 0, 260},
-                        Case{24, 2, 128, 8, 61, 70}, Case{64, 4, 128, 32, 700, 2}}) {
+  for (const Case& c :
+       {Case{4, 2, 32, 4, 5, 7}, Case{64, 4, 128, 16, 1000, 1}, Case{64, 4, 128, 16, 40, 33},
+        Case{4, 1, 16, 1, 0, 9}, Case{32, 4, 128, 4, 3000, 3}, Case{8, 2, 128, 16, 7, 1},
+        Case{64, 4, 128, 16, 0, 300}, Case{16, 4, 128, 16, 130, 150}, Case{8, 8, 128, 16, 0, 260},
+        Case{24, 2, 128, 8, 61, 70}, Case{64, 4, 128, 32, 700, 2}}) {
     const int seq_len = c.prefix + c.new_tokens, pages = (seq_len + c.page_size - 1) / c.page_size;
     const int qkv_width = (c.q_heads + 2 * c.kv_heads) * c.dim;
     // The prefix K/V go straight into the pages; the new tokens come through qkv.

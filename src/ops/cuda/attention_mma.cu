@@ -200,7 +200,8 @@ __device__ __forceinline__ void attend_chunk(RowState& state, const uint32_t (&q
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         float& v = s[0][nt][2 * h + c];
-        v = fast_exp2(v - new_max);  // a masked -inf gives 0; new_max is finite (every chunk has a visible position)
+        // A masked -inf gives 0; new_max is finite (every chunk has a visible position).
+        v = fast_exp2(v - new_max);
         sum += v;
       }
     state.l[h] = state.l[h] * corr[h] + sum;
@@ -215,8 +216,10 @@ __device__ __forceinline__ void attend_chunk(RowState& state, const uint32_t (&q
   // O += P V, 16 positions at a time; P's A fragment comes straight from the S accumulators.
 #pragma unroll
   for (int pg = 0; pg < kN / 16; ++pg) {
-    const uint32_t pa[4] = {pack_bf16(s[0][2 * pg][0], s[0][2 * pg][1]), pack_bf16(s[0][2 * pg][2], s[0][2 * pg][3]),
-                            pack_bf16(s[0][2 * pg + 1][0], s[0][2 * pg + 1][1]), pack_bf16(s[0][2 * pg + 1][2], s[0][2 * pg + 1][3])};
+    const uint32_t pa[4] = {pack_bf16(s[0][2 * pg][0], s[0][2 * pg][1]),
+                            pack_bf16(s[0][2 * pg][2], s[0][2 * pg][3]),
+                            pack_bf16(s[0][2 * pg + 1][0], s[0][2 * pg + 1][1]),
+                            pack_bf16(s[0][2 * pg + 1][2], s[0][2 * pg + 1][3])};
 #pragma unroll
     for (int dt = 0; dt < kD / 16; ++dt) {
       // x4.trans: (positions +0-7, dims dt*16+0..7), (+8-15, +0..7), (+0-7, +8..15), (+8-15, +8..15).
@@ -284,8 +287,9 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
       if ((i & 31) == 0 && i > 0) refill_pages(chunk);
       const int page = __shfl_sync(0xffffffffu, lane_page, i & 31);
       if (chunk <= last_chunk) {
-        const bf16* k_rows = p.k_pages + ((static_cast<int64_t>(page) * p.num_kv_heads + kv_head) * p.page_size +
-                                          chunk * kChunk % p.page_size) * kD;
+        const int64_t first_row =
+            (static_cast<int64_t>(page) * p.num_kv_heads + kv_head) * p.page_size + chunk * kChunk % p.page_size;
+        const bf16* k_rows = p.k_pages + first_row * kD;
         const bf16* v_rows = p.v_pages + (k_rows - p.k_pages);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -298,7 +302,8 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
       }
     } else if (chunk <= last_chunk) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) copy_chunk_piece<kChunk>(p, pages, kv_head, chunk, end, lane + 32 * j, tile);
+      for (int j = 0; j < 8; ++j)
+        copy_chunk_piece<kChunk>(p, pages, kv_head, chunk, end, lane + 32 * j, tile);
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
@@ -366,11 +371,12 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
     const float inv = 1.0f / denominator;
     const int head = kv_head * group + row;
     if (args.num_splits == 1) {
-      *reinterpret_cast<__nv_bfloat162*>(p.out + (static_cast<int64_t>(t) * p.num_q_heads + head) * kD + col) =
-          __floats2bfloat162_rn(numerator.x * inv, numerator.y * inv);
+      *reinterpret_cast<__nv_bfloat162*>(p.out + (static_cast<int64_t>(t) * p.num_q_heads + head) * kD +
+                                         col) = __floats2bfloat162_rn(numerator.x * inv, numerator.y * inv);
     } else {
       const int64_t slot = (static_cast<int64_t>(t) * p.num_q_heads + head) * args.num_splits + split;
-      *reinterpret_cast<float2*>(args.partial_o + slot * kD + col) = make_float2(numerator.x * inv, numerator.y * inv);
+      *reinterpret_cast<float2*>(args.partial_o + slot * kD + col) =
+          make_float2(numerator.x * inv, numerator.y * inv);
       if (col == 0) args.partial_ml[slot * 2] = max_all, args.partial_ml[slot * 2 + 1] = denominator;
     }
   }
@@ -524,8 +530,8 @@ int choose_splits(int slots, int num_blocks, int positions, int max_splits) {
 template <int kStages>
 cudaError_t launch_decode(const MmaAttentionParams& args, cudaStream_t stream) {
   const PagedAttentionParams& p = args.p;
-  cudaError_t error =
-      cudaFuncSetAttribute(mma_attention_kernel<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeSmem<kStages>);
+  cudaError_t error = cudaFuncSetAttribute(mma_attention_kernel<kStages>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeSmem<kStages>);
   if (error != cudaSuccess) return error;
   // Programmatic dependent launch: this grid may start while the previous
   // kernel in the stream finishes (see griddepcontrol.wait in the kernel).
@@ -560,9 +566,12 @@ cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position,
   const size_t split_bytes = static_cast<size_t>(p.num_tokens) * p.num_q_heads * (kD + 2) * sizeof(float);
   const int by_workspace = workspace == nullptr ? 1 : static_cast<int>(std::min<size_t>(workspace_bytes / split_bytes, kMaxSplits));
   const int max_splits = std::max(1, std::min({by_workspace, kMaxSplits, max_position / kMinSplitPositions + 1}));
-  const int slots = stages == 2 ? decode_block_slots<2>() : stages == 3 ? decode_block_slots<3>() : decode_block_slots<4>();
-  const int splits = p.decode_splits != 0 ? std::min(p.decode_splits, max_splits)
-                                          : choose_splits(slots, p.num_tokens * p.num_kv_heads, positions, max_splits);
+  const int slots = stages == 2   ? decode_block_slots<2>()
+                    : stages == 3 ? decode_block_slots<3>()
+                                  : decode_block_slots<4>();
+  const int splits = p.decode_splits != 0
+                         ? std::min(p.decode_splits, max_splits)
+                         : choose_splits(slots, p.num_tokens * p.num_kv_heads, positions, max_splits);
   const int split_len = ((positions + splits - 1) / splits + kChunk - 1) / kChunk * kChunk;
   MmaAttentionParams args{p, (positions + split_len - 1) / split_len, split_len, nullptr, nullptr};
   if (args.num_splits > 1) {
@@ -570,8 +579,9 @@ cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position,
     args.partial_o = workspace;
     args.partial_ml = workspace + entries * kD;
   }
-  return stages == 2 ? launch_decode<2>(args, stream) : stages == 3 ? launch_decode<3>(args, stream)
-                                                       : launch_decode<4>(args, stream);
+  return stages == 2   ? launch_decode<2>(args, stream)
+         : stages == 3 ? launch_decode<3>(args, stream)
+                       : launch_decode<4>(args, stream);
 }
 
 }  // namespace moe::ops::cuda

@@ -133,7 +133,8 @@ __global__ void argmax_kernel(ArgmaxParams p) {
   const float* row = p.logits + static_cast<int64_t>(blockIdx.x) * p.vocab;
   float value = -INFINITY;
   int index = 0x7fffffff;
-  if (p.vocab % 4 == 0) {  // float4 loads (a decode step's rows are few: each block's read speed is the kernel's)
+  // float4 loads: a decode step's rows are few, so each block's read speed is the kernel's.
+  if (p.vocab % 4 == 0) {
     const auto* row4 = reinterpret_cast<const float4*>(row);
     for (int i = threadIdx.x; i < p.vocab / 4; i += blockDim.x) {
       const float4 v = row4[i];  // in index order, so the first hit per thread is still its lowest
