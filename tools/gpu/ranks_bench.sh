@@ -15,6 +15,7 @@ LAYERS=${LAYERS:-8}
 WORLD=${WORLD:-2}
 LAYOUTS=${LAYOUTS:-"--tp 2 --ep 2|--ep 2"}
 PREFILL_LEN=${PREFILL_LEN:-2048}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-$((PREFILL_LEN > 3968 ? PREFILL_LEN + 128 : 4096))}
 DECODE_LEN=${DECODE_LEN:-64}
 CONCURRENCY=${CONCURRENCY:-64}
 CONFIG=tests/data/configs/qwen3-235b-a22b.config.json
@@ -25,7 +26,7 @@ if [[ $gpus -lt $WORLD ]]; then echo "ranks_bench: $gpus GPU(s), $WORLD needed";
 run_case() {  # name, serve flags...
   local name=$1; shift
   "$BIN/moeserve" serve --device cuda --model "$CONFIG" --load-format dummy --num-layers "$LAYERS" \
-    --max-num-seqs 256 --max-num-batched-tokens 4096 --max-model-len 4096 --port 18570 "$@" \
+    --max-num-seqs 256 --max-num-batched-tokens 4096 --max-model-len "$MAX_MODEL_LEN" --port 18570 "$@" \
     > "$OUT/$name.out" 2> "$OUT/$name.log" &
   local server=$!
   for _ in $(seq 1 900); do curl -sf localhost:18570/health > /dev/null && break; sleep 0.2; done
@@ -50,7 +51,7 @@ print(f"| {name} | {get(prefill, 'input_throughput'):.0f} | {get(prefill, 'mean_
 PY
 }
 
-echo "dummy Qwen3-235B-A22B, $LAYERS layers, bf16; prefill $PREFILL_LEN-token prompts; decode at $CONCURRENCY in flight"
+echo "dummy Qwen3-235B-A22B, $LAYERS layers (bf16 unless a layout says --quantization); prefill $PREFILL_LEN-token prompts; decode at $CONCURRENCY in flight"
 echo "| instance | prefill input tok/s | mean TTFT ms | decode output tok/s | mean TPOT ms |"
 echo "|---|---|---|---|---|"
 run_case one_gpu
