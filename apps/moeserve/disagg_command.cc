@@ -231,17 +231,18 @@ Status run_cluster(ServeArgs args) {
   const int num_slots = args.prefill_instances * prefill_ranks + args.decode_instances;
   std::vector<std::vector<int>> gpus(static_cast<size_t>(num_instances));
   if (args.device.cuda()) {
+    // Named in errors: one GPU per instance, or the slots of multi-rank prefill instances.
+    const char* what = prefill_ranks == 1 ? "instances" : "GPU slots (prefill ranks, then decode instances)";
     std::vector<int> taken;
     for (int slot = 0, i = 0; i < num_instances; ++i) {
       const int ranks = i < args.prefill_instances ? prefill_ranks : 1;
       for (int r = 0; r < ranks; ++r, ++slot) {
-        MOE_ASSIGN_OR_RETURN(const int gpu, rank_gpu(args.device, slot, num_slots,
-                                                     "GPU slots (prefill ranks, then decode instances)"));
+        MOE_ASSIGN_OR_RETURN(const int gpu, rank_gpu(args.device, slot, num_slots, what));
         if (std::find(taken.begin(), taken.end(), gpu) != taken.end() && args.kv_cache_gb <= 0)
           return invalid_argument(
-              "serve --disagg --device cuda: instances or ranks sharing GPU {} need --kv-cache-gb "
-              "(each would size its KV pool from memory the other is about to take)",
-              gpu);
+              "serve --disagg --device cuda: {} sharing GPU {} need --kv-cache-gb (each would size its KV pool "
+              "from memory the other is about to take)",
+              prefill_ranks == 1 ? "instances" : "instances or ranks", gpu);
         taken.push_back(gpu);
         gpus[i].push_back(gpu);
       }
