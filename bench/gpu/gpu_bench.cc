@@ -166,17 +166,21 @@ void bench_grouped_gemm(double copy_gbs) {
     check(cudaMemset(weights.data(), 0, weights.num_bytes()), "memset");
     const int max_tiles = (T * topk + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
     using Gemm = cudaError_t (*)(const k::GroupedGemmParams&, cudaStream_t);
-    auto layer = [&](Gemm gemm, cudaStream_t stream) {
-      k::moe_permute(
-          {d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-           sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows},
-          stream);
+    // gate/up + SiLU, then down: the two grouped GEMMs (what torch._grouped_mm does).
+    auto gemms = [&](Gemm gemm, cudaStream_t stream) {
       gemm({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
             tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true},
            stream);
       gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(),
             tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false},
            stream);
+    };
+    auto layer = [&](Gemm gemm, cudaStream_t stream) {
+      k::moe_permute(
+          {d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+           sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows},
+          stream);
+      gemms(gemm, stream);
       k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(),
                         out.data_as<float>(), T, topk, H},
                        stream);
@@ -187,17 +191,7 @@ void bench_grouped_gemm(double copy_gbs) {
     const Gemm best = hopper ? k::wgmma_grouped_gemm : k::mma_grouped_gemm;
     const double ms = hopper ? time_ms([&] { layer(best, nullptr); }) : mma_ms;
     const double graph_ms = time_graph_ms([&](cudaStream_t stream) { layer(best, stream); }, 4);
-    // The two grouped GEMMs alone (what torch._grouped_mm does), in a graph.
-    const double gemms_ms = time_graph_ms(
-        [&](cudaStream_t stream) {
-          best({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
-                tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true},
-               stream);
-          best({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(),
-                tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false},
-               stream);
-        },
-        4);
+    const double gemms_ms = time_graph_ms([&](cudaStream_t stream) { gemms(best, stream); }, 4);
     check(cudaGetLastError(), "grouped gemm (wgmma)");
     const double floor_ms = weight_bytes / (copy_gbs * 1e6);
     char shape[96], extra[192];
@@ -248,32 +242,48 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
       DeviceTensor rows = alloc(DType::kF32, {pairs, H}), out = alloc(DType::kF32, {T, H});
       check(cudaMemset(weights.data(), 0, weights.num_bytes()), "memset");
       const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
-      auto experts = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows_in, int K,
-                         const int32_t* gather, const DeviceTensor& w, const DeviceTensor& block,
-                         const DeviceTensor& mx_s, void* dst, int N, bool gate_up, cudaStream_t stream) {
+      // One expert GEMM over activations already quantized into (in_q, in_s) ...
+      auto gemm = [&](const DeviceTensor& in_q, const DeviceTensor& in_s, const int32_t* gather,
+                      const DeviceTensor& w, const DeviceTensor& block, const DeviceTensor& mx_s, void* dst, int N,
+                      int K, bool gate_up, cudaStream_t stream) {
         if (mx) {
-          k::quantize_mxfp8(
-              {in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows_in, K}, stream);
           k::mxfp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather,
                                  w.data_as<uint8_t>(), mx_s.data_as<uint8_t>(), offsets.data_as<int32_t>(),
                                  tiles.data_as<int32_t>(), dst, N, K, E, max_tiles, gate_up},
                                 stream);
         } else {
-          k::quantize_fp8_groups(
-              {in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows_in, K}, stream);
           k::fp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<float>(), gather, w.data_as<uint8_t>(),
                                block.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
                                dst, N, K, E, max_tiles, gate_up},
                               stream);
         }
       };
+      // ... and the quantizer that fills them.
+      auto quantize = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows_in, int K,
+                          cudaStream_t stream) {
+        if (mx) {
+          k::quantize_mxfp8(
+              {in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows_in, K}, stream);
+        } else {
+          k::quantize_fp8_groups(
+              {in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows_in, K}, stream);
+        }
+      };
+      auto gate_up = [&](cudaStream_t stream) {
+        gemm(x_q, x_s, sorted.data_as<int32_t>(), w13, s13, mx13, act.data(), I, H, true, stream);
+      };
+      auto down = [&](cudaStream_t stream) {
+        gemm(act_q, act_s, nullptr, w2, s2, mx2, rows.data(), H, I, false, stream);
+      };
       auto layer = [&](cudaStream_t stream) {
         k::moe_permute(
             {d_ids.data_as<int32_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
              sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows},
             stream);
-        experts(x, x_q, x_s, T, H, sorted.data_as<int32_t>(), w13, s13, mx13, act.data(), I, true, stream);
-        experts(act, act_q, act_s, pairs, I, nullptr, w2, s2, mx2, rows.data(), H, false, stream);
+        quantize(x, x_q, x_s, T, H, stream);
+        gate_up(stream);
+        quantize(act, act_q, act_s, pairs, I, stream);
+        down(stream);
         k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(),
                           out.data_as<float>(), T, topk, H},
                          stream);
@@ -283,27 +293,8 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
       // The two grouped GEMMs alone (activations already quantized), in a graph.
       const double gemms_ms = time_graph_ms(
           [&](cudaStream_t stream) {
-            if (mx) {
-              k::mxfp8_grouped_gemm(
-                  {x_q.data_as<uint8_t>(), x_s.data_as<uint8_t>(), sorted.data_as<int32_t>(),
-                   w13.data_as<uint8_t>(), mx13.data_as<uint8_t>(), offsets.data_as<int32_t>(),
-                   tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true},
-                  stream);
-              k::mxfp8_grouped_gemm(
-                  {act_q.data_as<uint8_t>(), act_s.data_as<uint8_t>(), nullptr, w2.data_as<uint8_t>(),
-                   mx2.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(),
-                   H, I, E, max_tiles, false},
-                  stream);
-            } else {
-              k::fp8_grouped_gemm({x_q.data_as<uint8_t>(), x_s.data_as<float>(), sorted.data_as<int32_t>(),
-                                   w13.data_as<uint8_t>(), s13.data_as<float>(), offsets.data_as<int32_t>(),
-                                   tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true},
-                                  stream);
-              k::fp8_grouped_gemm({act_q.data_as<uint8_t>(), act_s.data_as<float>(), nullptr,
-                                   w2.data_as<uint8_t>(), s2.data_as<float>(), offsets.data_as<int32_t>(),
-                                   tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false},
-                                  stream);
-            }
+            gate_up(stream);
+            down(stream);
           },
           4);
       check(cudaGetLastError(), mx ? "mxfp8 grouped gemm" : "fp8 grouped gemm");
