@@ -1,21 +1,22 @@
 #include "apps/moeserve/serve_command.h"
-#include "apps/moeserve/device_options.h"
-
-#include <algorithm>
-#include <csignal>
-#include <cstdio>
-#include <filesystem>
-#include <fstream>
-#include <optional>
-#include <thread>
-
-#include <nlohmann/json.hpp>
 
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "core/logging.h"
+#include <algorithm>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <thread>
+
+#include "apps/moeserve/device_options.h"
 #include "comm/cpu/shm_communicator.h"
+#include "core/logging.h"
 #include "engine/engine.h"
 #include "engine/rank_group.h"
 #include "model/config.h"
@@ -24,6 +25,7 @@
 #ifdef MOE_WITH_CUDA
 #include "comm/bootstrap.h"
 #include "engine/cuda_runner.h"
+#include "model/cuda/symmetric_expert_exchange.h"
 #include "model/cuda/symmetric_layer_comm.h"
 #endif
 #include "server/http_server.h"
@@ -171,11 +173,8 @@ Status check_parallel_args(const ServeArgs& args) {
     return invalid_argument("--dp runs data-parallel decode ranks, each registering with the router as its own "
                             "decode endpoint: use `moeserve decode --dp N --ep N --router URL`");
   if (p.dp > 1 && (p.tp != 1 || p.ep != p.dp))
-    return invalid_argument("--dp {} needs --ep {} (experts split over the same ranks) and --tp 1", p.dp, p.dp);
-  if (p.world() > 1 && args.device.cuda() && (p.dp > 1 || args.role == "decode"))
-    return invalid_argument(
-        "GPU ranks run `moeserve serve|prefill --tp N --ep N --device cuda` for now; data-parallel "
-        "decode ranks (--dp) run on CPUs (docs/parallel.md)");
+    return invalid_argument("--dp {} needs --ep {} (experts split over the same ranks) and --tp 1", p.dp,
+                            p.dp);
   if (p.world() > 1 && p.dp == 1 && args.role == "decode")
     return invalid_argument("a decode instance runs data-parallel ranks: use --dp N --ep N, not --tp");
   return Status::ok();
@@ -255,25 +254,31 @@ struct GpuRanks;  // CUDA builds: the GPU ranks of a --tp/--ep instance
 // their models together (the warm-up pass runs the collectives); then they
 // agree on the KV page count (the smallest, so every page id exists on every
 // rank) and the followers run the leader's step plans.
+//
+// Data-parallel ranks (--dp, decode instances) meet the same way, but each is
+// a decode instance of its own; they open the expert exchange instead of the
+// layer collective, and their engines step together, voting over the bootstrap.
 struct GpuRanks {
   std::optional<Followers> followers;  // the leader's
   std::unique_ptr<comm::TcpBootstrap> bootstrap;
-  std::unique_ptr<model::SymmetricLayerComm> comm;
+  std::unique_ptr<model::SymmetricLayerComm> comm;          // --tp/--ep
+  std::unique_ptr<model::SymmetricExpertExchange> experts;  // --dp
   int device = 0;
   std::jthread watchdog;  // the leader's (watch_followers); declared last, so it stops first
 };
 
 // The leader's watch over its followers, every 20 ms: one that exits ends the
-// waits of the collectives in flight (SymmetricLayerComm::abort), so a step
+// waits of the collectives in flight (`abort`, the symmetric memory's), so a step
 // that needed it fails in milliseconds instead of trapping after ~10 s; the
 // steps after fail at their plan's send. Exit status 0 is a follower told to
 // stop (shutdown); anything else is logged as an error.
-void watch_followers(const std::stop_token& stop, const std::vector<pid_t>& pids, model::SymmetricLayerComm& comm) {
+void watch_followers(const std::stop_token& stop, const std::vector<pid_t>& pids,
+                     const std::function<void()>& abort) {
   while (!stop.stop_requested()) {
     for (size_t i = 0; i < pids.size(); ++i) {
       siginfo_t info{};
       if (::waitid(P_PID, pids[i], &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != pids[i]) continue;
-      comm.abort();
+      abort();
       if (info.si_code == CLD_EXITED && info.si_status == 0) {
         log_info("GPU rank {} (pid {}) exited", i + 1, pids[i]);
       } else {
@@ -289,7 +294,7 @@ void watch_followers(const std::stop_token& stop, const std::vector<pid_t>& pids
 
 constexpr int kGpuRankTimeoutMs = 600000;  // a rank loading a large checkpoint
 
-Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, int hidden) {
+Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, const model::ModelConfig& config) {
   const ParallelArgs& p = args.parallel;
   GpuRanks g;
   g.device = args.device.gpu;  // rank r's: run_serve has added r
@@ -313,11 +318,24 @@ Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, int hid
     g.followers.emplace(std::move(started));
     MOE_ASSIGN_OR_RETURN(g.bootstrap, comm::TcpBootstrap::accept(std::move(listener), p.world(), kGpuRankTimeoutMs));
   }
-  MOE_ASSIGN_OR_RETURN(g.comm, model::SymmetricLayerComm::create(*g.bootstrap, g.device, max_tokens, hidden));
-  log_info("GPU rank {} of {} on GPU {}: layer collective ready", p.internal_rank, p.world(), g.device);
+  const int hidden = static_cast<int>(config.hidden_size);
+  std::function<void()> abort;
+  if (p.dp > 1) {
+    MOE_ASSIGN_OR_RETURN(
+        g.experts, model::SymmetricExpertExchange::create(*g.bootstrap, g.device, config.num_experts,
+                                                          config.num_experts_per_tok, max_tokens, hidden));
+    log_info("GPU rank {} of {} on GPU {}: expert exchange ready ({:.1f} MB)", p.internal_rank, p.world(),
+             g.device, static_cast<double>(g.experts->allocation_bytes()) / 1e6);
+    abort = [experts = g.experts.get()] { experts->abort(); };
+  } else {
+    MOE_ASSIGN_OR_RETURN(g.comm,
+                         model::SymmetricLayerComm::create(*g.bootstrap, g.device, max_tokens, hidden));
+    log_info("GPU rank {} of {} on GPU {}: layer collective ready", p.internal_rank, p.world(), g.device);
+    abort = [comm = g.comm.get()] { comm->abort(); };
+  }
   if (g.followers) {
-    g.watchdog = std::jthread([pids = g.followers->pids(), comm = g.comm.get()](const std::stop_token& stop) {
-      watch_followers(stop, pids, *comm);
+    g.watchdog = std::jthread([pids = g.followers->pids(), abort](const std::stop_token& stop) {
+      watch_followers(stop, pids, abort);
     });
   }
   return g;
@@ -359,6 +377,20 @@ Expected<std::vector<std::unique_ptr<engine::SharedKvPool>>> share_kv_pools(
   return pools;
 }
 
+// Data-parallel GPU ranks, each model built: a follower says so and goes
+// with its leader; the leader waits for every rank.
+Status gpu_ranks_ready(GpuRanks& g, const ParallelArgs& par) {
+  if (par.follower()) {
+    MOE_RETURN_IF_ERROR(engine::signal_ready(par.internal_plan_fd));
+    stop_when_leader_exits(par.internal_plan_fd);
+    return Status::ok();
+  }
+  MOE_RETURN_IF_ERROR(engine::wait_for_followers(g.followers->fds));
+  log_info("{} data-parallel GPU ranks ready (ep {}), each a decode instance of its own", par.world(),
+           par.ep);
+  return Status::ok();
+}
+
 model::CudaModelOptions cuda_model_options(const ServeArgs& args, const engine::SchedulerOptions& sched, int device) {
   model::CudaModelOptions cuda;
   cuda.device = device;
@@ -373,6 +405,7 @@ model::CudaModelOptions cuda_model_options(const ServeArgs& args, const engine::
 }
 
 model::ParallelPlan rank_plan_of(const ParallelArgs& p) {
+  if (p.dp > 1) return {1, 0, p.ep, p.internal_rank, true, nullptr};
   return {p.tp, p.tp > 1 ? p.internal_rank : 0, p.ep, p.ep > 1 ? p.internal_rank : 0, false, nullptr};
 }
 
@@ -387,7 +420,7 @@ Status run_gpu_rank_follower(const ServeArgs& args, const ResolvedModel& resolve
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   exit_when_leader_exits(args.parallel.internal_plan_fd);
   const int max_tokens = std::max(sched.max_num_batched_tokens, sched.max_num_seqs);
-  MOE_ASSIGN_OR_RETURN(GpuRanks g, meet_gpu_ranks(args, max_tokens, static_cast<int>(config.hidden_size)));
+  MOE_ASSIGN_OR_RETURN(GpuRanks g, meet_gpu_ranks(args, max_tokens, config));
   ThreadPool pool(args.threads);
   MOE_ASSIGN_OR_RETURN(std::optional<model::ModelWeights> weights, host_weights(args, resolved, pool));
   model::CudaModelOptions cuda = cuda_model_options(args, sched, g.device);
@@ -490,11 +523,27 @@ Expected<Runner> make_runner(const ServeArgs& args, const ResolvedModel& resolve
     if (gpu != nullptr) {
       cuda.plan = rank_plan_of(args.parallel);
       cuda.comm = gpu->comm.get();  // create() meets the other ranks before its first collective
+      cuda.experts = gpu->experts.get();
     }
     cuda.dummy_expert_format = resolved.dummy_format;  // dummy weights only
     MOE_ASSIGN_OR_RETURN(auto cuda_runner, engine::CudaRunner::create(resolved.config, weights, 0, cuda));
     sched.num_pages = cuda_runner->num_pages();
-    if (gpu != nullptr) {
+    if (gpu != nullptr && gpu->experts) {  // a data-parallel rank: its own pages, stepping with its peers
+      MOE_RETURN_IF_ERROR(gpu_ranks_ready(*gpu, args.parallel));
+      cuda_runner->step_in_lockstep([bootstrap = gpu->bootstrap.get()](float ballot) -> Expected<float> {
+        const auto* bytes = reinterpret_cast<const uint8_t*>(&ballot);
+        MOE_ASSIGN_OR_RETURN(auto all, bootstrap->all_gather(std::span<const uint8_t>(bytes, sizeof ballot)));
+        float sum = 0.0f;
+        for (const auto& blob : all) {
+          if (blob.size() != sizeof(float))
+            return internal_error("a rank sent {} bytes for its vote", blob.size());
+          float theirs = 0.0f;
+          std::memcpy(&theirs, blob.data(), sizeof theirs);
+          sum += theirs;
+        }
+        return sum;
+      });
+    } else if (gpu != nullptr) {
       MOE_ASSIGN_OR_RETURN(sched.num_pages, agree_on_pages(*gpu->bootstrap, sched.num_pages));
       if (sends_rank_kv(args)) {
         MOE_ASSIGN_OR_RETURN(r.gpu_rank_kv, share_kv_pools(*gpu->bootstrap, cuda_runner->model()));
@@ -586,7 +635,7 @@ Status run_serve(ServeArgs args) {
     return run_cluster(std::move(args));
   }
   // A GPU rank's own GPU (rank r on --gpu + r, or --gpus[r]), made current by the device check below.
-  if (args.device.cuda() && args.parallel.world() > 1 && args.parallel.dp == 1) {
+  if (args.device.cuda() && args.parallel.world() > 1) {
     MOE_ASSIGN_OR_RETURN(args.device.gpu, rank_gpu(args.device, args.parallel.internal_rank, args.parallel.world()));
     if (gpus_repeat(args.device) && args.kv_cache_gb <= 0)
       return invalid_argument("GPU ranks sharing a GPU (--gpus {}) need --kv-cache-gb (each would size its KV pool "
@@ -610,7 +659,7 @@ Status run_serve(ServeArgs args) {
   }
   const model::ParallelPlan plan{par.tp, 0, par.ep, dp ? par.internal_rank : 0, dp, nullptr};
 #ifdef MOE_WITH_CUDA
-  if (gpu_ranks && par.follower()) {
+  if (gpu_ranks && par.follower() && !dp) {
     const kv::KvCacheLayout rank_layout{config.num_layers, model::rank_shard(config, rank_plan_of(par)).num_kv_heads,
                                         config.head_dim, args.page_size, 0, kv_dtype};
     MOE_ASSIGN_OR_RETURN(auto rank_sched, scheduler_options(args, config, rank_layout.page_bytes() * config.num_layers));
@@ -662,8 +711,8 @@ Status run_serve(ServeArgs args) {
   if (gpu_ranks) {
     if (spec.enabled())
       return unimplemented("speculative decoding on GPU ranks (--tp/--ep with --device cuda) is not supported yet");
-    MOE_ASSIGN_OR_RETURN(auto met, meet_gpu_ranks(args, std::max(sched.max_num_batched_tokens, sched.max_num_seqs),
-                                                  static_cast<int>(config.hidden_size)));
+    MOE_ASSIGN_OR_RETURN(
+        auto met, meet_gpu_ranks(args, std::max(sched.max_num_batched_tokens, sched.max_num_seqs), config));
     gpu_group.emplace(std::move(met));
     gpu = &*gpu_group;
   }

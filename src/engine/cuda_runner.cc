@@ -139,8 +139,12 @@ std::unique_ptr<MtpRunner> CudaRunner::mtp_runner() {
 CudaRunner::~CudaRunner() { send_stop(follower_fds_); }
 
 // The followers run every plan they get, so a step this rank would refuse
-// is refused before it is sent.
-Status CudaRunner::send_plan(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows) {
+// is refused before it is sent (or, in lockstep, before the vote).
+Status CudaRunner::begin_step(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows) {
+  if (lockstep_) {
+    MOE_RETURN_IF_ERROR(model_->check_batch(batch, hidden_rows));
+    return lockstep_->vote(true).status();
+  }
   if (follower_fds_.empty()) return Status::ok();
   if (followers_failed_) return unavailable("a rank of this instance is gone");
   MOE_RETURN_IF_ERROR(model_->check_batch(batch, hidden_rows));
@@ -149,22 +153,33 @@ Status CudaRunner::send_plan(const model::ForwardBatch& batch, std::span<const i
   return sent;
 }
 
+Status CudaRunner::idle_step() {
+  if (!lockstep_) return Status::ok();
+  MOE_ASSIGN_OR_RETURN(const bool anyone, lockstep_->vote(false));
+  if (!anyone) return Status::ok();
+  return end_step(model_->exchange_idle());
+}
+
+void CudaRunner::leave() {
+  if (lockstep_) lockstep_->leave();
+}
+
 Expected<Tensor> CudaRunner::forward(const model::ForwardBatch& batch) {
-  MOE_RETURN_IF_ERROR(send_plan(batch, {}));
-  return model_->forward(batch);
+  MOE_RETURN_IF_ERROR(begin_step(batch, {}));
+  return end_step(model_->forward(batch));
 }
 
 Expected<Tensor> CudaRunner::forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                                  Tensor& hidden) {
-  MOE_RETURN_IF_ERROR(send_plan(batch, hidden_rows));
-  return model_->forward_with_hidden(batch, hidden_rows, hidden);
+  MOE_RETURN_IF_ERROR(begin_step(batch, hidden_rows));
+  return end_step(model_->forward_with_hidden(batch, hidden_rows, hidden));
 }
 
 Expected<std::vector<int32_t>> CudaRunner::forward_greedy_with_hidden(const model::ForwardBatch& batch,
                                                                       std::span<const int32_t> hidden_rows,
                                                                       Tensor& hidden) {
-  MOE_RETURN_IF_ERROR(send_plan(batch, hidden_rows));
-  return model_->forward_greedy_with_hidden(batch, hidden_rows, hidden);
+  MOE_RETURN_IF_ERROR(begin_step(batch, hidden_rows));
+  return end_step(model_->forward_greedy_with_hidden(batch, hidden_rows, hidden));
 }
 
 Status run_cuda_follower(model::CudaQwen3MoeModel& model, int plan_fd) {
@@ -193,12 +208,12 @@ Status run_cuda_follower(model::CudaQwen3MoeModel& model, int plan_fd) {
 
 Expected<std::vector<int32_t>> CudaRunner::forward_and_sample(const model::ForwardBatch& batch,
                                                               std::span<const RowSampling> rows) {
-  MOE_RETURN_IF_ERROR(send_plan(batch, {}));
+  MOE_RETURN_IF_ERROR(begin_step(batch, {}));
   std::vector<ops::cuda::SampleRow> device_rows;
   device_rows.reserve(rows.size());
   for (const RowSampling& r : rows)
     device_rows.push_back({r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p, r.seed, r.step});
-  return model_->forward_sample(batch, device_rows);
+  return end_step(model_->forward_sample(batch, device_rows));
 }
 
 }  // namespace moe::engine

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "engine/model_runner.h"
+#include "engine/rank_group.h"
 #include "engine/speculative.h"
 #include "kv/kv_cache.h"
 #include "model/cuda/cuda_model.h"
@@ -63,15 +64,34 @@ class CudaRunner final : public ModelRunner {
   // told to stop on destruction), which run it on their shares of the model
   // (run_cuda_follower); their collectives meet this rank's inside the layers.
   void lead(std::vector<int> follower_fds) { follower_fds_ = std::move(follower_fds); }
+  // A data-parallel GPU rank (decode instances, --dp; the model made with an
+  // expert exchange): its own engine and requests, stepping together with its
+  // peers (engine/rank_group.h LockstepVote): every step opens with a vote,
+  // and an idle rank whose peers have work runs its experts for them
+  // (CudaQwen3MoeModel::exchange_idle).
+  void step_in_lockstep(std::function<Expected<float>(float)> sum_over_ranks) {
+    lockstep_.emplace(std::move(sum_over_ranks));
+  }
+  bool steps_in_lockstep() const override { return lockstep_.has_value(); }
+  Status idle_step() override;
+  void leave() override;
   const model::CudaQwen3MoeModel& model() const { return *model_; }
 
  private:
   explicit CudaRunner(std::unique_ptr<model::CudaQwen3MoeModel> model);
-  Status send_plan(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows);
+  // Before each forward: the followers' plan (--tp/--ep) or the vote (--dp).
+  Status begin_step(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows);
+  // After it: a failed step of a lockstep rank fails its later votes.
+  template <typename T>
+  T end_step(T result) {
+    if (lockstep_ && !result) lockstep_->fail();
+    return result;
+  }
   std::unique_ptr<model::CudaQwen3MoeModel> model_;
   std::optional<kv::KvCache> cache_;
   std::vector<int> follower_fds_;
   bool followers_failed_ = false;  // a follower is gone: every later step fails too
+  std::optional<LockstepVote> lockstep_;
 };
 
 // A follower GPU rank: runs the leader's step plans on `model` (its share)

@@ -180,52 +180,61 @@ Expected<Tensor> LeaderRunner::run(const model::ForwardBatch& batch, std::span<c
   return logits;
 }
 
-LockstepRunner::LockstepRunner(const model::Qwen3MoeModel& model, ThreadPool& pool, const kv::KvCacheLayout& layout)
-    : model_(model), pool_(pool), cache_(layout) {
-  CHECK(model.plan().dp_attention && model.plan().comm != nullptr, "a lockstep runner needs a data-parallel plan");
-  for (int l = 0; l < layout.num_layers; ++l) layers_.push_back(cache_.layer(l));
-}
-
 namespace {
 constexpr float kLeaveBallot = -1e6f;  // outweighs any number of "have a batch" (1) ballots
 }  // namespace
 
-Expected<bool> LockstepRunner::vote(float ballot) {
+Expected<bool> LockstepVote::vote(bool have_batch) {
   if (failed_) return unavailable("a rank of this instance failed or left");
-  float votes = ballot;
-  if (Status s = model_.plan().comm->all_reduce_sum({&votes, 1}); !s) {
+  Expected<float> votes = sum_(have_batch ? 1.0f : 0.0f);
+  if (!votes) {
     failed_ = true;
-    return s;
+    return votes.status();
   }
-  if (votes < 0) {
+  if (*votes < 0) {
     failed_ = true;
     return unavailable("a data-parallel peer rank stopped: this rank cannot run its experts alone");
   }
-  return votes > 0.5f;
+  return *votes > 0.5f;
+}
+
+void LockstepVote::leave() {
+  if (failed_) return;
+  (void)sum_(kLeaveBallot);
+  failed_ = true;
+}
+
+LockstepRunner::LockstepRunner(const model::Qwen3MoeModel& model, ThreadPool& pool,
+                               const kv::KvCacheLayout& layout)
+    : model_(model), pool_(pool), cache_(layout), vote_([&model](float ballot) -> Expected<float> {
+        float votes = ballot;
+        MOE_RETURN_IF_ERROR(model.plan().comm->all_reduce_sum({&votes, 1}));
+        return votes;
+      }) {
+  CHECK(model.plan().dp_attention && model.plan().comm != nullptr,
+        "a lockstep runner needs a data-parallel plan");
+  for (int l = 0; l < layout.num_layers; ++l) layers_.push_back(cache_.layer(l));
 }
 
 void LockstepRunner::leave() {
-  if (failed_) return;
-  (void)vote(kLeaveBallot);
-  failed_ = true;
+  vote_.leave();
 }
 
 Expected<Tensor> LockstepRunner::run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                      Tensor* hidden) {
-  MOE_ASSIGN_OR_RETURN(bool anyone, vote(1.0f));
-  (void)anyone;
+  MOE_RETURN_IF_ERROR(vote_.vote(true).status());
   auto logits = model_.try_forward(pool_, batch, layers_, {}, hidden_rows, hidden);
-  if (!logits) failed_ = true;
+  if (!logits) vote_.fail();
   return logits;
 }
 
 Status LockstepRunner::idle_step() {
-  MOE_ASSIGN_OR_RETURN(bool anyone, vote(0.0f));
+  MOE_ASSIGN_OR_RETURN(bool anyone, vote_.vote(false));
   if (!anyone) return Status::ok();
   const model::ForwardBatch empty{{}, {}, {0}, {}, 0, {}};
   ++num_idle_forwards_;
   auto logits = model_.try_forward(pool_, empty, layers_);
-  if (!logits) failed_ = true;
+  if (!logits) vote_.fail();
   return logits.status();
 }
 

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -91,15 +92,34 @@ class LeaderRunner final : public RankRunner {
   bool failed_ = false;  // a follower is gone: every later step fails too
 };
 
+// The vote that opens every step of data-parallel attention ranks
+// (LockstepRunner below, CudaRunner on GPU ranks): `sum` adds this rank's
+// ballot to its peers' (every rank calls it the same number of times). A
+// rank with a batch votes 1 and runs it; an idle one votes 0 and, when any
+// peer voted 1, runs its share of the step with no tokens; a rank that stops
+// votes "leave", after which every peer's vote fails. Any error fails every
+// later vote: an instance with a rank missing cannot run its experts.
+class LockstepVote {
+ public:
+  explicit LockstepVote(std::function<Expected<float>(float)> sum) : sum_(std::move(sum)) {}
+  // Whether any rank has a batch (this one when have_batch).
+  Expected<bool> vote(bool have_batch);
+  void leave();
+  // This rank's step failed after its vote: the peers will fail in their collectives.
+  void fail() { failed_ = true; }
+
+ private:
+  std::function<Expected<float>(float)> sum_;
+  bool failed_ = false;
+};
+
 // A data-parallel attention rank (decode instances, model plan dp_attention):
 // its own engine, requests and KV cache, with the MoE layers exchanging
 // tokens with its peers, so every rank must run every step. Each step opens
-// with a vote (an all-reduce of "I have a batch"): a rank with a batch votes
-// 1 and runs it; an idle rank (idle_step) votes 0 and, when any peer voted 1,
-// runs an empty batch through the same collectives. When every rank is idle
-// nobody runs anything; the engines vote again within a millisecond. A rank
-// that stops votes "leave", and its peers fail at once (an instance with a
-// rank missing cannot run its experts).
+// with a LockstepVote (an all-reduce of the ballots): an idle rank
+// (idle_step) runs an empty batch through the same collectives when a peer
+// has a batch. When every rank is idle nobody runs anything; the engines vote
+// again within a millisecond.
 class LockstepRunner final : public RankRunner {
  public:
   LockstepRunner(const model::Qwen3MoeModel& model, ThreadPool& pool, const kv::KvCacheLayout& layout);
@@ -111,7 +131,6 @@ class LockstepRunner final : public RankRunner {
   int64_t num_idle_forwards() const { return num_idle_forwards_; }
 
  private:
-  Expected<bool> vote(float ballot);
   Expected<Tensor> run(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                        Tensor* hidden) override;
 
@@ -119,7 +138,7 @@ class LockstepRunner final : public RankRunner {
   ThreadPool& pool_;
   kv::KvCache cache_;
   std::vector<ops::PagedKv> layers_;
-  bool failed_ = false;
+  LockstepVote vote_;
   int64_t num_idle_forwards_ = 0;
 };
 

@@ -181,7 +181,17 @@ std::vector<int32_t> experts_of(const Routing& s, int rank, int t) {
 // Exact in bf16: element 0 tags the rank, element 1 the token.
 float x_of(int rank, int t, int i) { return i == 0 ? static_cast<float>(rank) : i == 1 ? static_cast<float>(t) : static_cast<float>(i % 13 - 6); }
 
-void round_trip(const SymmetricView& view, const Routing& s, int parity) {
+// The "expert" of the test: global expert eg scales the row; with f32 rows
+// (combine taking the grouped GEMM's f32 output) a part below bf16's
+// resolution is added, which combine must round away as it sends the row.
+float expert_out(float x, int eg, int i, bool f32_rows) {
+  return x * static_cast<float>(eg + 1) +
+         (f32_rows ? 0.0009765625f * static_cast<float>(i % 7 + 1) / 3.0f : 0.0f);
+}
+
+// f32_rows: the outputs go back from f32 rows in received_groups' order
+// (checked too) instead of bf16 rows at the received places.
+void round_trip(const SymmetricView& view, const Routing& s, int parity, bool f32_rows = false) {
   const int me = view.rank, n = s.tokens[me], epr = s.num_experts / view.world;
   const ExpertLayout layout{view.world, epr, s.max_tokens, s.k, s.hidden};
   std::vector<uint16_t> x(static_cast<size_t>(n) * s.hidden);
@@ -219,23 +229,63 @@ void round_trip(const SymmetricView& view, const Routing& s, int parity) {
       for (int i = 0; i < s.hidden; ++i) {
         const float v = bf16_to_float(rows[row * s.hidden + i]);
         ASSERT_EQ(v, x_of(m.x, m.y, i)) << "row from rank " << m.x << " token " << m.y;
-        y[row * s.hidden + i] = float_to_bf16(v * static_cast<float>(me * epr + e + 1));  // the "expert"
+        y[row * s.hidden + i] = float_to_bf16(expert_out(v, me * epr + e, i, false));
       }
     }
   std::sort(expected.begin(), expected.end());
   std::sort(arrived.begin(), arrived.end());
   ASSERT_EQ(arrived, expected) << "rank " << me;
 
-  uint16_t* d_y = device_copy(y);
   float* d_out = device_copy(std::vector<float>(std::max<size_t>(1, static_cast<size_t>(n) * s.hidden)));
-  ASSERT_EQ(combine({view, layout, reinterpret_cast<const bf16*>(d_y), d_w, d_out, n}, nullptr), cudaSuccess);
+  void* d_y = nullptr;
+  if (!f32_rows) {
+    d_y = device_copy(y);
+    ASSERT_EQ(combine({view, layout, static_cast<const bf16*>(d_y), d_w, d_out, n}, nullptr), cudaSuccess);
+  } else {
+    // The received rows as grouped-GEMM groups: offsets are the counts' prefix
+    // sums, tiles of 4 rows, and GEMM row offsets[e] + pos reads (e, pos).
+    constexpr int kTile = 4;
+    const int64_t max_rows = max_received_rows(layout);
+    auto* d_groups = device_copy(std::vector<int32_t>(static_cast<size_t>(2 * (epr + 1) + max_rows), -1));
+    ASSERT_EQ(received_groups({view, layout, d_groups, d_groups + epr + 1, d_groups + 2 * (epr + 1), kTile},
+                              nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto groups = host_copy<int32_t>(d_groups, static_cast<size_t>(2 * (epr + 1) + max_rows));
+    const int32_t* offsets = groups.data();
+    const int32_t* tiles = offsets + epr + 1;
+    const int32_t* gather = tiles + epr + 1;
+    ASSERT_EQ(offsets[0], 0);
+    ASSERT_EQ(tiles[0], 0);
+    for (int e = 0; e < epr; ++e) {
+      ASSERT_EQ(offsets[e + 1], offsets[e] + counts[e]) << "expert " << e;
+      ASSERT_EQ(tiles[e + 1], tiles[e] + (counts[e] + kTile - 1) / kTile) << "expert " << e;
+      for (int pos = 0; pos < counts[e]; ++pos)
+        ASSERT_EQ(gather[offsets[e] + pos], e * layout.capacity() + pos);
+    }
+    std::vector<float> y_rows(std::max<size_t>(1, static_cast<size_t>(offsets[epr]) * s.hidden));
+    for (int e = 0; e < epr; ++e)
+      for (int pos = 0; pos < counts[e]; ++pos) {
+        const int4 m = meta[static_cast<int64_t>(e) * layout.capacity() + pos];
+        for (int i = 0; i < s.hidden; ++i)
+          y_rows[static_cast<size_t>(offsets[e] + pos) * s.hidden + i] =
+              expert_out(x_of(m.x, m.y, i), me * epr + e, i, true);
+      }
+    d_y = device_copy(y_rows);
+    CombineParams p{view, layout, nullptr, d_w, d_out, n};
+    p.y_rows = static_cast<const float*>(d_y), p.y_offsets = d_groups;
+    ASSERT_EQ(combine(p, nullptr), cudaSuccess);
+    cudaFree(d_groups);
+  }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto out = host_copy<float>(d_out, static_cast<size_t>(n) * s.hidden);
   for (int t = 0; t < n; ++t) {
     const auto e = experts_of(s, me, t);
     for (int i = 0; i < s.hidden; ++i) {
       float ref = 0.0f;
-      for (int j = 0; j < s.k; ++j) ref += weights[t * s.k + j] * bf16_to_float(float_to_bf16(x_of(me, t, i) * static_cast<float>(e[j] + 1)));
+      for (int j = 0; j < s.k; ++j)
+        ref += weights[t * s.k + j] *
+               bf16_to_float(float_to_bf16(expert_out(x_of(me, t, i), e[j], i, f32_rows)));
       ASSERT_NEAR(out[static_cast<size_t>(t) * s.hidden + i], ref, 1e-5f * std::abs(ref)) << "token " << t << " element " << i;
     }
   }
@@ -255,6 +305,10 @@ TEST(CommCuda, DispatchThenCombineEqualsReference) {
     round_trip(mem->view(), s, 0);
     s.tokens = {7, 16};
     round_trip(mem->view(), s, 1);  // second dispatch: the other counter parity
+    s.tokens = {16, 5};
+    round_trip(mem->view(), s, 0, true);  // outputs from the grouped GEMM's f32 rows
+    s.tokens = {0, 9};
+    round_trip(mem->view(), s, 1, true);
   });
   EXPECT_EQ(e, "");
 }

@@ -17,6 +17,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -85,6 +86,17 @@ def metric(text, name):
     return sum(values) if values else None
 
 
+def decode_instances(router):
+    """The decode endpoints registered with the router (its instance gauges)."""
+    urls = []
+    for line in get(f"{router}/metrics").splitlines():
+        found = re.match(r'moeserve:router_instance_healthy\{.*role="decode",instance="([^"]+)"', line)
+        if found:
+            url = found.group(1)
+            urls.append(url if url.startswith("http") else f"http://{url}")
+    return urls
+
+
 def serve(args):
     name = os.path.basename(os.path.normpath(args.model))
     prompts = golden_prompts(args.model)
@@ -120,19 +132,27 @@ def serve(args):
         check_golden(f"concurrent (copy {slot // len(prompts)})", i, got)
     num_golden = sum(p["robust"] for p in prompts)
     # Where the KV was and how it moved.
-    prefill_metrics, decode_metrics = get(f"{args.prefill}/metrics"), get(f"{args.decode}/metrics")
+    # Decode endpoints: the one given, or (data-parallel ranks) every one the router knows.
+    decode_urls = decode_instances(args.router) if args.decode == "router" else [args.decode]
+    prefill_metrics = get(f"{args.prefill}/metrics")
+    decode_all = [get(f"{url}/metrics") for url in decode_urls]
     with open(args.metrics, "a") as f:
-        f.write(f"=== {name}: prefill {args.prefill}\n{prefill_metrics}\n=== {name}: decode {args.decode}\n"
-                f"{decode_metrics}\n")
+        f.write(f"=== {name}: prefill {args.prefill}\n{prefill_metrics}\n")
+        for url, text in zip(decode_urls, decode_all):
+            f.write(f"=== {name}: decode {url}\n{text}\n")
     wanted = 'memory="device",transport="cuda_ipc"'
     seen = {}
-    for role, text in (("prefill", prefill_metrics), ("decode", decode_metrics)):
+    for role, text in [("prefill", prefill_metrics)] + [(f"decode {u}", t) for u, t in zip(decode_urls, decode_all)]:
         info = [line for line in text.splitlines() if line.startswith("moeserve:disagg_kv_transport_info{")]
         seen[role] = info[0].split("{", 1)[1].split("}", 1)[0] if info else "none"
         if wanted not in seen[role]:
             failures.append(f"{role}: KV transport info {{{seen[role]}}}, expected {wanted}")
     kv_bytes = metric(prefill_metrics, "moeserve:disagg_kv_bytes_sent_total") or 0
-    activated = metric(decode_metrics, "moeserve:disagg_activated_total") or 0
+    per_rank = [metric(text, "moeserve:disagg_activated_total") or 0 for text in decode_all]
+    activated = sum(per_rank)
+    if len(decode_urls) > 1:
+        results["activated_per_decode_rank"] = per_rank
+    decode_metrics = decode_all[0]
     hits = metric(prefill_metrics, "moeserve:prefix_cache_hits_total")
     if kv_bytes <= 0:
         failures.append("prefill: moeserve:disagg_kv_bytes_sent_total is 0")
@@ -178,7 +198,7 @@ def main():
     s = sub.add_parser("serve")
     s.add_argument("--router", required=True)
     s.add_argument("--prefill", required=True)
-    s.add_argument("--decode", required=True)
+    s.add_argument("--decode", required=True, help="a decode instance's URL, or 'router': every one registered there")
     s.add_argument("--model", required=True)
     s.add_argument("--reference", required=True)
     s.add_argument("--out", required=True)

@@ -17,6 +17,10 @@
 #     --gpus 0,D`, not with NO_TP=1): heads split over GPU ranks, the leader
 #     sends both ranks' KV (moe_dense_layer's one kv head is replicated: only
 #     its writer rank's pages go); the same greedy tokens;
+#   - every model again with a decode instance of two data-parallel GPU ranks
+#     (`decode --dp 2 --ep 2 --gpus 0,D`, not with NO_DP=1): each rank its own
+#     endpoint at the router, tokens crossing to their experts' rank and
+#     back; the same greedy tokens;
 # and first runs disagg_cuda_test (the same path in one process, no HTTP).
 # Binaries come from
 #   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOE_STATIC_RUNTIME=ON
@@ -128,6 +132,51 @@ check_disagg() {
   done
 }
 
+# A decode instance of two data-parallel GPU ranks (`decode --dp 2 --ep 2
+# --gpus 0,D`): each rank a decode endpoint of its own that registers with
+# the router (started first, as the instances announce themselves), their MoE
+# layers exchanging tokens over NVLink peer memory; the prefill instance on
+# GPU 0. disagg_check.py finds the decode ranks through the router.
+check_disagg_dp() {
+  local model=$1 name
+  name=$(basename "$model")
+  say "=== $name (decode --dp 2 --ep 2): router :$ROUTER_PORT, prefill --gpu 0 :$PREFILL_PORT," \
+    "decode --dp 2 --ep 2 --gpus 0,$DECODE_GPU :$DECODE_PORT"
+  local common=(--model "$model" --device cuda --kv-cache-gb 4 --host 127.0.0.1 --router "http://127.0.0.1:$ROUTER_PORT")
+  echo "=== $name (dp)" | tee -a "$OUT/prefill.log" "$OUT/decode.log" "$OUT/router.log" > /dev/null
+  "$BIN/moeserve" router --model "$model" --port $ROUTER_PORT >> "$OUT/router.log" 2>&1 &
+  local router=$!
+  "$BIN/moeserve" prefill "${common[@]}" --gpu 0 --port $PREFILL_PORT >> "$OUT/prefill.log" 2>&1 &
+  local prefill=$!
+  "$BIN/moeserve" decode "${common[@]}" --dp 2 --ep 2 --gpus "0,$DECODE_GPU" --port $DECODE_PORT \
+    >> "$OUT/decode.log" 2>&1 &
+  local decode=$!
+  local registered=0
+  for _ in $(seq 1 600); do
+    registered=$(curl -sf "http://127.0.0.1:$ROUTER_PORT/metrics" | grep -c '^moeserve:router_instance_healthy.* 1$')
+    [[ $registered -ge 3 ]] && break
+    kill -0 $decode 2>/dev/null && kill -0 $prefill 2>/dev/null || break
+    sleep 0.2
+  done
+  if [[ $registered -lt 3 ]]; then
+    say "  FAILED: $registered of 3 instances (prefill, two decode ranks) healthy at the router (decode.log)"
+    tail -8 "$OUT/prefill.log" "$OUT/decode.log" | tee -a "$OUT/summary.txt"
+    stop $decode $prefill $router
+    status=1
+    return
+  fi
+  python3 tools/gpu/disagg_check.py serve --router "http://127.0.0.1:$ROUTER_PORT" \
+    --prefill "http://127.0.0.1:$PREFILL_PORT" --decode router --model "$model" \
+    --reference "$work/reference_$name.json" --out "$OUT/results.jsonl" --metrics "$OUT/metrics.txt" \
+    | tee -a "$OUT/summary.txt"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  stop $decode
+  stop $prefill $router
+  awk -v header="=== $name (dp)" '$0 == header {on = 1; next} /^=== / {on = 0} on' "$OUT/decode.log" \
+    | grep -E "expert exchange ready|data-parallel GPU ranks ready|CUDA model on device" | sed 's/^/  /' \
+    | tee -a "$OUT/summary.txt"
+}
+
 PREFILL_PLACEMENT=(--gpu 0)  # the prefill instance's GPU(s); the TP check below gives it two ranks
 for model in $MODELS; do
   name=$(basename "$model")
@@ -151,6 +200,7 @@ for model in $MODELS; do
         --speculative-model "$mtp"
     done
   fi
+  [[ -z ${NO_DP:-} ]] && check_disagg_dp "$model"
   # A prefill instance of two GPU ranks (heads split): the leader sends every rank's KV.
   if [[ -z ${NO_TP:-} ]]; then
     PREFILL_PLACEMENT=(--tp 2 --gpus "0,$DECODE_GPU")

@@ -6,6 +6,8 @@
 # (short prompts, DECODE_LEN output tokens at CONCURRENCY requests in flight).
 # Prints one table; results JSON and logs in $OUT. Binaries carried as
 # tools/gpu/check.sh says. On x4/x8 machines: WORLD=4 LAYOUTS="--tp 4 --ep 4".
+# DECODE_ONLY=1: decode instances instead (one GPU against --dp WORLD --ep
+# WORLD, behind the router with a prefill instance on GPU 0).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -50,6 +52,60 @@ print(f"| {name} | {get(prefill, 'input_throughput'):.0f} | {get(prefill, 'mean_
       f"{get(decode, 'output_throughput'):.0f} | {get(decode, 'mean_tpot_ms'):.2f} |")
 PY
 }
+
+# A decode instance behind the router (prefill instance on GPU 0, registering
+# with a router started first): one GPU (GPU 1) against data-parallel ranks
+# (--dp WORLD --ep WORLD over GPUs 0..WORLD-1, experts split, each rank its own
+# endpoint), loaded with short prompts so decode dominates. Prints one table row.
+run_decode_case() {  # name, concurrency, decode flags...
+  local name=$1 concurrency=$2; shift 2
+  local common=(--device cuda --model "$CONFIG" --load-format dummy --num-layers "$LAYERS" --max-num-seqs 256
+                --max-num-batched-tokens 4096 --max-model-len "$MAX_MODEL_LEN" --host 127.0.0.1
+                --router http://127.0.0.1:18580)
+  "$BIN/moeserve" router --model "$CONFIG" --port 18580 > "$OUT/$name.router.log" 2>&1 &
+  local router=$!
+  "$BIN/moeserve" prefill "${common[@]}" --gpu 0 --gpu-memory-utilization 0.45 --port 18581 \
+    > "$OUT/$name.prefill.log" 2>&1 &
+  local prefill=$!
+  "$BIN/moeserve" decode "${common[@]}" --gpu-memory-utilization 0.45 --port 18582 "$@" > "$OUT/$name.log" 2>&1 &
+  local decode=$!
+  local want=$(( $# > 2 ? WORLD + 1 : 2 )) healthy=0
+  for _ in $(seq 1 1500); do
+    healthy=$(curl -sf localhost:18580/metrics | grep -c '^moeserve:router_instance_healthy.* 1$')
+    [[ $healthy -ge $want ]] && break
+    kill -0 $decode 2>/dev/null && kill -0 $prefill 2>/dev/null || break
+    sleep 0.2
+  done
+  if [[ $healthy -lt $want ]]; then
+    echo "$name: did not start ($healthy of $want instances healthy)"; tail -5 "$OUT/$name.log"
+  else
+    "$BIN/moeserve" bench serve --url http://127.0.0.1:18580 --random-input-len 128 --random-output-len "$DECODE_LEN" \
+      --num-prompts $((concurrency * 2)) --max-concurrency "$concurrency" --random-vocab-hi 150000 \
+      --save-result "$OUT/$name.decode.json" > /dev/null 2>&1
+    python3 - "$name" "$concurrency" "$OUT/$name.decode.json" <<'PY'
+import json, sys
+name, concurrency, path = sys.argv[1:4]
+try:
+    r = json.load(open(path))
+    print(f"| {name} | {concurrency} | {r['output_throughput']:.0f} | {r['mean_tpot_ms']:.2f} | {r['completed']} |")
+except Exception as e:
+    print(f"| {name} | {concurrency} | failed: {e} | | |")
+PY
+  fi
+  kill -INT $decode $prefill 2>/dev/null; wait $decode $prefill 2>/dev/null
+  kill -INT $router 2>/dev/null; wait $router 2>/dev/null
+}
+
+if [[ -n ${DECODE_ONLY:-} ]]; then
+  echo "decode instances, dummy Qwen3-235B-A22B, $LAYERS layers, bf16; 128-token prompts, $DECODE_LEN output tokens"
+  echo "| decode instance | concurrency | output tok/s | mean TPOT ms | completed |"
+  echo "|---|---|---|---|---|"
+  for c in $CONCURRENCY $((CONCURRENCY * WORLD)); do
+    run_decode_case "decode_one_gpu_c$c" "$c" --gpu 1
+    run_decode_case "decode_dp${WORLD}_c$c" "$c" --dp "$WORLD" --ep "$WORLD" --gpus "$(seq -s, 0 $((WORLD - 1)))"
+  done
+  exit 0
+fi
 
 echo "dummy Qwen3-235B-A22B, $LAYERS layers (bf16 unless a layout says --quantization); prefill $PREFILL_LEN-token prompts; decode at $CONCURRENCY in flight"
 echo "| instance | prefill input tok/s | mean TTFT ms | decode output tok/s | mean TPOT ms |"

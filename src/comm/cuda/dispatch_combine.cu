@@ -21,6 +21,13 @@
 // tokens, ascending slot, weighted, in f32 into out. Floor as dispatch (the
 // same bytes go back) plus the local k-way sum; target <= 25 us at 128 tokens.
 //
+// With the expert outputs as the grouped GEMM writes them (f32, in the order
+// received_groups gives the received rows), combine rounds each row to bf16
+// as it sends it, so no pass over them comes between the GEMM and combine.
+//
+// received_groups: one block turns the last dispatch's per-expert counts into
+// the grouped GEMM's offsets, tile offsets and gather index (no host sync).
+//
 // A rank with zero tokens still launches both kernels and takes part in the
 // barriers. Both kernels always run kExpertBlocks blocks. Expert ids must be
 // distinct within a token (a top-k), else the receive capacity may overflow,
@@ -119,8 +126,18 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(CombineParams p) {
       const int64_t row = static_cast<int64_t>(e) * l.capacity() + pos;
       const int4 m = meta[row];  // (source rank, token, slot)
       uint4* to = combine_row(v, l, m.x, static_cast<int64_t>(m.y) * l.k + m.z);
-      const uint4* from = reinterpret_cast<const uint4*>(p.y + row * l.hidden);
-      for (int c = lane; c < vectors; c += 32) to[c] = from[c];
+      if (p.y != nullptr) {
+        const uint4* from = reinterpret_cast<const uint4*>(p.y + row * l.hidden);
+        for (int c = lane; c < vectors; c += 32) to[c] = from[c];
+      } else {  // f32 rows in the grouped GEMM's order, 8 per 16-byte store
+        const float4* from =
+            reinterpret_cast<const float4*>(p.y_rows + (p.y_offsets[e] + int64_t{pos}) * l.hidden);
+        for (int c = lane; c < vectors; c += 32) {
+          const float4 a = from[2 * c], b = from[2 * c + 1];
+          to[c] =
+              make_uint4(pack_pair(a.x, a.y), pack_pair(a.z, a.w), pack_pair(b.x, b.y), pack_pair(b.z, b.w));
+        }
+      }
     }
   }
   signal_all(v, kSetCombine, seq);
@@ -155,6 +172,41 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(CombineParams p) {
   finish_launch(v, kSetCombine, launch, seq);
 }
 
+// One block: the counts of the last dispatch, scanned (kThreads >= experts is
+// not assumed: each thread scans a run of experts, then the runs' totals).
+__global__ void __launch_bounds__(kThreads) received_groups_kernel(ReceivedGroupsParams p) {
+  const SymmetricView& v = p.sym;
+  const ExpertLayout& l = p.layout;
+  const int parity = (launch_index(v, kSetDispatch) - 1) & 1, E = l.experts_per_rank;
+  const int32_t* counts = counts_of(v, l, v.rank, parity);
+  __shared__ int32_t rows[kThreads + 1], tiles[kThreads + 1];
+  const int per_thread = (E + kThreads - 1) / kThreads, first = threadIdx.x * per_thread;
+  int32_t my_rows = 0, my_tiles = 0;
+  for (int e = first; e < first + per_thread && e < E; ++e) {
+    my_rows += counts[e];
+    my_tiles += (counts[e] + p.tile_rows - 1) / p.tile_rows;
+  }
+  rows[threadIdx.x + 1] = my_rows, tiles[threadIdx.x + 1] = my_tiles;
+  if (threadIdx.x == 0) rows[0] = tiles[0] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int i = 1; i <= kThreads; ++i) rows[i] += rows[i - 1], tiles[i] += tiles[i - 1];
+  __syncthreads();
+  int32_t row = rows[threadIdx.x], tile = tiles[threadIdx.x];
+  for (int e = first; e < first + per_thread && e < E; ++e) {
+    p.expert_offsets[e] = row, p.tile_offsets[e] = tile;
+    row += counts[e];
+    tile += (counts[e] + p.tile_rows - 1) / p.tile_rows;
+  }
+  if (threadIdx.x == 0) p.expert_offsets[E] = rows[kThreads], p.tile_offsets[E] = tiles[kThreads];
+  __syncthreads();  // the offsets are read back below by other threads
+  for (int e = 0; e < E; ++e) {
+    const int32_t start = p.expert_offsets[e];
+    for (int i = threadIdx.x; i < counts[e]; i += kThreads)
+      p.gather[start + i] = static_cast<int32_t>(e * l.capacity() + i);
+  }
+}
+
 bool valid(const SymmetricView& v, const ExpertLayout& l, int num_tokens) {
   return v.world >= 1 && v.world <= kMaxRanks && l.world == v.world && l.experts_per_rank > 0 && l.k > 0 &&
          l.hidden > 0 && l.hidden % 8 == 0 && num_tokens >= 0 && num_tokens <= l.max_tokens &&
@@ -171,10 +223,21 @@ cudaError_t dispatch(const DispatchParams& p, cudaStream_t stream) {
 }
 
 cudaError_t combine(const CombineParams& p, cudaStream_t stream) {
-  if (!valid(p.sym, p.layout, p.num_tokens)) return cudaErrorInvalidValue;
-  if ((reinterpret_cast<uintptr_t>(p.y) | reinterpret_cast<uintptr_t>(p.out)) % 16 != 0)
+  if (!valid(p.sym, p.layout, p.num_tokens) ||
+      (p.y == nullptr && (p.y_rows == nullptr || p.y_offsets == nullptr)))
+    return cudaErrorInvalidValue;
+  if ((reinterpret_cast<uintptr_t>(p.y) | reinterpret_cast<uintptr_t>(p.y_rows) |
+       reinterpret_cast<uintptr_t>(p.out)) %
+          16 !=
+      0)
     return cudaErrorMisalignedAddress;
   combine_kernel<<<kExpertBlocks, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t received_groups(const ReceivedGroupsParams& p, cudaStream_t stream) {
+  if (!valid(p.sym, p.layout, 0) || p.tile_rows < 1) return cudaErrorInvalidValue;
+  received_groups_kernel<<<1, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

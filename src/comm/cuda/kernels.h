@@ -154,15 +154,45 @@ struct DispatchParams {
 };
 cudaError_t dispatch(const DispatchParams& p, cudaStream_t stream);
 
+// The rows this rank received in its last dispatch as the contiguous groups
+// of a grouped GEMM (ops/cuda/kernels.h GroupedGemmParams): local expert e's
+// rows are GEMM rows [expert_offsets[e], expert_offsets[e + 1]), GEMM row i
+// reading received row gather[i] (of the recv area, received_rows() below),
+// and tile_offsets counts tiles of tile_rows rows. One block; the counts stay
+// on the device, so a CUDA graph can hold it.
+struct ReceivedGroupsParams {
+  SymmetricView sym;  // the ExpertLayout allocation
+  ExpertLayout layout;
+  int32_t* expert_offsets;  // [experts_per_rank + 1]
+  int32_t* tile_offsets;    // [experts_per_rank + 1]
+  int32_t* gather;          // [max_received_rows(layout)]
+  int tile_rows;
+};
+cudaError_t received_groups(const ReceivedGroupsParams& p, cudaStream_t stream);
+// Every rank's tokens times k: a bound on the rows a rank receives.
+inline int64_t max_received_rows(const ExpertLayout& l) {
+  return l.capacity() * l.k;
+}
+// This rank's recv area: bf16 [experts_per_rank * capacity, hidden].
+inline const bf16* received_rows(const SymmetricView& v, const ExpertLayout& l) {
+  return reinterpret_cast<const bf16*>(v.base[v.rank] + l.recv_offset());
+}
+
 // Sends each received row's expert output back to its (rank, token, slot) and
 // sums them there: out[t] = sum over slots j ascending of weights[t, j] * y(t, j).
+// The outputs are either y, bf16 at the received rows' places, or y_rows, f32
+// in the order of received_groups (row y_offsets[e] + i for the i-th row of
+// local expert e: what the grouped GEMM over those groups writes), rounded to
+// bf16 on the way.
 struct CombineParams {
   SymmetricView sym;
   ExpertLayout layout;
-  const bf16* y;         // [experts_per_rank, capacity, hidden] outputs of the received rows
+  const bf16* y;         // [experts_per_rank, capacity, hidden] outputs of the received rows, or null
   const float* weights;  // [num_tokens, k] of this rank's dispatch
   float* out;            // [num_tokens, hidden]
   int num_tokens;        // as in this rank's dispatch
+  const float* y_rows = nullptr;       // with y null: [received rows, hidden]
+  const int32_t* y_offsets = nullptr;  // with y_rows: received_groups' expert_offsets
 };
 cudaError_t combine(const CombineParams& p, cudaStream_t stream);
 

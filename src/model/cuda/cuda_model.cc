@@ -158,8 +158,16 @@ Status check_cuda_parallel(const ModelConfig& full, const ModelWeights* weights,
   const ParallelPlan& plan = options.plan;
   if (plan.single()) return Status::ok();
   MOE_RETURN_IF_ERROR(weights ? check_parallel_plan(full, *weights, plan) : check_parallel_layout(full, plan));
-  if (plan.dp_attention) return unimplemented("data-parallel attention ranks on the GPU are not implemented yet");
-  if (options.mtp != nullptr) return unimplemented("an MTP layer on GPU ranks (--tp/--ep) is not supported yet");
+  if (options.mtp != nullptr)
+    return unimplemented("an MTP layer on GPU ranks (--tp/--ep/--dp) is not supported yet");
+  if (plan.dp_attention) {
+    if (options.experts == nullptr || options.experts->world_size() != plan.ep_size ||
+        options.experts->rank() != plan.ep_rank)
+      return invalid_argument(
+          "a data-parallel GPU rank {} of {} needs an expert exchange of that rank and size", plan.ep_rank,
+          plan.ep_size);
+    return Status::ok();
+  }
   const int world = std::max(plan.tp_size, plan.ep_size), rank = plan.tp_size > 1 ? plan.tp_rank : plan.ep_rank;
   if (options.comm == nullptr || options.comm->world_size() != world || options.comm->rank() != rank)
     return invalid_argument("a GPU rank {} of {} needs a layer communicator of that rank and size", rank, world);
@@ -180,7 +188,9 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   s->first_expert = shard.first_expert;
   s->num_local_experts = shard.num_experts;
   // Ranks whose collectives synchronise with the host cannot be captured.
-  if (options.comm != nullptr && !options.comm->graph_capturable()) s->options.use_cuda_graphs = false;
+  if ((options.comm != nullptr && !options.comm->graph_capturable()) ||
+      (options.experts != nullptr && !options.experts->graph_capturable()))
+    s->options.use_cuda_graphs = false;
   std::optional<RankWeights> rank_weights;
   if (weights != nullptr && !options.plan.single()) rank_weights.emplace(*weights, options.plan);
   // This rank's layer weights: its heads and MLP columns, its experts' rows.
@@ -238,6 +248,10 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
                          ops::quant_format_name(expert_format));
   s->fp8_experts = expert_format == ops::QuantFormat::kFp8Block || expert_format == ops::QuantFormat::kMxfp8;
   s->mx_experts = expert_format == ops::QuantFormat::kMxfp8;
+  if (s->fp8_experts && options.experts != nullptr)
+    return unimplemented(
+        "{} experts on data-parallel GPU ranks (--dp): only bf16 experts are exchanged so far",
+        ops::quant_format_name(expert_format));
   if (s->fp8_experts && !k::hopper_kernels_available())
     return unimplemented("{} experts need an sm_90 GPU (the FP8 grouped GEMMs are wgmma kernels)",
                          ops::quant_format_name(expert_format));
@@ -334,24 +348,41 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   const int64_t T = options.max_num_tokens, H = c.hidden_size, kk = std::max(1, c.num_experts_per_tok);
   const int64_t moe_inter = std::max<int64_t>(c.moe_intermediate_size, 1), inter = std::max<int64_t>(c.intermediate_size, 1);
   const int64_t qkv_width = c.q_size() + 2 * c.kv_size(), E = std::max(1, c.num_experts);
+  // Rows of the expert GEMMs: this rank's tokens' pairs, or (data-parallel
+  // ranks) what the exchange may bring from every rank.
+  const int64_t expert_rows = options.experts != nullptr ? T * kk * options.experts->world_size() : T * kk;
   const int64_t fp8_width = std::max<int64_t>({H, c.q_size(), inter});  // inputs quantized per 1 x 128
   struct Alloc { DeviceTensor* t; DType dtype; Shape shape; };
   const Alloc allocs[] = {
-      {&s->residual, DType::kF32, {T, H}},           {&s->normed, DType::kBF16, {T, H}},
-      {&s->qkv, DType::kBF16, {T, qkv_width}},        {&s->q, DType::kBF16, {T, c.q_size()}},
-      {&s->attended, DType::kBF16, {T, c.q_size()}},  {&s->delta, DType::kF32, {T, H}},
-      {&s->router_logits, DType::kF32, {T, E}},       {&s->expert_ids, DType::kI32, {T, kk}},
-      {&s->expert_weights, DType::kF32, {T, kk}},     {&s->expert_offsets, DType::kI32, {E + 1}},
-      {&s->tile_offsets, DType::kI32, {E + 1}},       {&s->sorted_token, DType::kI32, {T * kk}},
-      {&s->row_of, DType::kI32, {T * kk}},            {&s->act, DType::kBF16, {T * kk, std::max(moe_inter, inter)}},
-      {&s->expert_rows, DType::kF32, {T * kk, H}},    {&s->gate_up, DType::kBF16, {T, 2 * inter}},
-      {&s->logit_rows, DType::kBF16, {T, H}},         {&s->logits, DType::kF32, {T, c.vocab_size}},
-      {&s->greedy, DType::kI32, {T}},                 {&s->token_ids, DType::kI32, {T}},
-      {&s->positions, DType::kI32, {T}},              {&s->token_seq, DType::kI32, {T}},
-      {&s->logits_rows, DType::kI32, {T}},           {&s->attention_workspace, DType::kF32, {16 << 20}},
+      {&s->residual, DType::kF32, {T, H}},
+      {&s->normed, DType::kBF16, {T, H}},
+      {&s->qkv, DType::kBF16, {T, qkv_width}},
+      {&s->q, DType::kBF16, {T, c.q_size()}},
+      {&s->attended, DType::kBF16, {T, c.q_size()}},
+      {&s->delta, DType::kF32, {T, H}},
+      {&s->router_logits, DType::kF32, {T, E}},
+      {&s->expert_ids, DType::kI32, {T, kk}},
+      {&s->expert_weights, DType::kF32, {T, kk}},
+      {&s->expert_offsets, DType::kI32, {E + 1}},
+      {&s->tile_offsets, DType::kI32, {E + 1}},
+      {&s->sorted_token, DType::kI32, {T * kk}},
+      {&s->row_of, DType::kI32, {T * kk}},
+      {&s->act, DType::kBF16, {expert_rows, std::max(moe_inter, inter)}},
+      {&s->expert_rows, DType::kF32, {expert_rows, H}},
+      {&s->gate_up, DType::kBF16, {T, 2 * inter}},
+      {&s->logit_rows, DType::kBF16, {T, H}},
+      {&s->logits, DType::kF32, {T, c.vocab_size}},
+      {&s->greedy, DType::kI32, {T}},
+      {&s->token_ids, DType::kI32, {T}},
+      {&s->positions, DType::kI32, {T}},
+      {&s->token_seq, DType::kI32, {T}},
+      {&s->logits_rows, DType::kI32, {T}},
+      {&s->attention_workspace, DType::kF32, {16 << 20}},
       {&s->attention_groups, DType::kI32, {T + 1}},
-      {&s->x_fp8, DType::kF8E4M3, {T, fp8_width}},  {&s->x_scales, DType::kF32, {T, (fp8_width + 127) / 128}},
-      {&s->act_fp8, DType::kF8E4M3, {T * kk, moe_inter}}, {&s->act_scales, DType::kF32, {T * kk, (moe_inter + 127) / 128}},
+      {&s->x_fp8, DType::kF8E4M3, {T, fp8_width}},
+      {&s->x_scales, DType::kF32, {T, (fp8_width + 127) / 128}},
+      {&s->act_fp8, DType::kF8E4M3, {T * kk, moe_inter}},
+      {&s->act_scales, DType::kF32, {T * kk, (moe_inter + 127) / 128}},
   };
   for (const auto& a : allocs) MOE_RETURN_IF_ERROR(track(*a.t, DeviceTensor::allocate(a.dtype, a.shape)));
   if (options.comm != nullptr) MOE_RETURN_IF_ERROR(track(s->delta_bf16, DeviceTensor::allocate(DType::kBF16, {T, H})));
@@ -384,6 +415,7 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   MOE_RETURN_IF_ERROR(model->allocate_kv_pool(size_from_memory ? warmup_pages : model->state_->options.num_pages));
   // Ranks finish their uploads at different times: meet before the warm-up's collectives.
   if (options.comm != nullptr) MOE_RETURN_IF_ERROR(options.comm->barrier());
+  if (options.experts != nullptr) MOE_RETURN_IF_ERROR(options.experts->barrier());
   if (size_from_memory) MOE_RETURN_IF_ERROR(model->size_kv_pool_after_warm_up(warmup_tokens));
   const State& st = *model->state_;
   log_info("CUDA model on device {}: {:.2f} GB of weights and activations{}, KV cache {} pages of {} tokens = {} tokens "

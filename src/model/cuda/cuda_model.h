@@ -18,6 +18,7 @@
 
 #include "core/status.h"
 #include "core/tensor.h"
+#include "model/cuda/expert_exchange.h"
 #include "model/cuda/kv_pool.h"
 #include "model/cuda/layer_comm.h"
 #include "model/mtp.h"
@@ -48,12 +49,17 @@ struct CudaModelOptions {
   // counted before the KV pool is sized. Read only during create().
   const MtpWeights* mtp = nullptr;
   // Tensor / expert parallelism (model/parallel.h: TP attention, EP MoE on
-  // replicated input; not DP attention yet): this rank's plan (plan.comm is
-  // not used here) and the collective of its layer boundaries, which must
-  // outlive the model. bf16 weights only. The model then holds this rank's
-  // heads, MLP columns and experts, and config() is this rank's view.
+  // replicated input): this rank's plan (plan.comm is not used here) and the
+  // collective of its layer boundaries, which must outlive the model. bf16
+  // weights only. The model then holds this rank's heads, MLP columns and
+  // experts, and config() is this rank's view.
   ParallelPlan plan;
   CudaLayerComm* comm = nullptr;
+  // Data-parallel attention ranks (plan.dp_attention, decode instances): the
+  // whole attention and dense layers, this rank's block of experts, and the
+  // exchange that carries tokens to their experts' ranks and back (instead
+  // of `comm`), which must outlive the model. bf16 experts only.
+  CudaExpertExchange* experts = nullptr;
 };
 
 struct StepShape;
@@ -99,6 +105,10 @@ class CudaQwen3MoeModel {
   // the batch), for a caller that must know before it commits to the step
   // (a GPU rank leader, before it sends the plan to its followers).
   Status check_batch(const ForwardBatch& batch, std::span<const int32_t> hidden_rows = {}) const;
+  // A data-parallel rank (options.experts) with no batch while a peer has
+  // one: every MoE layer's exchange with zero tokens of its own, so the
+  // peers' tokens still reach this rank's experts and come back.
+  Status exchange_idle();
   // Random KV contents, for benchmarks that time decode at a long context
   // without running the prefill first.
   Status fill_kv_random(uint64_t seed);
@@ -141,6 +151,7 @@ class CudaQwen3MoeModel {
   Status launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer);
   Status upload_mtp(const MtpWeights& weights);
   Status layer_boundary(const void* norm_weight, int num_tokens, bool reduce);
+  Status exchange_experts(const LayerBuffers& b, int num_tokens, const void* next_norm);
   Status sync_and_fetch_hidden(int num_tokens, std::span<const int32_t> hidden_rows, Tensor& hidden);
   int graph_bucket(const ForwardBatch& batch) const;
   int dense_tile_rows(int num_tokens) const;

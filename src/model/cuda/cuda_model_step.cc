@@ -23,6 +23,7 @@ using bf16 = __nv_bfloat16;
 // collectives not abandoned for a lost rank.
 Status CudaQwen3MoeModel::finish_step() {
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(state_->stream));
+  if (state_->options.experts != nullptr) MOE_RETURN_IF_ERROR(state_->options.experts->health());
   return state_->options.comm != nullptr ? state_->options.comm->health() : Status::ok();
 }
 
@@ -313,6 +314,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                                        DType::kF32, T, E, H, s.stream));
     MOE_LAUNCH(k::route_topk({s.router_logits.data_as<float>(), s.expert_ids.data_as<int32_t>(),
                               s.expert_weights.data_as<float>(), T, E, topk, c.norm_topk_prob}, s.stream));
+    if (s.options.experts != nullptr) return exchange_experts(b, T, next_norm);
     // This rank's experts only (all of them without expert parallelism): the
     // grouped GEMMs below run E_local experts; the other ranks' pairs get no row.
     const int E_local = s.num_local_experts;
@@ -344,11 +346,54 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.act.data_as<bf16>(), b.w2.data_as<bf16>(), s.delta.data(), DType::kF32, T, H,
                                        inter, s.stream));
   }
-  // Partial sums to reduce: a MoE layer's under expert parallelism, a dense one's under tensor parallelism.
-  const bool reduce = layer >= 0 && (b.is_moe ? s.options.plan.ep_size > 1 : s.options.plan.tp_size > 1);
+  // Partial sums to reduce: a MoE layer's under expert parallelism (on
+  // replicated tokens), a dense one's under tensor parallelism.
+  const bool reduce = layer >= 0 && (b.is_moe ? s.options.plan.ep_size > 1 && !s.options.plan.dp_attention
+                                              : s.options.plan.tp_size > 1);
   MOE_RETURN_IF_ERROR(layer_boundary(static_cast<const bf16*>(next_norm), T, reduce));
 #undef MOE_LAUNCH
   return Status::ok();
+}
+
+// A data-parallel rank's MoE layer, its tokens routed (expert_ids, expert_weights):
+// the rows go to their experts' ranks, this rank's experts run over what came
+// (the grouped GEMMs over the exchange's groups), the outputs go back and are
+// summed per token into delta; then the layer boundary, with nothing to reduce.
+// num_tokens 0: an idle rank's share of its peers' exchange.
+Status CudaQwen3MoeModel::exchange_experts(const LayerBuffers& b, int num_tokens, const void* next_norm) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const int H = static_cast<int>(c.hidden_size), inter = static_cast<int>(c.moe_intermediate_size);
+  const int E_local = s.num_local_experts;
+  MOE_ASSIGN_OR_RETURN(const ReceivedRows r,
+                       s.options.experts->dispatch(s.normed.data_as<bf16>(), s.expert_ids.data_as<int32_t>(),
+                                                   num_tokens, s.stream));
+  if (r.max_rows > s.expert_rows.shape()[0])
+    return internal_error("the expert exchange may bring {} rows; this model holds {}", r.max_rows,
+                          s.expert_rows.shape()[0]);
+#define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
+  MOE_LAUNCH(k::grouped_gemm({r.rows, r.gather, b.w13.data_as<bf16>(), r.expert_offsets, r.tile_offsets,
+                              s.act.data(), inter, H, E_local, r.max_tiles, true},
+                             s.stream));
+  MOE_LAUNCH(k::grouped_gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(), r.expert_offsets,
+                              r.tile_offsets, s.expert_rows.data(), H, inter, E_local, r.max_tiles, false},
+                             s.stream));
+#undef MOE_LAUNCH
+  MOE_RETURN_IF_ERROR(s.options.experts->combine(s.expert_rows.data_as<float>(),
+                                                 s.expert_weights.data_as<float>(), s.delta.data_as<float>(),
+                                                 num_tokens, s.stream));
+  if (num_tokens == 0) return Status::ok();
+  return layer_boundary(next_norm, num_tokens, false);
+}
+
+Status CudaQwen3MoeModel::exchange_idle() {
+  State& s = *state_;
+  if (s.options.experts == nullptr)
+    return invalid_argument("exchange_idle: this model has no expert exchange");
+  MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(s.options.device));
+  for (const LayerBuffers& b : s.layers)
+    if (b.is_moe) MOE_RETURN_IF_ERROR(exchange_experts(b, 0, nullptr));
+  return finish_step();
 }
 
 // residual += delta (summed over the ranks when `reduce`), then the next norm into `normed`.
