@@ -294,7 +294,9 @@ void watch_followers(const std::stop_token& stop, const std::vector<pid_t>& pids
 
 constexpr int kGpuRankTimeoutMs = 600000;  // a rank loading a large checkpoint
 
-Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, const model::ModelConfig& config) {
+// fp8_experts: data-parallel ranks then exchange FP8 rows (fp8-block experts).
+Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, const model::ModelConfig& config,
+                                  bool fp8_experts = false) {
   const ParallelArgs& p = args.parallel;
   GpuRanks g;
   g.device = args.device.gpu;  // rank r's: run_serve has added r
@@ -321,9 +323,9 @@ Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, const m
   const int hidden = static_cast<int>(config.hidden_size);
   std::function<void()> abort;
   if (p.dp > 1) {
-    MOE_ASSIGN_OR_RETURN(
-        g.experts, model::SymmetricExpertExchange::create(*g.bootstrap, g.device, config.num_experts,
-                                                          config.num_experts_per_tok, max_tokens, hidden));
+    MOE_ASSIGN_OR_RETURN(g.experts, model::SymmetricExpertExchange::create(
+                                        *g.bootstrap, g.device, config.num_experts,
+                                        config.num_experts_per_tok, max_tokens, hidden, fp8_experts));
     log_info("GPU rank {} of {} on GPU {}: expert exchange ready ({:.1f} MB)", p.internal_rank, p.world(),
              g.device, static_cast<double>(g.experts->allocation_bytes()) / 1e6);
     abort = [experts = g.experts.get()] { experts->abort(); };
@@ -711,8 +713,10 @@ Status run_serve(ServeArgs args) {
   if (gpu_ranks) {
     if (spec.enabled())
       return unimplemented("speculative decoding on GPU ranks (--tp/--ep with --device cuda) is not supported yet");
+    const ops::QuantFormat experts = weights ? weights->quant_format() : resolved.dummy_format;
     MOE_ASSIGN_OR_RETURN(
-        auto met, meet_gpu_ranks(args, std::max(sched.max_num_batched_tokens, sched.max_num_seqs), config));
+        auto met, meet_gpu_ranks(args, std::max(sched.max_num_batched_tokens, sched.max_num_seqs), config,
+                                 experts == ops::QuantFormat::kFp8Block));
     gpu_group.emplace(std::move(met));
     gpu = &*gpu_group;
   }

@@ -191,10 +191,29 @@ float expert_out(float x, int eg, int i, bool f32_rows) {
 
 // f32_rows: the outputs go back from f32 rows in received_groups' order
 // (checked too) instead of bf16 rows at the received places.
-void round_trip(const SymmetricView& view, const Routing& s, int parity, bool f32_rows = false) {
+// An FP8 payload's bytes and scales, tagged like x_of.
+uint8_t fp8_byte(int rank, int t, int i) {
+  return static_cast<uint8_t>((rank * 37 + t * 11 + i) % 251);
+}
+float scale_of(int rank, int t, int c) {
+  return static_cast<float>(rank * 100 + t) + 0.25f * static_cast<float>(c);
+}
+
+// fp8_payload: the rows travel as E4M3 bytes with their scales (checked on
+// arrival; the combine half is the same).
+void round_trip(const SymmetricView& view, const Routing& s, int parity, bool f32_rows = false,
+                bool fp8_payload = false) {
   const int me = view.rank, n = s.tokens[me], epr = s.num_experts / view.world;
-  const ExpertLayout layout{view.world, epr, s.max_tokens, s.k, s.hidden};
+  const ExpertLayout layout{view.world, epr, s.max_tokens, s.k, s.hidden, fp8_payload};
+  const int scale_cols = layout.scale_cols();
   std::vector<uint16_t> x(static_cast<size_t>(n) * s.hidden);
+  std::vector<uint8_t> x_fp8(static_cast<size_t>(n) * s.hidden);
+  std::vector<float> x_scales(std::max(1, n * scale_cols));
+  for (int t = 0; t < n; ++t) {
+    for (int i = 0; i < s.hidden; ++i) x_fp8[static_cast<size_t>(t) * s.hidden + i] = fp8_byte(me, t, i);
+    for (int c = 0; c < scale_cols; ++c)
+      x_scales[static_cast<size_t>(t) * scale_cols + c] = scale_of(me, t, c);
+  }
   std::vector<int32_t> ids;
   std::vector<float> weights;
   for (int t = 0; t < n; ++t) {
@@ -203,16 +222,26 @@ void round_trip(const SymmetricView& view, const Routing& s, int parity, bool f3
     for (int j = 0; j < s.k; ++j) weights.push_back(0.25f * static_cast<float>(1 + (t + j) % 3));
   }
   uint16_t* d_x = device_copy(x);
+  uint8_t* d_x_fp8 = device_copy(x_fp8);
+  float* d_x_scales = device_copy(x_scales);
   int32_t* d_ids = device_copy(ids);
   float* d_w = device_copy(weights);
-  ASSERT_EQ(dispatch({view, layout, reinterpret_cast<const bf16*>(d_x), d_ids, n}, nullptr), cudaSuccess);
+  if (fp8_payload) {
+    ASSERT_EQ(dispatch({view, layout, d_x_fp8, d_ids, n, d_x_scales}, nullptr), cudaSuccess);
+  } else {
+    ASSERT_EQ(dispatch({view, layout, reinterpret_cast<const bf16*>(d_x), d_ids, n}, nullptr), cudaSuccess);
+  }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   // What arrived, against what every rank routed here.
   const char* base = view.base[me];
   const auto counts = host_copy<int32_t>(base + layout.counts_offset() + 4 * parity * epr, epr);
   const auto meta = host_copy<int4>(base + layout.meta_offset(), static_cast<size_t>(epr) * layout.capacity());
-  const auto rows = host_copy<uint16_t>(base + layout.recv_offset(), static_cast<size_t>(epr) * layout.capacity() * s.hidden);
+  const size_t recv_rows = static_cast<size_t>(epr) * layout.capacity();
+  const auto rows = host_copy<uint16_t>(base + layout.recv_offset(), fp8_payload ? 0 : recv_rows * s.hidden);
+  const auto rows_fp8 =
+      host_copy<uint8_t>(base + layout.recv_offset(), fp8_payload ? recv_rows * s.hidden : 0);
+  const auto row_scales = host_copy<float>(base + layout.scales_offset(), recv_rows * scale_cols);
   std::vector<std::tuple<int, int, int, int>> expected, arrived;  // (expert, rank, token, slot)
   for (int src = 0; src < view.world; ++src)
     for (int t = 0; t < s.tokens[src]; ++t) {
@@ -220,14 +249,19 @@ void round_trip(const SymmetricView& view, const Routing& s, int parity, bool f3
       for (int j = 0; j < s.k; ++j)
         if (e[j] / epr == me) expected.emplace_back(e[j] % epr, src, t, j);
     }
-  std::vector<uint16_t> y(rows.size());
+  std::vector<uint16_t> y(recv_rows * s.hidden);
   for (int e = 0; e < epr; ++e)
     for (int pos = 0; pos < counts[e]; ++pos) {
       const int64_t row = static_cast<int64_t>(e) * layout.capacity() + pos;
       const int4 m = meta[row];
       arrived.emplace_back(e, m.x, m.y, m.z);
+      for (int c = 0; c < scale_cols; ++c)
+        ASSERT_EQ(row_scales[row * scale_cols + c], scale_of(m.x, m.y, c)) << "scales from rank " << m.x;
       for (int i = 0; i < s.hidden; ++i) {
-        const float v = bf16_to_float(rows[row * s.hidden + i]);
+        if (fp8_payload) {
+          ASSERT_EQ(rows_fp8[row * s.hidden + i], fp8_byte(m.x, m.y, i)) << "row from rank " << m.x;
+        }
+        const float v = fp8_payload ? x_of(m.x, m.y, i) : bf16_to_float(rows[row * s.hidden + i]);
         ASSERT_EQ(v, x_of(m.x, m.y, i)) << "row from rank " << m.x << " token " << m.y;
         y[row * s.hidden + i] = float_to_bf16(expert_out(v, me * epr + e, i, false));
       }
@@ -289,7 +323,8 @@ void round_trip(const SymmetricView& view, const Routing& s, int parity, bool f3
       ASSERT_NEAR(out[static_cast<size_t>(t) * s.hidden + i], ref, 1e-5f * std::abs(ref)) << "token " << t << " element " << i;
     }
   }
-  for (void* p : {static_cast<void*>(d_x), static_cast<void*>(d_ids), static_cast<void*>(d_w), static_cast<void*>(d_y),
+  for (void* p : {static_cast<void*>(d_x), static_cast<void*>(d_x_fp8), static_cast<void*>(d_x_scales),
+                  static_cast<void*>(d_ids), static_cast<void*>(d_w), static_cast<void*>(d_y),
                   static_cast<void*>(d_out)})
     cudaFree(p);
 }
@@ -309,6 +344,23 @@ TEST(CommCuda, DispatchThenCombineEqualsReference) {
     round_trip(mem->view(), s, 0, true);  // outputs from the grouped GEMM's f32 rows
     s.tokens = {0, 9};
     round_trip(mem->view(), s, 1, true);
+  });
+  EXPECT_EQ(e, "");
+}
+
+// The same with an FP8 payload (E4M3 rows and their scales per 128 columns).
+TEST(CommCuda, DispatchFp8RowsWithTheirScales) {
+  SKIP_WITHOUT_TWO_GPUS();
+  const std::string e = run_gpu_ranks(2, [](TcpBootstrap& b) {
+    Routing s;
+    s.hidden = 512;  // 4 scale columns
+    s.tokens = {12, 5};
+    const ExpertLayout layout{2, s.num_experts / 2, s.max_tokens, s.k, s.hidden, true};
+    auto mem = open_memory(b, layout.total_bytes() - kSignalBytes);
+    ASSERT_NE(mem, nullptr);
+    round_trip(mem->view(), s, 0, true, true);
+    s.tokens = {0, 16};
+    round_trip(mem->view(), s, 1, false, true);
   });
   EXPECT_EQ(e, "");
 }

@@ -18,6 +18,7 @@
 #include <array>
 #include <barrier>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -96,13 +97,15 @@ struct ExchangeGroup {
         k(k),
         hidden(hidden),
         x(world),
+        x_scales(world),
         ids(world),
         received(world),
         y(world) {}
   std::barrier<> sync;
   int num_experts, k, hidden;
-  std::vector<std::vector<uint16_t>> x;   // [rank] its tokens' rows, bf16
-  std::vector<std::vector<int32_t>> ids;  // [rank] its tokens' experts
+  std::vector<std::vector<uint8_t>> x;       // [rank] its tokens' rows (bf16 or E4M3 bytes)
+  std::vector<std::vector<float>> x_scales;  // [rank] FP8 payload: their scales
+  std::vector<std::vector<int32_t>> ids;     // [rank] its tokens' experts
   std::vector<std::vector<std::array<int, 3>>>
       received;                       // [rank] (source rank, token, slot) of each GEMM row
   std::vector<std::vector<float>> y;  // [rank] its experts' outputs, GEMM row order
@@ -110,24 +113,37 @@ struct ExchangeGroup {
 
 class ThreadExpertExchange final : public CudaExpertExchange {
  public:
-  ThreadExpertExchange(ExchangeGroup& group, int rank, int max_tokens)
-      : g_(group), rank_(rank), max_rows_(max_tokens * group.k * static_cast<int>(group.x.size())) {}
+  // round_outputs false: combine sums the f32 outputs as they are (what one
+  // model's un-permute does), isolating everything else from bf16 rounding.
+  ThreadExpertExchange(ExchangeGroup& group, int rank, int max_tokens, bool fp8 = false,
+                       bool round_outputs = true)
+      : g_(group),
+        rank_(rank),
+        max_rows_(max_tokens * group.k * static_cast<int>(group.x.size())),
+        fp8_(fp8),
+        round_(round_outputs) {}
   int rank() const override { return rank_; }
   int world_size() const override { return static_cast<int>(g_.x.size()); }
   bool graph_capturable() const override { return false; }
+  bool fp8_payload() const override { return fp8_; }
   Status barrier() override {
     g_.sync.arrive_and_wait();
     return Status::ok();
   }
-  Expected<ReceivedRows> dispatch(const bf16* x, const int32_t* expert_ids, int n,
+  Expected<ReceivedRows> dispatch(const void* x, const float* x_scales, const int32_t* expert_ids, int n,
                                   cudaStream_t stream) override {
     const int H = g_.hidden, k = g_.k, epr = g_.num_experts / world_size();
+    const size_t row_bytes = fp8_ ? H : 2 * static_cast<size_t>(H), scale_cols = fp8_ ? (H + 127) / 128 : 0;
     auto& my_x = g_.x[static_cast<size_t>(rank_)];
+    auto& my_scales = g_.x_scales[static_cast<size_t>(rank_)];
     auto& my_ids = g_.ids[static_cast<size_t>(rank_)];
-    my_x.resize(static_cast<size_t>(n) * H);
+    my_x.resize(static_cast<size_t>(n) * row_bytes);
+    my_scales.resize(static_cast<size_t>(n) * scale_cols);
     my_ids.resize(static_cast<size_t>(n) * k);
-    MOE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(my_x.data(), x, my_x.size() * 2, cudaMemcpyDeviceToHost, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(my_x.data(), x, my_x.size(), cudaMemcpyDeviceToHost, stream));
+    if (fp8_)
+      MOE_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(my_scales.data(), x_scales, my_scales.size() * 4, cudaMemcpyDeviceToHost, stream));
     MOE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(my_ids.data(), expert_ids, my_ids.size() * 4, cudaMemcpyDeviceToHost, stream));
     MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
@@ -135,16 +151,19 @@ class ThreadExpertExchange final : public CudaExpertExchange {
     auto& mine = g_.received[static_cast<size_t>(rank_)];
     mine.clear();
     std::vector<int32_t> offsets = {0}, tiles = {0};
-    std::vector<uint16_t> rows;
+    std::vector<uint8_t> rows;
+    std::vector<float> scales;
     for (int e = rank_ * epr; e < (rank_ + 1) * epr; ++e) {
       for (int src = 0; src < world_size(); ++src) {
         const auto& ids = g_.ids[static_cast<size_t>(src)];
         for (size_t pair = 0; pair < ids.size(); ++pair)
           if (ids[pair] == e) {
-            const auto t = static_cast<int>(pair) / k;
-            mine.push_back({src, t, static_cast<int>(pair) % k});
-            const uint16_t* row = g_.x[static_cast<size_t>(src)].data() + static_cast<size_t>(t) * H;
-            rows.insert(rows.end(), row, row + H);
+            const auto t = static_cast<size_t>(pair) / k;
+            mine.push_back({src, static_cast<int>(t), static_cast<int>(pair) % k});
+            const uint8_t* row = g_.x[static_cast<size_t>(src)].data() + t * row_bytes;
+            rows.insert(rows.end(), row, row + row_bytes);
+            const float* row_scales = g_.x_scales[static_cast<size_t>(src)].data() + t * scale_cols;
+            scales.insert(scales.end(), row_scales, row_scales + scale_cols);
           }
       }
       const int count = static_cast<int>(mine.size()) - offsets.back();
@@ -155,10 +174,13 @@ class ThreadExpertExchange final : public CudaExpertExchange {
     g_.sync.arrive_and_wait();  // every rank has read every rank's rows
     std::vector<int32_t> gather(mine.size());
     for (size_t i = 0; i < gather.size(); ++i) gather[i] = static_cast<int32_t>(i);
-    rows.resize(std::max<size_t>(rows.size(), H));
+    rows.resize(std::max(rows.size(), row_bytes));
+    scales.resize(std::max<size_t>(scales.size(), 1));
     gather.resize(std::max<size_t>(gather.size(), 1));
-    MOE_ASSIGN_OR_RETURN(rows_, DeviceTensor::upload(TensorView(rows.data(), DType::kBF16,
-                                                                {static_cast<int64_t>(rows.size()) / H, H})));
+    MOE_ASSIGN_OR_RETURN(rows_, DeviceTensor::upload(TensorView(rows.data(), DType::kU8,
+                                                                {static_cast<int64_t>(rows.size())})));
+    MOE_ASSIGN_OR_RETURN(scales_, DeviceTensor::upload(TensorView(scales.data(), DType::kF32,
+                                                                  {static_cast<int64_t>(scales.size())})));
     auto upload = [](const std::vector<int32_t>& v) {
       return DeviceTensor::upload(
           TensorView(const_cast<int32_t*>(v.data()), DType::kI32, {static_cast<int64_t>(v.size())}));
@@ -166,7 +188,8 @@ class ThreadExpertExchange final : public CudaExpertExchange {
     MOE_ASSIGN_OR_RETURN(gather_, upload(gather));
     MOE_ASSIGN_OR_RETURN(offsets_, upload(offsets));
     MOE_ASSIGN_OR_RETURN(tiles_, upload(tiles));
-    return ReceivedRows{rows_.data_as<bf16>(),
+    return ReceivedRows{rows_.data(),
+                        fp8_ ? scales_.data_as<float>() : nullptr,
                         gather_.data_as<int32_t>(),
                         offsets_.data_as<int32_t>(),
                         tiles_.data_as<int32_t>(),
@@ -193,9 +216,11 @@ class ThreadExpertExchange final : public CudaExpertExchange {
         const auto it = std::find(list.begin(), list.end(), std::array<int, 3>{rank_, t, j});
         if (it == list.end()) return internal_error("token {} slot {} never reached rank {}", t, j, owner);
         const float* row = g_.y[static_cast<size_t>(owner)].data() + (it - list.begin()) * H;
-        for (int i = 0; i < H; ++i)
-          sum[static_cast<size_t>(t) * H + i] +=
-              w[static_cast<size_t>(t) * k + j] * bf16_to_float(float_to_bf16(row[i]));
+        for (int i = 0; i < H; ++i) {
+          float& acc = sum[static_cast<size_t>(t) * H + i];
+          acc = std::fma(w[static_cast<size_t>(t) * k + j],
+                         round_ ? bf16_to_float(float_to_bf16(row[i])) : row[i], acc);
+        }
       }
     g_.sync.arrive_and_wait();  // every rank has read every rank's outputs
     if (n == 0) return Status::ok();
@@ -207,7 +232,8 @@ class ThreadExpertExchange final : public CudaExpertExchange {
  private:
   ExchangeGroup& g_;
   int rank_, max_rows_;
-  DeviceTensor rows_, gather_, offsets_, tiles_;
+  bool fp8_, round_;
+  DeviceTensor rows_, scales_, gather_, offsets_, tiles_;
 };
 
 double relative_error(const float* a, const float* b, int64_t n) {
@@ -415,6 +441,74 @@ INSTANTIATE_TEST_SUITE_P(
 // and so does the greedy token where the top two are clearly apart; rank 1
 // finishes early and then only lends its experts (exchange_idle) while rank
 // 0 goes on.
+// Two data-parallel ranks over `weights` against one whole model per rank's
+// requests (see the tests below); fp8: FP8 experts, the exchange carrying
+// E4M3 rows; round_outputs: combine rounds the expert outputs to bf16 (as
+// the NVLink exchange does). Relative error below `tolerance` at the prompt
+// step, `decode_tolerance` after.
+void expect_data_parallel_equals_whole(const ModelWeights& weights, bool fp8, bool round_outputs,
+                                       double tolerance, double decode_tolerance) {
+  const ModelConfig& config = weights.config();
+  const int64_t vocab = config.vocab_size;
+  const std::vector<std::vector<std::vector<int32_t>>> prompts = {kPrompts, {{5, 9, 12, 77, 3, 41}}};
+  const int steps[2] = {4, 2};
+  std::vector<std::vector<Tensor>> whole(2);
+  for (int r = 0; r < 2; ++r) {
+    auto model = CudaQwen3MoeModel::create(weights, base_options());
+    ASSERT_TRUE(model.has_value()) << model.status().to_string();
+    whole[static_cast<size_t>(r)] =
+        run_steps(**model, vocab, steps[r], prompts[static_cast<size_t>(r)], true);
+  }
+  ExchangeGroup group(2, config.num_experts, config.num_experts_per_tok,
+                      static_cast<int>(config.hidden_size));
+  std::vector<std::vector<Tensor>> ranks(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      ThreadExpertExchange exchange(group, r, base_options().max_num_tokens, fp8, round_outputs);
+      [&] {
+        ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+        CudaModelOptions options = base_options();
+        options.plan = ParallelPlan{1, 0, 2, r, true, nullptr};
+        options.experts = &exchange;
+        auto model = CudaQwen3MoeModel::create(weights, options);
+        ASSERT_TRUE(model.has_value()) << "rank " << r << ": " << model.status().to_string();
+        ranks[static_cast<size_t>(r)] =
+            run_steps(**model, vocab, steps[r], prompts[static_cast<size_t>(r)], true);
+        for (int idle = steps[r]; idle < steps[0]; ++idle) {
+          const Status lent = (*model)->exchange_idle();
+          ASSERT_TRUE(lent.is_ok()) << lent.to_string();
+        }
+      }();
+      if (ranks[static_cast<size_t>(r)].size() != static_cast<size_t>(steps[r]) + 1)
+        group.sync.arrive_and_drop();
+    });
+  for (auto& t : threads) t.join();
+  double worst = 0;
+  for (int r = 0; r < 2; ++r) {
+    const auto& got = ranks[static_cast<size_t>(r)];
+    const auto& want = whole[static_cast<size_t>(r)];
+    ASSERT_EQ(got.size(), want.size()) << "rank " << r;
+    const auto num_seqs = static_cast<int64_t>(prompts[static_cast<size_t>(r)].size());
+    for (size_t step = 0; step < want.size(); ++step)
+      for (int64_t s = 0; s < num_seqs; ++s) {
+        const float* ours = got[step].data_as<float>() + s * vocab;
+        const float* theirs = want[step].data_as<float>() + s * vocab;
+        const double error = relative_error(ours, theirs, vocab);
+        worst = std::max(worst, error);
+        EXPECT_LT(error, step == 0 ? tolerance : decode_tolerance)
+            << "rank " << r << " step " << step << " seq " << s;
+        std::vector<float> top(theirs, theirs + vocab);
+        std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<float>());
+        if (top[0] - top[1] > 0.05f * std::abs(top[0])) {
+          EXPECT_EQ(argmax_row(ours, vocab), argmax_row(theirs, vocab)) << "rank " << r << " step " << step;
+        }
+      }
+  }
+  std::printf("data-parallel ranks (%s experts, outputs %s): largest logits error against one model %.2e\n",
+              fp8 ? "fp8" : "bf16", round_outputs ? "rounded to bf16" : "in f32", worst);
+}
+
 TEST(CudaDataParallel, EachRankEqualsTheWholeModelOnItsRequests) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   for (const std::string name : {"moe_basic", "moe_dense_layer"}) {
@@ -425,59 +519,42 @@ TEST(CudaDataParallel, EachRankEqualsTheWholeModelOnItsRequests) {
     ThreadPool pool(2);
     auto weights = ModelWeights::load(dir, *config, pool);
     ASSERT_TRUE(weights.has_value()) << weights.status().to_string();
-    const int64_t vocab = config->vocab_size;
-    const std::vector<std::vector<std::vector<int32_t>>> prompts = {kPrompts, {{5, 9, 12, 77, 3, 41}}};
-    const int steps[2] = {4, 2};
-    std::vector<std::vector<Tensor>> whole(2);
-    for (int r = 0; r < 2; ++r) {
-      auto model = CudaQwen3MoeModel::create(*weights, base_options());
-      ASSERT_TRUE(model.has_value()) << model.status().to_string();
-      whole[static_cast<size_t>(r)] =
-          run_steps(**model, vocab, steps[r], prompts[static_cast<size_t>(r)], true);
-    }
-    ExchangeGroup group(2, config->num_experts, config->num_experts_per_tok,
-                        static_cast<int>(config->hidden_size));
-    std::vector<std::vector<Tensor>> ranks(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r)
-      threads.emplace_back([&, r] {
-        ThreadExpertExchange exchange(group, r, base_options().max_num_tokens);
-        [&] {
-          ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-          CudaModelOptions options = base_options();
-          options.plan = ParallelPlan{1, 0, 2, r, true, nullptr};
-          options.experts = &exchange;
-          auto model = CudaQwen3MoeModel::create(*weights, options);
-          ASSERT_TRUE(model.has_value()) << "rank " << r << ": " << model.status().to_string();
-          ranks[static_cast<size_t>(r)] =
-              run_steps(**model, vocab, steps[r], prompts[static_cast<size_t>(r)], true);
-          for (int idle = steps[r]; idle < steps[0]; ++idle) {
-            const Status lent = (*model)->exchange_idle();
-            ASSERT_TRUE(lent.is_ok()) << lent.to_string();
-          }
-        }();
-        if (ranks[static_cast<size_t>(r)].size() != static_cast<size_t>(steps[r]) + 1)
-          group.sync.arrive_and_drop();
-      });
-    for (auto& t : threads) t.join();
-    for (int r = 0; r < 2; ++r) {
-      const auto& got = ranks[static_cast<size_t>(r)];
-      const auto& want = whole[static_cast<size_t>(r)];
-      ASSERT_EQ(got.size(), want.size()) << "rank " << r;
-      const auto num_seqs = static_cast<int64_t>(prompts[static_cast<size_t>(r)].size());
-      for (size_t step = 0; step < want.size(); ++step)
-        for (int64_t s = 0; s < num_seqs; ++s) {
-          const float* ours = got[step].data_as<float>() + s * vocab;
-          const float* theirs = want[step].data_as<float>() + s * vocab;
-          EXPECT_LT(relative_error(ours, theirs, vocab), 3e-2)
-              << "rank " << r << " step " << step << " seq " << s;
-          std::vector<float> top(theirs, theirs + vocab);
-          std::partial_sort(top.begin(), top.begin() + 2, top.end(), std::greater<float>());
-          if (top[0] - top[1] > 0.05f * std::abs(top[0]))
-            EXPECT_EQ(argmax_row(ours, vocab), argmax_row(theirs, vocab)) << "rank " << r << " step " << step;
-        }
-    }
+    expect_data_parallel_equals_whole(*weights, false, true, 3e-2, 3e-2);
+    expect_data_parallel_equals_whole(*weights, false, false, 1e-4, 1e-4);  // the same sums as one model
   }
+}
+
+// FP8 experts (fp8-block) on data-parallel ranks: the rows travel as E4M3
+// with their 1 x 128 scales, which are the activations the one-GPU model
+// quantizes for the same GEMM. With the outputs' bf16 rounding, as over EP
+// ranks (Fp8ExpertsSplitOverEpRanks), the rounding meets the next layers'
+// E4M3 quantization: the decode steps get that test's tolerance.
+TEST(CudaDataParallel, Fp8ExpertsTravelQuantized) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!ops::cuda::hopper_kernels_available()) GTEST_SKIP() << "FP8 experts need an sm_90 device";
+  auto config = parse_model_config(std::string(R"({
+    "model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "num_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": true, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "max_position_embeddings": 4096})"));
+  ASSERT_TRUE(config.has_value()) << config.status().to_string();
+  ThreadPool pool(2);
+  const ModelWeights weights = ModelWeights::dummy(*config, 7, pool, ops::QuantFormat::kFp8Block);
+  // Without the bf16 rounding of the outputs the ranks compute what one model
+  // does (the same E4M3 rows, scales and sums): any error would be a bug.
+  expect_data_parallel_equals_whole(weights, true, false, 1e-4, 1e-4);
+  expect_data_parallel_equals_whole(weights, true, true, 3e-2, 0.15);
+  // An exchange whose payload does not match the experts is refused.
+  ExchangeGroup group(2, config->num_experts, config->num_experts_per_tok,
+                      static_cast<int>(config->hidden_size));
+  ThreadExpertExchange bf16_exchange(group, 0, base_options().max_num_tokens, false);
+  CudaModelOptions options = base_options();
+  options.plan = ParallelPlan{1, 0, 2, 0, true, nullptr};
+  options.experts = &bf16_exchange;
+  auto mismatched = CudaQwen3MoeModel::create(weights, options);
+  ASSERT_FALSE(mismatched.has_value());
+  EXPECT_NE(mismatched.status().message().find("FP8 payload"), std::string::npos)
+      << mismatched.status().message();
 }
 
 // What a GPU rank refuses, before touching the GPU's memory.

@@ -103,12 +103,15 @@ def serve(args):
     with open(args.reference) as f:
         ref = json.load(f)
     failures = []
+    divergent = []  # steps where sequential outputs leave the reference (allowed from --match-tokens on)
     results = {"model": name, "sequential": [], "concurrent": [], "reference": ref}
 
     def check_golden(tag, i, got):
         p = prompts[i]
         if isinstance(got, str):
             failures.append(f"{tag} prompt {i}: {got}")
+            return
+        if args.no_golden:  # a quantized copy of the model: its own reference is the oracle
             return
         if got[:p["robust"]] != p["greedy"][:p["robust"]]:
             failures.append(f"{tag} prompt {i}: first {p['robust']} tokens {got[:p['robust']]} != transformers "
@@ -119,10 +122,14 @@ def serve(args):
         got = complete(args.router, name, p["ids"])
         results["sequential"].append(got)
         check_golden("sequential", i, got)
-        if got != ref[i]:
+        if got != ref[i] and not isinstance(got, str):
             first = next((k for k, (a, b) in enumerate(zip(got, ref[i])) if a != b), min(len(got), len(ref[i])))
-            failures.append(f"sequential prompt {i} ({len(p['ids'])} tokens): differs from generate --device cuda "
-                            f"at step {first}: {got} vs {ref[i]}")
+            divergent.append(first)
+            if first < args.match_tokens:
+                failures.append(f"sequential prompt {i} ({len(p['ids'])} tokens): differs from generate --device cuda "
+                                f"at step {first}: {got} vs {ref[i]}")
+        elif isinstance(got, str):
+            failures.append(f"sequential prompt {i}: {got}")
     # Every prompt twice, all at once: batched prefills and decodes, prefix-cache hits.
     order = list(range(len(prompts))) * 2
     with concurrent.futures.ThreadPoolExecutor(len(order)) as pool:
@@ -176,8 +183,10 @@ def serve(args):
     results["failures"] = failures
     with open(args.out, "a") as f:
         f.write(json.dumps(results) + "\n")
-    print(f"{name}: {len(prompts)} prompts one at a time == generate --device cuda token for token: "
-          f"{'yes' if not any(x.startswith('sequential') and 'generate' in x for x in failures) else 'NO'}; "
+    same = 'yes' if not divergent else f"NO ({len(divergent)} leave it, at steps {divergent})"
+    if divergent and args.match_tokens < MAX_TOKENS and not any(x.startswith('sequential') for x in failures):
+        same += f", first {args.match_tokens} tokens all equal as required"
+    print(f"{name}: {len(prompts)} prompts one at a time == generate --device cuda token for token: {same}; "
           f"{num_golden} tokens per pass compared with transformers; {len(order)} concurrent requests; "
           f"KV sent {kv_bytes / 1e6:.2f} MB ({seen['prefill']}), {activated:.0f} activations, prefix-cache hits "
           f"{hits if hits is not None else 'n/a'}{drafted}")
@@ -205,6 +214,10 @@ def main():
     s.add_argument("--metrics", required=True)
     s.add_argument("--speculative", action="store_true", help="the instances speculate: the decode side must draft")
     s.add_argument("--expect-accepted", action="store_true", help="with --speculative: drafts must be accepted")
+    s.add_argument("--match-tokens", type=int, default=MAX_TOKENS,
+                   help="tokens that must equal the reference (the rest is reported); default all")
+    s.add_argument("--no-golden", action="store_true",
+                   help="skip transformers' goldens (a quantized model; generate --device cuda stays the oracle)")
     args = parser.parse_args()
     return reference(args) if args.command == "reference" else serve(args)
 

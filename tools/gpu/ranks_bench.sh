@@ -7,7 +7,8 @@
 # Prints one table; results JSON and logs in $OUT. Binaries carried as
 # tools/gpu/check.sh says. On x4/x8 machines: WORLD=4 LAYOUTS="--tp 4 --ep 4".
 # DECODE_ONLY=1: decode instances instead (one GPU against --dp WORLD --ep
-# WORLD, behind the router with a prefill instance on GPU 0).
+# WORLD, behind the router with a prefill instance on GPU 0); MODEL_FLAGS
+# (e.g. "--quantization fp8-block") go to every instance.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -59,7 +60,8 @@ PY
 # endpoint), loaded with short prompts so decode dominates. Prints one table row.
 run_decode_case() {  # name, concurrency, decode flags...
   local name=$1 concurrency=$2; shift 2
-  local common=(--device cuda --model "$CONFIG" --load-format dummy --num-layers "$LAYERS" --max-num-seqs 256
+  # shellcheck disable=SC2206
+  local common=(--device cuda --model "$CONFIG" --load-format dummy --num-layers "$LAYERS" ${MODEL_FLAGS:-} --max-num-seqs 256
                 --max-num-batched-tokens 4096 --max-model-len "$MAX_MODEL_LEN" --host 127.0.0.1
                 --router http://127.0.0.1:18580)
   "$BIN/moeserve" router --model "$CONFIG" --port 18580 > "$OUT/$name.router.log" 2>&1 &
@@ -97,7 +99,7 @@ PY
 }
 
 if [[ -n ${DECODE_ONLY:-} ]]; then
-  echo "decode instances, dummy Qwen3-235B-A22B, $LAYERS layers, bf16; 128-token prompts, $DECODE_LEN output tokens"
+  echo "decode instances, dummy Qwen3-235B-A22B, $LAYERS layers ${MODEL_FLAGS:-bf16}; 128-token prompts, $DECODE_LEN output tokens"
   echo "| decode instance | concurrency | output tok/s | mean TPOT ms | completed |"
   echo "|---|---|---|---|---|"
   for c in $CONCURRENCY $((CONCURRENCY * WORLD)); do

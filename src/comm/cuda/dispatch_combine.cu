@@ -5,7 +5,8 @@
 // each take a position in their pair's destination expert's receive list
 // with a system-scope atomicAdd on the owner's counter (over NVLink for a
 // remote owner; the round trips overlap), then the warp writes the rows
-// (hidden bf16, 16-byte stores) and their origins (rank, token, slot).
+// (hidden bf16, or hidden E4M3 bytes and their scales; 16-byte stores) and
+// their origins (rank, token, slot).
 // Then every block raises its flag in every rank, and block 0 waits for all
 // blocks of all ranks, so when the kernel ends every row for this rank has
 // landed. Counters alternate between two parities; a dispatch zeroes the
@@ -50,7 +51,10 @@ __device__ int4* meta_of(const SymmetricView& v, const ExpertLayout& l, int r) {
   return reinterpret_cast<int4*>(v.base[r] + l.meta_offset());
 }
 __device__ uint4* recv_row(const SymmetricView& v, const ExpertLayout& l, int r, int64_t row) {
-  return reinterpret_cast<uint4*>(v.base[r] + l.recv_offset() + 2 * row * l.hidden);
+  return reinterpret_cast<uint4*>(v.base[r] + l.recv_offset() + row * l.row_bytes());
+}
+__device__ float* recv_scales(const SymmetricView& v, const ExpertLayout& l, int r, int64_t row) {
+  return reinterpret_cast<float*>(v.base[r] + l.scales_offset()) + row * l.scale_cols();
 }
 __device__ uint4* combine_row(const SymmetricView& v, const ExpertLayout& l, int r, int64_t row) {
   return reinterpret_cast<uint4*>(v.base[r] + l.combine_offset() + 2 * row * l.hidden);
@@ -77,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(DispatchParams p) {
   const ExpertLayout& l = p.layout;
   const uint32_t launch = launch_index(v, kSetDispatch);
   const uint32_t seq = v.counters[kSetDispatch].barrier[blockIdx.x] + 1;
-  const int parity = launch & 1, lane = threadIdx.x & 31, vectors = l.hidden / 8;
+  const int parity = launch & 1, lane = threadIdx.x & 31, vectors = l.row_bytes() / 16;
   if (blockIdx.x == 0)
     for (int e = threadIdx.x; e < l.experts_per_rank; e += blockDim.x) counts_of(v, l, v.rank, parity ^ 1)[e] = 0;
 
@@ -101,8 +105,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(DispatchParams p) {
                           __shfl_sync(0xffffffffu, pos, j);
       const int t = static_cast<int>((first + j) / l.k), slot = static_cast<int>((first + j) % l.k);
       uint4* to = recv_row(v, l, to_rank, row);
-      const uint4* from = reinterpret_cast<const uint4*>(p.x + static_cast<int64_t>(t) * l.hidden);
+      const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.x) +
+                                                         static_cast<int64_t>(t) * l.row_bytes());
       for (int c = lane; c < vectors; c += 32) to[c] = from[c];
+      if (l.fp8) {
+        float* to_scales = recv_scales(v, l, to_rank, row);
+        for (int c = lane; c < l.scale_cols(); c += 32)
+          to_scales[c] = p.x_scales[int64_t{t} * l.scale_cols() + c];
+      }
       if (lane == 0) meta_of(v, l, to_rank)[row] = make_int4(v.rank, t, slot, 0);
     }
   }
@@ -216,7 +226,9 @@ bool valid(const SymmetricView& v, const ExpertLayout& l, int num_tokens) {
 }  // namespace
 
 cudaError_t dispatch(const DispatchParams& p, cudaStream_t stream) {
-  if (!valid(p.sym, p.layout, p.num_tokens)) return cudaErrorInvalidValue;
+  if (!valid(p.sym, p.layout, p.num_tokens) ||
+      (p.layout.fp8 && (p.x_scales == nullptr || p.layout.hidden % 16 != 0)))
+    return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(p.x) % 16 != 0) return cudaErrorMisalignedAddress;
   dispatch_kernel<<<kExpertBlocks, kThreads, 0, stream>>>(p);
   return cudaGetLastError();

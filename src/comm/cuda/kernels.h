@@ -116,22 +116,31 @@ cudaError_t fused_all_reduce_add_rms_norm(const FusedAllReduceNormParams& p, cud
 // --- decode DP+EP dispatch / combine -----------------------------------------
 // The expert exchange's own symmetric allocation, laid out as ExpertLayout
 // says on every rank (capacity = world * max_tokens rows per local expert: a
-// token picks an expert at most once).
+// token picks an expert at most once). The rows travel in bf16, or (fp8) as
+// E4M3 rows with their f32 scales per 128 columns (fp8-block activations,
+// ops/quant.h): half the bytes, and what the FP8 expert GEMMs read.
 struct ExpertLayout {
   int world, experts_per_rank, max_tokens, k, hidden;
+  bool fp8 = false;
   __host__ __device__ int64_t capacity() const { return static_cast<int64_t>(world) * max_tokens; }
   __host__ __device__ static size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
+  __host__ __device__ int row_bytes() const { return fp8 ? hidden : 2 * hidden; }
+  __host__ __device__ int scale_cols() const { return fp8 ? (hidden + 127) / 128 : 0; }
   // int32 [2 parities][experts_per_rank]: rows received per local expert
   __host__ __device__ size_t counts_offset() const { return kSignalBytes; }
   // int4 [experts_per_rank][capacity]: (source rank, token, slot, 0) of each row
   __host__ __device__ size_t meta_offset() const { return align(counts_offset() + 8 * experts_per_rank); }
-  // bf16 [experts_per_rank][capacity][hidden]: the rows
+  // [experts_per_rank][capacity][row_bytes()]: the rows
   __host__ __device__ size_t recv_offset() const {
     return align(meta_offset() + 16 * static_cast<size_t>(experts_per_rank) * capacity());
   }
+  // f32 [experts_per_rank][capacity][scale_cols()]: the rows' scales (fp8)
+  __host__ __device__ size_t scales_offset() const {
+    return align(recv_offset() + static_cast<size_t>(row_bytes()) * experts_per_rank * capacity());
+  }
   // bf16 [max_tokens * k][hidden]: expert outputs coming back to this rank
   __host__ __device__ size_t combine_offset() const {
-    return align(recv_offset() + 2 * static_cast<size_t>(experts_per_rank) * capacity() * hidden);
+    return align(scales_offset() + 4 * static_cast<size_t>(scale_cols()) * experts_per_rank * capacity());
   }
   __host__ __device__ size_t total_bytes() const {
     return align(combine_offset() + 2 * static_cast<size_t>(max_tokens) * k * hidden);
@@ -148,9 +157,10 @@ struct ExpertLayout {
 struct DispatchParams {
   SymmetricView sym;  // the ExpertLayout allocation
   ExpertLayout layout;
-  const bf16* x;              // [num_tokens, hidden]
+  const void* x;              // [num_tokens, hidden] bf16, or E4M3 with layout.fp8
   const int32_t* expert_ids;  // [num_tokens, k] global expert ids
   int num_tokens;             // <= layout.max_tokens; 0 is fine (the rank still takes part)
+  const float* x_scales = nullptr;  // layout.fp8: [num_tokens, layout.scale_cols()]
 };
 cudaError_t dispatch(const DispatchParams& p, cudaStream_t stream);
 
@@ -173,9 +183,13 @@ cudaError_t received_groups(const ReceivedGroupsParams& p, cudaStream_t stream);
 inline int64_t max_received_rows(const ExpertLayout& l) {
   return l.capacity() * l.k;
 }
-// This rank's recv area: bf16 [experts_per_rank * capacity, hidden].
-inline const bf16* received_rows(const SymmetricView& v, const ExpertLayout& l) {
-  return reinterpret_cast<const bf16*>(v.base[v.rank] + l.recv_offset());
+// This rank's recv area: [experts_per_rank * capacity, hidden] bf16 or E4M3,
+// and (fp8) the rows' scales [experts_per_rank * capacity, scale_cols()].
+inline const void* received_rows(const SymmetricView& v, const ExpertLayout& l) {
+  return v.base[v.rank] + l.recv_offset();
+}
+inline const float* received_scales(const SymmetricView& v, const ExpertLayout& l) {
+  return l.fp8 ? reinterpret_cast<const float*>(v.base[v.rank] + l.scales_offset()) : nullptr;
 }
 
 // Sends each received row's expert output back to its (rank, token, slot) and

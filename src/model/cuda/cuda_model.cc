@@ -248,10 +248,14 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
                          ops::quant_format_name(expert_format));
   s->fp8_experts = expert_format == ops::QuantFormat::kFp8Block || expert_format == ops::QuantFormat::kMxfp8;
   s->mx_experts = expert_format == ops::QuantFormat::kMxfp8;
-  if (s->fp8_experts && options.experts != nullptr)
+  if (options.experts != nullptr && s->mx_experts)
     return unimplemented(
-        "{} experts on data-parallel GPU ranks (--dp): only bf16 experts are exchanged so far",
-        ops::quant_format_name(expert_format));
+        "mxfp8 experts on data-parallel GPU ranks (--dp): the exchange carries fp8-block "
+        "activations (1 x 128 scales) only");
+  if (options.experts != nullptr && options.experts->fp8_payload() != s->fp8_experts)
+    return invalid_argument("{} experts need an expert exchange with a{} payload",
+                            s->fp8_experts ? ops::quant_format_name(expert_format) : "bf16",
+                            s->fp8_experts ? "n FP8" : " bf16");
   if (s->fp8_experts && !k::hopper_kernels_available())
     return unimplemented("{} experts need an sm_90 GPU (the FP8 grouped GEMMs are wgmma kernels)",
                          ops::quant_format_name(expert_format));
@@ -381,8 +385,8 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
       {&s->attention_groups, DType::kI32, {T + 1}},
       {&s->x_fp8, DType::kF8E4M3, {T, fp8_width}},
       {&s->x_scales, DType::kF32, {T, (fp8_width + 127) / 128}},
-      {&s->act_fp8, DType::kF8E4M3, {T * kk, moe_inter}},
-      {&s->act_scales, DType::kF32, {T * kk, (moe_inter + 127) / 128}},
+      {&s->act_fp8, DType::kF8E4M3, {expert_rows, moe_inter}},
+      {&s->act_scales, DType::kF32, {expert_rows, (moe_inter + 127) / 128}},
   };
   for (const auto& a : allocs) MOE_RETURN_IF_ERROR(track(*a.t, DeviceTensor::allocate(a.dtype, a.shape)));
   if (options.comm != nullptr) MOE_RETURN_IF_ERROR(track(s->delta_bf16, DeviceTensor::allocate(DType::kBF16, {T, H})));

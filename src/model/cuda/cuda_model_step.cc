@@ -365,19 +365,46 @@ Status CudaQwen3MoeModel::exchange_experts(const LayerBuffers& b, int num_tokens
   const ModelConfig& c = config();
   const int H = static_cast<int>(c.hidden_size), inter = static_cast<int>(c.moe_intermediate_size);
   const int E_local = s.num_local_experts;
-  MOE_ASSIGN_OR_RETURN(const ReceivedRows r,
-                       s.options.experts->dispatch(s.normed.data_as<bf16>(), s.expert_ids.data_as<int32_t>(),
-                                                   num_tokens, s.stream));
+#define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
+  // FP8 experts: the rows travel quantized (1 x 128 groups, as the one-GPU
+  // path quantizes them before its GEMM), so the expert inputs are the same.
+  if (b.fp8_experts && num_tokens > 0)
+    MOE_LAUNCH(k::quantize_fp8_groups(
+        {s.normed.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), num_tokens, H},
+        s.stream));
+  const void* x = b.fp8_experts ? s.x_fp8.data() : s.normed.data();
+  const float* x_scales = b.fp8_experts ? s.x_scales.data_as<float>() : nullptr;
+  MOE_ASSIGN_OR_RETURN(
+      const ReceivedRows r,
+      s.options.experts->dispatch(x, x_scales, s.expert_ids.data_as<int32_t>(), num_tokens, s.stream));
   if (r.max_rows > s.expert_rows.shape()[0])
     return internal_error("the expert exchange may bring {} rows; this model holds {}", r.max_rows,
                           s.expert_rows.shape()[0]);
-#define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
-  MOE_LAUNCH(k::grouped_gemm({r.rows, r.gather, b.w13.data_as<bf16>(), r.expert_offsets, r.tile_offsets,
-                              s.act.data(), inter, H, E_local, r.max_tiles, true},
-                             s.stream));
-  MOE_LAUNCH(k::grouped_gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(), r.expert_offsets,
-                              r.tile_offsets, s.expert_rows.data(), H, inter, E_local, r.max_tiles, false},
-                             s.stream));
+  if (b.fp8_experts) {
+    // The received rows' count stays on the device: the activations of every
+    // row the exchange could bring are quantized (the rows past the count are
+    // never read).
+    MOE_LAUNCH(k::fp8_grouped_gemm({static_cast<const uint8_t*>(r.rows), r.row_scales, r.gather,
+                                    b.w13.data_as<uint8_t>(), b.w13_scales.data_as<float>(), r.expert_offsets,
+                                    r.tile_offsets, s.act.data(), inter, H, E_local, r.max_tiles, true},
+                                   s.stream));
+    MOE_LAUNCH(k::quantize_fp8_groups({s.act.data_as<bf16>(), s.act_fp8.data_as<uint8_t>(),
+                                       s.act_scales.data_as<float>(), r.max_rows, inter},
+                                      s.stream));
+    MOE_LAUNCH(
+        k::fp8_grouped_gemm({s.act_fp8.data_as<uint8_t>(), s.act_scales.data_as<float>(), nullptr,
+                             b.w2.data_as<uint8_t>(), b.w2_scales.data_as<float>(), r.expert_offsets,
+                             r.tile_offsets, s.expert_rows.data(), H, inter, E_local, r.max_tiles, false},
+                            s.stream));
+  } else {
+    MOE_LAUNCH(
+        k::grouped_gemm({static_cast<const bf16*>(r.rows), r.gather, b.w13.data_as<bf16>(), r.expert_offsets,
+                         r.tile_offsets, s.act.data(), inter, H, E_local, r.max_tiles, true},
+                        s.stream));
+    MOE_LAUNCH(k::grouped_gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(), r.expert_offsets,
+                                r.tile_offsets, s.expert_rows.data(), H, inter, E_local, r.max_tiles, false},
+                               s.stream));
+  }
 #undef MOE_LAUNCH
   MOE_RETURN_IF_ERROR(s.options.experts->combine(s.expert_rows.data_as<float>(),
                                                  s.expert_weights.data_as<float>(), s.delta.data_as<float>(),

@@ -30,7 +30,8 @@ namespace moe::model {
 // GEMM row i being row gather[i] of `rows`. All device pointers, valid until
 // the next dispatch; the counts never come to the host.
 struct ReceivedRows {
-  const __nv_bfloat16* rows;      // [.., hidden]
+  const void* rows;               // [.., hidden] bf16, or E4M3 with an FP8 payload
+  const float* row_scales;        // FP8 payload: [.., ceil(hidden / 128)], the rows' scales; else null
   const int32_t* gather;          // [max_rows]
   const int32_t* expert_offsets;  // [experts_per_rank + 1]
   const int32_t* tile_offsets;    // [experts_per_rank + 1]
@@ -44,12 +45,16 @@ class CudaExpertExchange {
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
   virtual bool graph_capturable() const = 0;
+  // The rows travel as E4M3 with f32 scales per 1 x 128 (the fp8-block
+  // activations the FP8 expert GEMMs read) instead of bf16.
+  virtual bool fp8_payload() const = 0;
   // Every rank meets on the host (before the first exchange after a long host phase).
   virtual Status barrier() = 0;
-  // x [num_tokens, hidden] bf16, expert_ids [num_tokens, k] global ids
+  // x [num_tokens, hidden] bf16 (FP8 payload: E4M3, with x_scales
+  // [num_tokens, ceil(hidden / 128)]), expert_ids [num_tokens, k] global ids
   // (distinct within a token).
-  virtual Expected<ReceivedRows> dispatch(const __nv_bfloat16* x, const int32_t* expert_ids, int num_tokens,
-                                          cudaStream_t stream) = 0;
+  virtual Expected<ReceivedRows> dispatch(const void* x, const float* x_scales, const int32_t* expert_ids,
+                                          int num_tokens, cudaStream_t stream) = 0;
   // y [received rows, hidden] f32: the local experts' outputs in the GEMM
   // rows' order of the last dispatch. out [num_tokens, hidden] f32, this
   // rank's tokens: out[t] = sum over slots j ascending of weights[t, j] *

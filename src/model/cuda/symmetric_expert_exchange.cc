@@ -6,14 +6,14 @@
 namespace moe::model {
 
 Expected<std::unique_ptr<SymmetricExpertExchange>> SymmetricExpertExchange::create(
-    comm::TcpBootstrap& bootstrap, int device, int num_experts, int k, int max_tokens, int hidden) {
+    comm::TcpBootstrap& bootstrap, int device, int num_experts, int k, int max_tokens, int hidden, bool fp8) {
   const int world = bootstrap.world_size();
   if (world > comm::cuda::kMaxRanks)
     return unimplemented("the expert exchange runs up to {} ranks, got {}", comm::cuda::kMaxRanks, world);
   if (num_experts % world != 0 || k < 1 || k > num_experts)
     return invalid_argument("{} experts (top-{}) do not split over {} ranks", num_experts, k, world);
-  if (hidden % 8 != 0) return unimplemented("the expert exchange needs hidden % 8 == 0, got {}", hidden);
-  const comm::cuda::ExpertLayout layout{world, num_experts / world, max_tokens, k, hidden};
+  if (hidden % 16 != 0) return unimplemented("the expert exchange needs hidden % 16 == 0, got {}", hidden);
+  const comm::cuda::ExpertLayout layout{world, num_experts / world, max_tokens, k, hidden, fp8};
   comm::cuda::SymmetricMemoryOptions options;
   options.device = device;
   options.data_bytes = layout.total_bytes() - comm::cuda::kSignalBytes;
@@ -24,20 +24,22 @@ Expected<std::unique_ptr<SymmetricExpertExchange>> SymmetricExpertExchange::crea
       new SymmetricExpertExchange(std::move(memory), bootstrap, layout, std::move(groups)));
 }
 
-Expected<ReceivedRows> SymmetricExpertExchange::dispatch(const __nv_bfloat16* x, const int32_t* expert_ids,
-                                                         int num_tokens, cudaStream_t stream) {
+Expected<ReceivedRows> SymmetricExpertExchange::dispatch(const void* x, const float* x_scales,
+                                                         const int32_t* expert_ids, int num_tokens,
+                                                         cudaStream_t stream) {
   if (num_tokens > layout_.max_tokens)
     return invalid_argument("an expert exchange of {} tokens; this one takes up to {}", num_tokens,
                             layout_.max_tokens);
   const comm::cuda::SymmetricView& view = memory_->view();
-  MOE_RETURN_IF_ERROR(cuda_status(comm::cuda::dispatch({view, layout_, x, expert_ids, num_tokens}, stream),
-                                  "expert dispatch"));
+  MOE_RETURN_IF_ERROR(cuda_status(
+      comm::cuda::dispatch({view, layout_, x, expert_ids, num_tokens, x_scales}, stream), "expert dispatch"));
   constexpr int kTile = ops::cuda::kGroupedGemmTileRows;
   MOE_RETURN_IF_ERROR(cuda_status(
       comm::cuda::received_groups({view, layout_, expert_offsets(), tile_offsets(), gather(), kTile}, stream),
       "received_groups"));
   const auto max_rows = static_cast<int>(comm::cuda::max_received_rows(layout_));
   return ReceivedRows{comm::cuda::received_rows(view, layout_),
+                      comm::cuda::received_scales(view, layout_),
                       gather(),
                       expert_offsets(),
                       tile_offsets(),

@@ -19,16 +19,18 @@ class SymmetricExpertExchange final : public CudaExpertExchange {
  public:
   // Collective: every rank calls it with the same sizes after making `device`
   // current. max_tokens: the most tokens a rank's step sends (the model's
-  // max_num_tokens). `bootstrap` (barrier()) must outlive this.
+  // max_num_tokens); fp8: an FP8 payload (FP8 experts). `bootstrap`
+  // (barrier()) must outlive this.
   static Expected<std::unique_ptr<SymmetricExpertExchange>> create(comm::TcpBootstrap& bootstrap, int device,
                                                                    int num_experts, int k, int max_tokens,
-                                                                   int hidden);
+                                                                   int hidden, bool fp8);
   int rank() const override { return memory_->rank(); }
   int world_size() const override { return memory_->world_size(); }
   bool graph_capturable() const override { return true; }
+  bool fp8_payload() const override { return layout_.fp8; }
   Status barrier() override { return bootstrap_.barrier(); }
-  Expected<ReceivedRows> dispatch(const __nv_bfloat16* x, const int32_t* expert_ids, int num_tokens,
-                                  cudaStream_t stream) override;
+  Expected<ReceivedRows> dispatch(const void* x, const float* x_scales, const int32_t* expert_ids,
+                                  int num_tokens, cudaStream_t stream) override;
   Status combine(const float* y, const float* weights, float* out, int num_tokens,
                  cudaStream_t stream) override;
   Status health() const override;
