@@ -18,6 +18,7 @@
 #include <optional>
 #include <thread>
 
+#include "apps/moeserve/load_options.h"
 #include "apps/moeserve/serve_command.h"
 #include "core/logging.h"
 #include "server/disagg_decode.h"
@@ -48,7 +49,7 @@ Status run_router(ServeArgs args, const std::vector<std::string>& prefill,
                   const std::vector<std::string>& decode, const sigset_t& signals,
                   const std::function<void()>& on_listening = {}) {
   if (args.model.empty()) args.model = find_default_model();
-  MOE_ASSIGN_OR_RETURN(model::ModelConfig config, model::load_model_config(args.model));
+  MOE_ASSIGN_OR_RETURN(model::ModelConfig config, load_config(args.model));
   if (args.served_model_name.empty())
     args.served_model_name = std::filesystem::path(args.model).filename().string();
   std::optional<tokenizer::Tokenizer> tok;

@@ -15,8 +15,6 @@ void add_load_options(CLI::App* cmd, LoadArgs& args) {
       ->check(CLI::IsMember({"auto", "none", "fp8-block", "mxfp8", "nvfp4", "mxfp4"}));
 }
 
-namespace {
-// --model is a model directory, or (for --load-format dummy) a config.json file.
 Expected<model::ModelConfig> load_config(const std::string& model) {
   if (std::filesystem::is_regular_file(model)) {
     std::ifstream in(model);
@@ -28,7 +26,6 @@ Expected<model::ModelConfig> load_config(const std::string& model) {
   }
   return model::load_model_config(model);
 }
-}  // namespace
 
 Expected<ResolvedModel> resolve_model(const std::string& model, const LoadArgs& args) {
   ResolvedModel out;

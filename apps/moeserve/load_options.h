@@ -32,5 +32,8 @@ struct ResolvedModel {
 
 // Reads the config and checks the flags against each other (an error names the flag).
 Expected<ResolvedModel> resolve_model(const std::string& model, const LoadArgs& args);
+// --model's config alone: a model directory's config.json, or the file itself
+// (what dummy weights are drawn from; the router takes either).
+Expected<model::ModelConfig> load_config(const std::string& model);
 
 }  // namespace moe::apps

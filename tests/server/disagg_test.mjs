@@ -116,6 +116,17 @@ test('serve --disagg --tp 2 --ep 2: prefill instances of two ranks, the same out
   await checkCluster(1, 1, ['--tp', '2', '--ep', '2']);
 });
 
+test('router --model takes a config.json as the instances do with dummy weights', async () => {
+  const config = path.join(repoRoot, 'tests/data/configs/qwen3-235b-a22b.config.json');
+  const router = await startProcess('router', ['--model', config]);
+  try {
+    const models = await (await fetch(`${router.url}/v1/models`)).json();
+    assert.deepEqual(models.data.map((m) => m.id), ['qwen3-235b-a22b.config.json']);
+  } finally {
+    assert.equal(await router.stop(), 0);
+  }
+});
+
 test('serve --disagg --dp is refused with where data-parallel decode ranks run', async () => {
   await assert.rejects(startProcess('serve', ['--disagg', '--dp', '2', '--ep', '2', ...engineFlags], { timeoutMs: 30000 }),
                        /single-rank decode instances.*moeserve decode --dp N --ep N --router URL/s);

@@ -24,7 +24,10 @@ CONCURRENCY=${CONCURRENCY:-64}
 CONFIG=tests/data/configs/qwen3-235b-a22b.config.json
 mkdir -p "$OUT"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-if [[ $gpus -lt $WORLD ]]; then echo "ranks_bench: $gpus GPU(s), $WORLD needed"; exit 0; fi
+# ONE_GPU=1 (DECODE_ONLY runs): every instance on GPU 0 with a fixed KV pool,
+# a functional dry run of the scripts and the ranks on a one-GPU machine
+# (its throughput means nothing: the processes time-slice the GPU).
+if [[ -z ${ONE_GPU:-} && $gpus -lt $WORLD ]]; then echo "ranks_bench: $gpus GPU(s), $WORLD needed"; exit 0; fi
 
 run_case() {  # name, serve flags...
   local name=$1; shift
@@ -66,24 +69,26 @@ run_decode_case() {  # name, concurrency, decode flags...
                 --router http://127.0.0.1:18580)
   "$BIN/moeserve" router --model "$CONFIG" --port 18580 > "$OUT/$name.router.log" 2>&1 &
   local router=$!
-  "$BIN/moeserve" prefill "${common[@]}" --gpu 0 --gpu-memory-utilization 0.45 --port 18581 \
-    > "$OUT/$name.prefill.log" 2>&1 &
+  local memory=(--gpu-memory-utilization 0.45)
+  [[ -n ${ONE_GPU:-} ]] && memory=(--kv-cache-gb 4)
+  "$BIN/moeserve" prefill "${common[@]}" --gpu 0 "${memory[@]}" --port 18581 > "$OUT/$name.prefill.log" 2>&1 &
   local prefill=$!
-  "$BIN/moeserve" decode "${common[@]}" --gpu-memory-utilization 0.45 --port 18582 "$@" > "$OUT/$name.log" 2>&1 &
+  "$BIN/moeserve" decode "${common[@]}" "${memory[@]}" --port 18582 "$@" > "$OUT/$name.log" 2>&1 &
   local decode=$!
   local want=$(( $# > 2 ? WORLD + 1 : 2 )) healthy=0
-  for _ in $(seq 1 1500); do
+  for _ in $(seq 1 750); do  # 150 s: the instances draw their dummy weights and warm up
     healthy=$(curl -sf localhost:18580/metrics | grep -c '^moeserve:router_instance_healthy.* 1$')
     [[ $healthy -ge $want ]] && break
-    kill -0 $decode 2>/dev/null && kill -0 $prefill 2>/dev/null || break
+    kill -0 $decode 2>/dev/null && kill -0 $prefill 2>/dev/null && kill -0 $router 2>/dev/null || break
     sleep 0.2
   done
   if [[ $healthy -lt $want ]]; then
-    echo "$name: did not start ($healthy of $want instances healthy)"; tail -5 "$OUT/$name.log"
+    echo "$name: did not start ($healthy of $want instances healthy)"
+    tail -3 "$OUT/$name.router.log" "$OUT/$name.prefill.log" "$OUT/$name.log"
   else
-    "$BIN/moeserve" bench serve --url http://127.0.0.1:18580 --random-input-len 128 --random-output-len "$DECODE_LEN" \
-      --num-prompts $((concurrency * 2)) --max-concurrency "$concurrency" --random-vocab-hi 150000 \
-      --save-result "$OUT/$name.decode.json" > /dev/null 2>&1
+    timeout "${BENCH_TIMEOUT:-200}" "$BIN/moeserve" bench serve --url http://127.0.0.1:18580 --random-input-len 128 \
+      --random-output-len "$DECODE_LEN" --num-prompts $((concurrency * 2)) --max-concurrency "$concurrency" \
+      --random-vocab-hi 150000 --save-result "$OUT/$name.decode.json" > "$OUT/$name.bench.log" 2>&1
     python3 - "$name" "$concurrency" "$OUT/$name.decode.json" <<'PY'
 import json, sys
 name, concurrency, path = sys.argv[1:4]
@@ -102,9 +107,11 @@ if [[ -n ${DECODE_ONLY:-} ]]; then
   echo "decode instances, dummy Qwen3-235B-A22B, $LAYERS layers ${MODEL_FLAGS:-bf16}; 128-token prompts, $DECODE_LEN output tokens"
   echo "| decode instance | concurrency | output tok/s | mean TPOT ms | completed |"
   echo "|---|---|---|---|---|"
+  single_gpu=1 dp_gpus=$(seq -s, 0 $((WORLD - 1)))
+  [[ -n ${ONE_GPU:-} ]] && single_gpu=0 dp_gpus=$(printf '0%.0s,' $(seq 1 "$WORLD") | sed 's/,$//')
   for c in $CONCURRENCY $((CONCURRENCY * WORLD)); do
-    run_decode_case "decode_one_gpu_c$c" "$c" --gpu 1
-    run_decode_case "decode_dp${WORLD}_c$c" "$c" --dp "$WORLD" --ep "$WORLD" --gpus "$(seq -s, 0 $((WORLD - 1)))"
+    run_decode_case "decode_one_gpu_c$c" "$c" --gpu "$single_gpu"
+    run_decode_case "decode_dp${WORLD}_c$c" "$c" --dp "$WORLD" --ep "$WORLD" --gpus "$dp_gpus"
   done
   exit 0
 fi
