@@ -711,7 +711,7 @@ Status run_serve(ServeArgs args) {
 #ifdef MOE_WITH_CUDA
   std::optional<GpuRanks> gpu_group;  // outlives the engine, whose runner stops the followers
   if (gpu_ranks) {
-    if (spec.enabled())
+    if (spec.enabled() && !dp)  // data-parallel ranks each draft for their own requests (docs/parallel.md)
       return unimplemented("speculative decoding on GPU ranks (--tp/--ep with --device cuda) is not supported yet");
     const ops::QuantFormat experts = weights ? weights->quant_format() : resolved.dummy_format;
     MOE_ASSIGN_OR_RETURN(

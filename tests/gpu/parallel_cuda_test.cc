@@ -9,7 +9,8 @@
 // rounding of the whole model's; greedy tokens equal. Also FP8 experts over
 // EP ranks (and TP over quantized weights refused). Data-parallel ranks
 // (decode instances) through a host expert exchange: each rank's logits equal
-// the whole model on that rank's requests, an idle rank lending its experts.
+// the whole model on that rank's requests, an idle rank lending its experts,
+// FP8 experts crossing as E4M3 rows, the MTP layer whole on each rank.
 // The NVLink collectives themselves are tested in tests/comm. Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -555,6 +556,67 @@ TEST(CudaDataParallel, Fp8ExpertsTravelQuantized) {
   ASSERT_FALSE(mismatched.has_value());
   EXPECT_NE(mismatched.status().message().find("FP8 payload"), std::string::npos)
       << mismatched.status().message();
+}
+
+// Speculative decoding on data-parallel ranks: each rank holds the MTP layer
+// whole (every expert) and drafts for its own requests, no exchange: its MTP
+// forward equals one model's, the golden checkpoint's random MoE MTP layer.
+TEST(CudaDataParallel, MtpLayerRunsWholeOnEachRank) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::string dir = std::string(MOE_SOURCE_DIR) + "/tests/data/golden/moe_basic";
+  auto config = load_model_config(dir);
+  ASSERT_TRUE(config.has_value()) << config.status().to_string();
+  ThreadPool pool(2);
+  auto weights = ModelWeights::load(dir, *config, pool);
+  ASSERT_TRUE(weights.has_value()) << weights.status().to_string();
+  auto mtp = MtpWeights::load(std::string(MOE_SOURCE_DIR) + "/tests/data/mtp_golden", *config);
+  ASSERT_TRUE(mtp.has_value()) << mtp.status().to_string();
+  const int64_t H = config->hidden_size, V = config->vocab_size;
+  MtpBatch batch;  // two sequences of 6 and 3 positions
+  batch.query_start = {0, 6, 9};
+  for (int t = 0; t < 9; ++t) {
+    batch.token_ids.push_back(static_cast<int32_t>((37 * t + 11) % V));
+    batch.positions.push_back(t < 6 ? t : t - 6);
+  }
+  batch.page_table = {1, 4};
+  batch.max_pages_per_seq = 1;
+  batch.output_rows = {5, 8};
+  Tensor hidden(DType::kF32, {9, H});
+  for (int64_t i = 0; i < hidden.num_elements(); ++i) hidden.data_as<float>()[i] = std::sin(0.37f * i) * 2.0f;
+  CudaModelOptions options = base_options();
+  options.mtp = &*mtp;
+  Tensor want;
+  {
+    auto whole = CudaQwen3MoeModel::create(*weights, options);
+    ASSERT_TRUE(whole.has_value()) << whole.status().to_string();
+    auto out = (*whole)->forward_mtp(batch, hidden.view());
+    ASSERT_TRUE(out.has_value()) << out.status().to_string();
+    want = std::move(out->logits);
+  }
+  ExchangeGroup group(2, config->num_experts, config->num_experts_per_tok, static_cast<int>(H));
+  std::vector<Tensor> got(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      ThreadExpertExchange exchange(group, r, base_options().max_num_tokens);
+      ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+      CudaModelOptions rank_options = options;
+      rank_options.plan = ParallelPlan{1, 0, 2, r, true, nullptr};
+      rank_options.experts = &exchange;
+      auto model = CudaQwen3MoeModel::create(*weights, rank_options);
+      ASSERT_TRUE(model.has_value()) << "rank " << r << ": " << model.status().to_string();
+      auto out = (*model)->forward_mtp(batch, hidden.view());
+      ASSERT_TRUE(out.has_value()) << out.status().to_string();
+      got[static_cast<size_t>(r)] = std::move(out->logits);
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(got[static_cast<size_t>(r)].num_elements(), want.num_elements()) << "rank " << r;
+    EXPECT_LT(relative_error(got[static_cast<size_t>(r)].data_as<float>(), want.data_as<float>(),
+                             want.num_elements()),
+              1e-6)
+        << "rank " << r;
+  }
 }
 
 // What a GPU rank refuses, before touching the GPU's memory.

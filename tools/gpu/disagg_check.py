@@ -159,7 +159,6 @@ def serve(args):
     activated = sum(per_rank)
     if len(decode_urls) > 1:
         results["activated_per_decode_rank"] = per_rank
-    decode_metrics = decode_all[0]
     hits = metric(prefill_metrics, "moeserve:prefix_cache_hits_total")
     if kv_bytes <= 0:
         failures.append("prefill: moeserve:disagg_kv_bytes_sent_total is 0")
@@ -169,9 +168,11 @@ def serve(args):
                            "transport_info": seen}
     drafted = ""
     if args.speculative:  # the decode instance drafts from what the prefill instance sent (docs/speculative.md)
-        drafts = metric(decode_metrics, "moeserve:spec_decode_num_draft_tokens_total") or 0
-        accepted = metric(decode_metrics, "moeserve:spec_decode_num_accepted_tokens_total") or 0
-        without = metric(decode_metrics, "moeserve:disagg_commits_without_mtp_total") or 0
+        def summed(name):  # over the decode endpoints (data-parallel ranks each draft)
+            return sum(metric(text, name) or 0 for text in decode_all)
+        drafts = summed("moeserve:spec_decode_num_draft_tokens_total")
+        accepted = summed("moeserve:spec_decode_num_accepted_tokens_total")
+        without = summed("moeserve:disagg_commits_without_mtp_total")
         results["speculation"] = {"draft_tokens": drafts, "accepted_tokens": accepted, "commits_without_mtp": without}
         drafted = f"; decode drafted {drafts:.0f} tokens, accepted {accepted:.0f}"
         if drafts <= 0:

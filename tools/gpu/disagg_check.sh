@@ -27,7 +27,8 @@
 #   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOE_STATIC_RUNTIME=ON
 #   cmake --build build-gpu --target moeserve disagg_cuda_test
 # Run from anywhere: bash tools/gpu/disagg_check.sh (BIN, OUT, MODELS override;
-# DP_FLAGS adds flags to the data-parallel decode instance, e.g. --enforce-eager).
+# DP_FLAGS adds flags to the data-parallel decode instance, e.g. --enforce-eager;
+# SPEC_K lists the MTP k values of the one-GPU-decode runs, default "1 2 3 4").
 # Logs in $OUT (default /tmp/out, 8 files): summary.txt, disagg_cuda_test.log,
 # generate.log, prefill.log, decode.log, router.log, metrics.txt,
 # results.jsonl. Exit status 0 when everything passed.
@@ -142,12 +143,20 @@ check_disagg() {
 check_disagg_dp() {
   local model=$1 name
   shift
-  # Further arguments go to disagg_check.py serve (--no-golden).
+  # Further arguments go to disagg_check.py serve (--no-golden, --speculative).
+  # DP_MTP=DIR: both instances speculate with that MTP layer, k = 2 (each
+  # data-parallel rank drafts for its own requests).
   name=$(basename "$model")
-  say "=== $name (decode --dp 2 --ep 2): router :$ROUTER_PORT, prefill --gpu 0 :$PREFILL_PORT," \
+  local spec=() tag="dp"
+  if [[ -n ${DP_MTP:-} ]]; then
+    spec=(--speculative-config '{"method":"mtp","num_speculative_tokens":2}' --speculative-model "$DP_MTP")
+    tag="dp, MTP k=2"
+  fi
+  say "=== $name (decode --dp 2 --ep 2${DP_MTP:+, MTP k=2}): router :$ROUTER_PORT, prefill --gpu 0 :$PREFILL_PORT," \
     "decode --dp 2 --ep 2 --gpus 0,$DECODE_GPU :$DECODE_PORT"
-  local common=(--model "$model" --device cuda --kv-cache-gb 4 --host 127.0.0.1 --router "http://127.0.0.1:$ROUTER_PORT")
-  echo "=== $name (dp)" | tee -a "$OUT/prefill.log" "$OUT/decode.log" "$OUT/router.log" > /dev/null
+  local common=(--model "$model" --device cuda --kv-cache-gb 4 --host 127.0.0.1 --router "http://127.0.0.1:$ROUTER_PORT"
+                "${spec[@]}")
+  echo "=== $name ($tag)" | tee -a "$OUT/prefill.log" "$OUT/decode.log" "$OUT/router.log" > /dev/null
   "$BIN/moeserve" router --model "$model" --port $ROUTER_PORT >> "$OUT/router.log" 2>&1 &
   local router=$!
   "$BIN/moeserve" prefill "${common[@]}" --gpu 0 --port $PREFILL_PORT >> "$OUT/prefill.log" 2>&1 &
@@ -177,7 +186,7 @@ check_disagg_dp() {
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   stop $decode
   stop $prefill $router
-  awk -v header="=== $name (dp)" '$0 == header {on = 1; next} /^=== / {on = 0} on' "$OUT/decode.log" \
+  awk -v header="=== $name ($tag)" '$0 == header {on = 1; next} /^=== / {on = 0} on' "$OUT/decode.log" \
     | grep -E "expert exchange ready|data-parallel GPU ranks ready|CUDA model on device" | sed 's/^/  /' \
     | tee -a "$OUT/summary.txt"
 }
@@ -200,12 +209,17 @@ for model in $MODELS; do
   [[ $name == moe_basic ]] && mtp=tests/data/mtp_golden
   [[ $name == moeserve-demo ]] && mtp=models/moeserve-demo-mtp
   if [[ -n $mtp && -z ${NO_SPECULATIVE:-} ]]; then
-    for k in 1 2 3 4; do
+    for k in ${SPEC_K-1 2 3 4}; do
       check_disagg "$model" " (MTP, k=$k)" --speculative-config "{\"method\":\"mtp\",\"num_speculative_tokens\":$k}" \
         --speculative-model "$mtp"
     done
   fi
   [[ -z ${NO_DP:-} ]] && check_disagg_dp "$model"
+  if [[ -n $mtp && -z ${NO_SPECULATIVE:-} && -z ${NO_DP:-} ]]; then
+    accepted=()
+    [[ $name == moeserve-demo ]] && accepted=(--expect-accepted)
+    DP_MTP=$mtp check_disagg_dp "$model" --speculative "${accepted[@]}"
+  fi
   # A prefill instance of two GPU ranks (heads split): the leader sends every rank's KV.
   if [[ -z ${NO_TP:-} ]]; then
     PREFILL_PLACEMENT=(--tp 2 --gpus "0,$DECODE_GPU")

@@ -158,8 +158,9 @@ Status check_cuda_parallel(const ModelConfig& full, const ModelWeights* weights,
   const ParallelPlan& plan = options.plan;
   if (plan.single()) return Status::ok();
   MOE_RETURN_IF_ERROR(weights ? check_parallel_plan(full, *weights, plan) : check_parallel_layout(full, plan));
-  if (options.mtp != nullptr)
-    return unimplemented("an MTP layer on GPU ranks (--tp/--ep/--dp) is not supported yet");
+  if (options.mtp != nullptr &&
+      !plan.dp_attention)  // data-parallel ranks run it whole, on their own requests
+    return unimplemented("an MTP layer on GPU ranks (--tp/--ep) is not supported yet");
   if (plan.dp_attention) {
     if (options.experts == nullptr || options.experts->world_size() != plan.ep_size ||
         options.experts->rank() != plan.ep_rank)

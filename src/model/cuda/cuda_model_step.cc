@@ -314,13 +314,17 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                                        DType::kF32, T, E, H, s.stream));
     MOE_LAUNCH(k::route_topk({s.router_logits.data_as<float>(), s.expert_ids.data_as<int32_t>(),
                               s.expert_weights.data_as<float>(), T, E, topk, c.norm_topk_prob}, s.stream));
-    if (s.options.experts != nullptr) return exchange_experts(b, T, next_norm);
-    // This rank's experts only (all of them without expert parallelism): the
-    // grouped GEMMs below run E_local experts; the other ranks' pairs get no row.
-    const int E_local = s.num_local_experts;
+    // A data-parallel rank's target layers exchange their tokens; its MTP
+    // layer (layer < 0) holds every expert and runs here, on its own requests.
+    if (s.options.experts != nullptr && layer >= 0) return exchange_experts(b, T, next_norm);
+    // This rank's experts only (all of them without expert parallelism, and
+    // in the MTP layer): the grouped GEMMs below run E_local experts; the
+    // other ranks' pairs get no row.
+    const int E_local = layer >= 0 ? s.num_local_experts : E;
+    const int first_expert = layer >= 0 ? s.first_expert : 0;
     MOE_LAUNCH(k::moe_permute({s.expert_ids.data_as<int32_t>(), s.expert_offsets.data_as<int32_t>(),
                                s.tile_offsets.data_as<int32_t>(), s.sorted_token.data_as<int32_t>(),
-                               s.row_of.data_as<int32_t>(), T, topk, E_local, moe_tile_rows, s.first_expert},
+                               s.row_of.data_as<int32_t>(), T, topk, E_local, moe_tile_rows, first_expert},
                               s.stream));
     const int max_tiles = (T * topk + moe_tile_rows - 1) / moe_tile_rows + E_local;
     const auto gemm = prefill_gemm ? k::wgmma_grouped_gemm_prefill : k::grouped_gemm;
