@@ -434,6 +434,36 @@ TEST_F(CudaOps, Fp8DenseProjectionSplitAlongKMatchesTheCpu) {
 // The MXFP8 activation quantizer writes the bytes the CPU quantizer writes
 // for the same matrix (E4M3 values, E8M0 scales per 1 x 32, the OCP rule),
 // zero groups and a partial last group included.
+// fp8-block activations with the row count on the device (live_rows, as a
+// data-parallel rank quantizes what its exchange brought): the live rows equal
+// the host-counted run bit for bit, the rows past the count stay untouched.
+TEST_F(CudaOps, QuantizeFp8GroupsStopsAtTheDeviceRowCount) {
+  const int rows = 300, cols = 1536, live = 137, groups = cols / 128;
+  Host x = random_bf16({rows, cols}, rng_, 3.0f);
+  DeviceTensor d_x = upload(x.bf16);
+  DeviceTensor d_live = upload_vector(std::vector<int32_t>{live}, DType::kI32);
+  Output all = Output::make(static_cast<size_t>(rows) * cols), all_scales = Output::make(rows * groups * 4);
+  Output some = Output::make(static_cast<size_t>(rows) * cols), some_scales = Output::make(rows * groups * 4);
+  ASSERT_EQ(k::quantize_fp8_groups(
+                {d_x.data_as<bf16>(), all.get<uint8_t>(), all_scales.get<float>(), rows, cols}, nullptr),
+            cudaSuccess);
+  k::QuantizeFp8Params p{d_x.data_as<bf16>(), some.get<uint8_t>(), some_scales.get<float>(), rows, cols};
+  p.live_rows = d_live.data_as<int32_t>();
+  ASSERT_EQ(k::quantize_fp8_groups(p, nullptr), cudaSuccess);
+  const auto want = all.download(), got = some.download();
+  const auto want_scales = all_scales.download(), got_scales = some_scales.download();
+  const size_t live_bytes = static_cast<size_t>(live) * cols,
+               live_scale_bytes = static_cast<size_t>(live) * groups * 4;
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), live_bytes), 0) << "the live rows";
+  EXPECT_EQ(std::memcmp(got_scales.data(), want_scales.data(), live_scale_bytes), 0) << "their scales";
+  EXPECT_TRUE(std::all_of(got.begin() + static_cast<int64_t>(live_bytes), got.end(), [](uint8_t b) {
+    return b == kSentinel;
+  })) << "rows past the count written";
+  EXPECT_TRUE(std::all_of(got_scales.begin() + static_cast<int64_t>(live_scale_bytes), got_scales.end(),
+                          [](uint8_t b) { return b == kSentinel; }))
+      << "scales past the count written";
+}
+
 TEST_F(CudaOps, QuantizeMxfp8MatchesTheCpuQuantizer) {
   const int rows = 37, cols = 328;  // 10 full groups and one of 8
   Host x = random_bf16({rows, cols}, rng_, 3.0f);

@@ -385,16 +385,15 @@ Status CudaQwen3MoeModel::exchange_experts(const LayerBuffers& b, int num_tokens
     return internal_error("the expert exchange may bring {} rows; this model holds {}", r.max_rows,
                           s.expert_rows.shape()[0]);
   if (b.fp8_experts) {
-    // The received rows' count stays on the device: the activations of every
-    // row the exchange could bring are quantized (the rows past the count are
-    // never read).
     MOE_LAUNCH(k::fp8_grouped_gemm({static_cast<const uint8_t*>(r.rows), r.row_scales, r.gather,
                                     b.w13.data_as<uint8_t>(), b.w13_scales.data_as<float>(), r.expert_offsets,
                                     r.tile_offsets, s.act.data(), inter, H, E_local, r.max_tiles, true},
                                    s.stream));
-    MOE_LAUNCH(k::quantize_fp8_groups({s.act.data_as<bf16>(), s.act_fp8.data_as<uint8_t>(),
-                                       s.act_scales.data_as<float>(), r.max_rows, inter},
-                                      s.stream));
+    // The received rows' count stays on the device (expert_offsets[E_local]).
+    k::QuantizeFp8Params act{s.act.data_as<bf16>(), s.act_fp8.data_as<uint8_t>(),
+                             s.act_scales.data_as<float>(), r.max_rows, inter};
+    act.live_rows = r.expert_offsets + E_local;
+    MOE_LAUNCH(k::quantize_fp8_groups(act, s.stream));
     MOE_LAUNCH(
         k::fp8_grouped_gemm({s.act_fp8.data_as<uint8_t>(), s.act_scales.data_as<float>(), nullptr,
                              b.w2.data_as<uint8_t>(), b.w2_scales.data_as<float>(), r.expert_offsets,

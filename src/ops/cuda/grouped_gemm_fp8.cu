@@ -273,38 +273,45 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
 #endif
 }
 
-// One warp per (row, group of 128 columns); each lane holds 4 columns.
+// One warp per (row, group of 128 columns); each lane holds 4 columns. With
+// a row count on the device, a fixed grid strides over the live rows.
 __global__ void quantize_fp8_groups_kernel(QuantizeFp8Params p) {
   const int groups = (p.cols + kGroup - 1) / kGroup;
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  if (warp >= p.rows * groups) return;
-  const int row = warp / groups, group = warp % groups;
-  const int64_t base = static_cast<int64_t>(row) * p.cols + group * kGroup;
-  float v[4];
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int col = group * kGroup + lane * 4 + j;
-    v[j] = col < p.cols ? __bfloat162float(p.in[base + lane * 4 + j]) : 0.0f;
-    amax = fmaxf(amax, fabsf(v[j]));
-  }
-  for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  const float scale = fmaxf(amax, 1e-10f) / 448.0f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int col = group * kGroup + lane * 4 + j;
-    if (col < p.cols)
-      p.out[base + lane * 4 + j] =
-          static_cast<uint8_t>(__nv_cvt_float_to_fp8(v[j] / scale, __NV_SATFINITE, __NV_E4M3));
-  }
-  if (lane == 0 && p.scales != nullptr) p.scales[static_cast<int64_t>(row) * groups + group] = scale;
-  if (p.dequantized != nullptr) {
+  const int rows = p.live_rows != nullptr ? min(p.rows, *p.live_rows) : p.rows;
+  const int lane = threadIdx.x & 31;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x >> 5;
+  for (int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+       warp < static_cast<int64_t>(rows) * groups; warp += stride) {
+    const int row = static_cast<int>(warp / groups), group = static_cast<int>(warp % groups);
+    const int64_t base = static_cast<int64_t>(row) * p.cols + group * kGroup;
+    float v[4];
+    float amax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int col = group * kGroup + lane * 4 + j;
-      if (col < p.cols) {
-        const float q = __half2float(__half(__nv_cvt_fp8_to_halfraw(p.out[base + lane * 4 + j], __NV_E4M3)));
-        p.dequantized[base + lane * 4 + j] = __float2bfloat16(q * scale);
+      v[j] = col < p.cols ? __bfloat162float(p.in[base + lane * 4 + j]) : 0.0f;
+      amax = fmaxf(amax, fabsf(v[j]));
+    }
+    for (int offset = 16; offset > 0; offset >>= 1)
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const float scale = fmaxf(amax, 1e-10f) / 448.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int col = group * kGroup + lane * 4 + j;
+      if (col < p.cols)
+        p.out[base + lane * 4 + j] =
+            static_cast<uint8_t>(__nv_cvt_float_to_fp8(v[j] / scale, __NV_SATFINITE, __NV_E4M3));
+    }
+    if (lane == 0 && p.scales != nullptr) p.scales[static_cast<int64_t>(row) * groups + group] = scale;
+    if (p.dequantized != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = group * kGroup + lane * 4 + j;
+        if (col < p.cols) {
+          const float q =
+              __half2float(__half(__nv_cvt_fp8_to_halfraw(p.out[base + lane * 4 + j], __NV_E4M3)));
+          p.dequantized[base + lane * 4 + j] = __float2bfloat16(q * scale);
+        }
       }
     }
   }
@@ -385,7 +392,10 @@ int fp8_gemm_k_splits(int N, int K, int row_tiles) {
 cudaError_t quantize_fp8_groups(const QuantizeFp8Params& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   const int64_t warps = static_cast<int64_t>(p.rows) * ((p.cols + kGroup - 1) / kGroup);
-  quantize_fp8_groups_kernel<<<static_cast<unsigned>((warps * 32 + 255) / 256), 256, 0, stream>>>(p);
+  // Rows counted on the device: a grid of ~8 blocks per SM strides over them.
+  const int64_t blocks =
+      p.live_rows != nullptr ? std::min<int64_t>((warps * 32 + 255) / 256, 1056) : (warps * 32 + 255) / 256;
+  quantize_fp8_groups_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

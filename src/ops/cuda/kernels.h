@@ -173,6 +173,9 @@ struct QuantizeFp8Params {
   float* scales;    // [rows, ceil(cols / 128)] or nullptr
   int rows, cols;
   bf16* dequantized = nullptr;  // optional [rows, cols]: bf16(out * scale), may be `in` (in place)
+  // Optional, on the device: only the first min(rows, *live_rows) rows are
+  // quantized (rows a grouped GEMM wrote, counted on the device).
+  const int32_t* live_rows = nullptr;
 };
 cudaError_t quantize_fp8_groups(const QuantizeFp8Params& p, cudaStream_t stream);
 
