@@ -380,6 +380,16 @@ TEST_P(CudaParallel, RanksEqualTheWholeModel) {
   expect_ranks_equal_whole(run_ranks(*weights, layout, vocab, kSteps), whole, vocab, 3e-2, 3e-2);
 }
 
+// A small Qwen3-MoE whose projections are multiples of 128 (FP8 blocks), for
+// dummy quantized weights.
+Expected<ModelConfig> fp8_test_config() {
+  return parse_model_config(std::string(R"({
+    "model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "num_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": true, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "max_position_embeddings": 4096})"));
+}
+
 // FP8 experts (fp8-block and MXFP8) split over expert-parallel ranks, the
 // attention projections (FP8 too: multiples of 128) whole on each: the ranks
 // equal one GPU holding every expert. Tensor parallelism over quantized
@@ -387,11 +397,7 @@ TEST_P(CudaParallel, RanksEqualTheWholeModel) {
 TEST(CudaParallelQuantized, Fp8ExpertsSplitOverEpRanks) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::hopper_kernels_available()) GTEST_SKIP() << "FP8 experts need an sm_90 device";
-  auto config = parse_model_config(std::string(R"({
-    "model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 2,
-    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "num_experts": 8,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": true, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "max_position_embeddings": 4096})"));
+  auto config = fp8_test_config();
   ASSERT_TRUE(config.has_value()) << config.status().to_string();
   ThreadPool pool(2);
   constexpr int kSteps = 3;
@@ -533,11 +539,7 @@ TEST(CudaDataParallel, EachRankEqualsTheWholeModelOnItsRequests) {
 TEST(CudaDataParallel, Fp8ExpertsTravelQuantized) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::hopper_kernels_available()) GTEST_SKIP() << "FP8 experts need an sm_90 device";
-  auto config = parse_model_config(std::string(R"({
-    "model_type": "qwen3_moe", "vocab_size": 1000, "hidden_size": 256, "num_hidden_layers": 2,
-    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "num_experts": 8,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 256, "norm_topk_prob": true, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "max_position_embeddings": 4096})"));
+  auto config = fp8_test_config();
   ASSERT_TRUE(config.has_value()) << config.status().to_string();
   ThreadPool pool(2);
   const ModelWeights weights = ModelWeights::dummy(*config, 7, pool, ops::QuantFormat::kFp8Block);
