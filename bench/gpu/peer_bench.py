@@ -7,7 +7,7 @@ At prefill size (375 rows per expert): torch._grouped_mm, and cuBLAS dense GEMMs
 of the same FLOPs (torch.mm in bf16, torch._scaled_mm in FP8 with per-row and
 per-column scales) as the compute peers of the grouped kernels.
 Prints one line per result and writes JSON lines to the path in argv[1];
-argv[2] == "attention" runs the attention peers only.
+argv[2] == "attention" (or "gemm") runs those peers only.
 """
 import json
 import sys
@@ -39,9 +39,11 @@ def main():
     out = open(sys.argv[1], "w") if len(sys.argv) > 1 else None
     dev = "cuda"
     results = []
-    if len(sys.argv) < 3 or sys.argv[2] != "attention":
+    only = sys.argv[2] if len(sys.argv) > 2 else ""
+    if only != "attention":
         gemm_peers(results, dev)
-    attention_peers(results, dev)
+    if only != "gemm":
+        attention_peers(results, dev)
     for r in results:
         print(json.dumps(r))
         if out:

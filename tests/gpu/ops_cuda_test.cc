@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -243,6 +244,20 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
   }
 }
 
+// Pins the prefill grouped GEMMs' cluster size (MOE_PREFILL_GEMM_CLUSTER)
+// for one scope; nullptr leaves the default.
+struct PrefillCluster {
+  explicit PrefillCluster(const char* ctas) : set(ctas != nullptr) {
+    if (set) setenv("MOE_PREFILL_GEMM_CLUSTER", ctas, 1);
+  }
+  ~PrefillCluster() {
+    if (set) unsetenv("MOE_PREFILL_GEMM_CLUSTER");
+  }
+  PrefillCluster(const PrefillCluster&) = delete;
+  PrefillCluster& operator=(const PrefillCluster&) = delete;
+  bool set;
+};
+
 TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
   struct Case { int tokens, hidden, inter, experts, topk; bool renormalize; };
   for (const Case& c : {Case{13, 64, 32, 8, 2, true}, Case{5, 64, 48, 6, 3, false}, Case{16, 4096, 1536, 128, 8, true},
@@ -269,13 +284,24 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
     // Every grouped GEMM kernel: WMMA everywhere; on sm_90 the wgmma + TMA one
     // and the prefill one (128-row tiles, so its own permutation).
     using Gemm = cudaError_t (*)(const k::GroupedGemmParams&, cudaStream_t);
-    struct Kernel { const char* name; Gemm gemm; int tile_rows; };
+    struct Kernel {
+      const char* name;
+      Gemm gemm;
+      int tile_rows;
+      const char* cluster = nullptr;
+    };
     std::vector<Kernel> gemms = {{"WMMA", k::mma_grouped_gemm, k::kGroupedGemmTileRows}};
     if (k::hopper_kernels_available()) {
       gemms.push_back({"wgmma", k::wgmma_grouped_gemm, k::kGroupedGemmTileRows});
-      gemms.push_back({"wgmma prefill", k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows});
+      // The prefill kernel alone and as a CTA pair sharing its rows (an odd
+      // column-tile count leaves the pair's second CTA idle on the last item).
+      gemms.push_back(
+          {"wgmma prefill, one CTA", k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows, "1"});
+      gemms.push_back(
+          {"wgmma prefill, CTA pair", k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows, "2"});
     }
-    for (const auto& [name, gemm, tile_rows] : gemms) {
+    for (const auto& [name, gemm, tile_rows, cluster] : gemms) {
+      const PrefillCluster pin(cluster);
       Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
       Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
       ASSERT_EQ(k::moe_permute({d_ids.get<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), sorted.get<int32_t>(),
@@ -285,11 +311,28 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
       Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
       Output rows = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(float));
       Output out = Output::make(static_cast<size_t>(c.tokens) * c.hidden * sizeof(float));
-      ASSERT_EQ(gemm({d_x.data_as<bf16>(), sorted.get<int32_t>(), d_w13.data_as<bf16>(), offsets.get<int32_t>(),
-                      tiles.get<int32_t>(), act.get<void>(), c.inter, c.hidden, c.experts, max_tiles, true}, nullptr),
-                cudaSuccess) << name;
-      ASSERT_EQ(gemm({act.get<bf16>(), nullptr, d_w2.data_as<bf16>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
-                      rows.get<void>(), c.hidden, c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess) << name;
+      // The prefill kernel reads gate_up's rows permuted (gather_rows), the others through sorted_token.
+      const bool gathered = tile_rows == k::kPrefillGemmTileRows;
+      Output x_rows = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(bf16));
+      if (gathered) {
+        ASSERT_EQ(k::gather_rows(
+                      {d_x.data(), x_rows.get<void>(), sorted.get<int32_t>(), pairs, int64_t{c.hidden} * 2},
+                      nullptr),
+                  cudaSuccess);
+      }
+      ASSERT_EQ(
+          gemm({gathered ? x_rows.get<bf16>() : d_x.data_as<bf16>(),
+                gathered ? nullptr : sorted.get<int32_t>(), d_w13.data_as<bf16>(), offsets.get<int32_t>(),
+                tiles.get<int32_t>(), act.get<void>(), c.inter, c.hidden, c.experts, max_tiles, true, pairs},
+               nullptr),
+          cudaSuccess)
+          << name;
+      ASSERT_EQ(
+          gemm({act.get<bf16>(), nullptr, d_w2.data_as<bf16>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
+                rows.get<void>(), c.hidden, c.inter, c.experts, max_tiles, false, pairs},
+               nullptr),
+          cudaSuccess)
+          << name;
       ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.get<float>(), out.get<float>(),
                                   c.tokens, c.topk, c.hidden}, nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
@@ -338,10 +381,17 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
     const int hidden_groups = (c.hidden + 127) / 128, inter_groups = (c.inter + 127) / 128;
     Output x_q = Output::make(static_cast<size_t>(c.tokens) * c.hidden), x_s = Output::make(c.tokens * hidden_groups * 4);
     using Gemm = cudaError_t (*)(const k::Fp8GroupedGemmParams&, cudaStream_t);
-    struct Kernel { const char* name; Gemm gemm; int tile_rows; };
-    for (const auto& [name, gemm, tile_rows] : {Kernel{"fp8", k::fp8_grouped_gemm, k::kGroupedGemmTileRows},
-                                                Kernel{"fp8 prefill", k::fp8_grouped_gemm_prefill,
-                                                       k::kPrefillGemmTileRows}}) {
+    struct Kernel {
+      const char* name;
+      Gemm gemm;
+      int tile_rows;
+      const char* cluster;
+    };
+    for (const auto& [name, gemm, tile_rows, cluster] :
+         {Kernel{"fp8", k::fp8_grouped_gemm, k::kGroupedGemmTileRows, nullptr},
+          Kernel{"fp8 prefill, one CTA", k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, "1"},
+          Kernel{"fp8 prefill, CTA pair", k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, "2"}}) {
+      const PrefillCluster pin(cluster);
       Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
       Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
       Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
@@ -354,14 +404,33 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
       ASSERT_EQ(k::moe_permute({d_ids.data_as<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), sorted.get<int32_t>(),
                                 row_of.get<int32_t>(), c.tokens, c.topk, c.experts, tile_rows}, nullptr),
                 cudaSuccess);
-      ASSERT_EQ(gemm({x_q.get<uint8_t>(), x_s.get<float>(), sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
-                                     d_s13.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), act.get<void>(),
-                                     c.inter, c.hidden, c.experts, max_tiles, true}, nullptr), cudaSuccess);
+      // The prefill kernel reads gate_up's rows and scales permuted (gather_rows).
+      const bool gathered = tile_rows == k::kPrefillGemmTileRows;
+      Output xg_q = Output::make(static_cast<size_t>(pairs) * c.hidden),
+             xg_s = Output::make(pairs * hidden_groups * 4);
+      if (gathered) {
+        ASSERT_EQ(k::gather_rows({x_q.get<void>(), xg_q.get<void>(), sorted.get<int32_t>(), pairs, c.hidden},
+                                 nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(k::gather_rows(
+                      {x_s.get<void>(), xg_s.get<void>(), sorted.get<int32_t>(), pairs, hidden_groups * 4},
+                      nullptr),
+                  cudaSuccess);
+      }
+      ASSERT_EQ(gemm({gathered ? xg_q.get<uint8_t>() : x_q.get<uint8_t>(),
+                      gathered ? xg_s.get<float>() : x_s.get<float>(),
+                      gathered ? nullptr : sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
+                      d_s13.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), act.get<void>(),
+                      c.inter, c.hidden, c.experts, max_tiles, true, 1, pairs},
+                     nullptr),
+                cudaSuccess);
       ASSERT_EQ(k::quantize_fp8_groups({act.get<bf16>(), act_q.get<uint8_t>(), act_s.get<float>(), pairs, c.inter}, nullptr),
                 cudaSuccess);
       ASSERT_EQ(gemm({act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
-                                     d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(),
-                                     c.hidden, c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess);
+                      d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(),
+                      c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs},
+                     nullptr),
+                cudaSuccess);
       ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.data_as<float>(), out.get<float>(),
                                   c.tokens, c.topk, c.hidden}, nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;

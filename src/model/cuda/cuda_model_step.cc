@@ -6,6 +6,7 @@
 // cuda_model_state.h.
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "core/logging.h"
 #include "model/cuda/cuda_model.h"
@@ -177,8 +178,9 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
     }
   }
   const int rows = shape.num_rows;
-  MOE_LAUNCH(k::gather_rows({s.normed.data_as<bf16>(), s.logits_rows.data_as<int32_t>(), s.logit_rows.data_as<bf16>(),
-                             rows, H}, s.stream));
+  MOE_LAUNCH(k::gather_rows(
+      {s.normed.data(), s.logit_rows.data(), s.logits_rows.data_as<int32_t>(), rows, int64_t{H} * 2},
+      s.stream));
   MOE_RETURN_IF_ERROR(s.gemm->matmul(s.logit_rows.data_as<bf16>(), s.lm_head.data_as<bf16>(), s.logits.data(),
                                      DType::kF32, rows, static_cast<int>(c.vocab_size), H, s.stream));
 #undef MOE_LAUNCH
@@ -212,10 +214,15 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
   const bool prefill_gemm = moe_tile_rows == k::kPrefillGemmTileRows;
   auto fp8_experts_step = [&](int max_tiles) -> Status {
     const int E = s.num_local_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
+    // The prefill kernel's gate_up rows and scales, gathered into expert_rows until down writes it.
+    auto gathered_fp8_rows = [&](int64_t pairs, int K) {
+      auto* base = static_cast<uint8_t*>(s.expert_rows.data());
+      return std::pair{base, reinterpret_cast<float*>(base + (pairs * K + 15) / 16 * 16)};
+    };
     // One expert GEMM: quantize `in` [rows, K], then gate_up (gathered by sorted_token) or down.
     auto gemm = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows, int K,
-                    const int32_t* gather, const DeviceTensor& w, const DeviceTensor& w_scales, void* out, int N,
-                    bool gate_up) -> Status {
+                    const int32_t* gather, const DeviceTensor& w, const DeviceTensor& w_scales, void* out,
+                    int N, bool gate_up) -> Status {
       if (b.mx_experts) {  // 64-row tiles only (moe_tile_rows)
         MOE_LAUNCH(k::quantize_mxfp8({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows, K},
                                      s.stream));
@@ -227,9 +234,20 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
       }
       MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows, K},
                                         s.stream));
+      const uint8_t* a = in_q.data_as<uint8_t>();
+      const float* a_scales = in_s.data_as<float>();
+      if (prefill_gemm && gather != nullptr) {  // the prefill kernel reads its rows permuted, contiguous
+        const int64_t pairs = int64_t{T} * topk, scale_cols = (K + 127) / 128;
+        const auto [rows_out, scales_out] = gathered_fp8_rows(pairs, K);
+        const int32_t* live = s.expert_offsets.data_as<int32_t>() + E;
+        MOE_LAUNCH(k::gather_rows({a, rows_out, gather, pairs, K, live}, s.stream));
+        MOE_LAUNCH(k::gather_rows({a_scales, scales_out, gather, pairs, scale_cols * 4, live}, s.stream));
+        a = rows_out, a_scales = scales_out, gather = nullptr, rows = static_cast<int>(pairs);
+      }
       MOE_LAUNCH((prefill_gemm ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
-          {in_q.data_as<uint8_t>(), in_s.data_as<float>(), gather, w.data_as<uint8_t>(), w_scales.data_as<float>(),
-           s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), out, N, K, E, max_tiles, gate_up},
+          {a, a_scales, gather, w.data_as<uint8_t>(), w_scales.data_as<float>(),
+           s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), out, N, K, E, max_tiles,
+           gate_up, 1, rows},
           s.stream));
       return Status::ok();
     };
@@ -260,8 +278,8 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                                       s.stream));
     MOE_LAUNCH((tile == k::kPrefillGemmTileRows ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
         {s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), nullptr, w.data_as<uint8_t>(),
-         w_scales.data_as<float>(), s.dense_offsets.data_as<int32_t>(), s.dense_tile_offsets.data_as<int32_t>(), out, N,
-         K, 1, tiles, false, k_splits},
+         w_scales.data_as<float>(), s.dense_offsets.data_as<int32_t>(),
+         s.dense_tile_offsets.data_as<int32_t>(), out, N, K, 1, tiles, false, k_splits, T},
         s.stream));
     return Status::ok();
   };
@@ -331,12 +349,25 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     if (b.fp8_experts) {
       MOE_RETURN_IF_ERROR(fp8_experts_step(max_tiles));
     } else {
-      MOE_LAUNCH(gemm({s.normed.data_as<bf16>(), s.sorted_token.data_as<int32_t>(), b.w13.data_as<bf16>(),
-                                  s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), s.act.data(),
-                                  inter, H, E_local, max_tiles, true}, s.stream));
+      const int pairs = T * topk;
+      const bf16* x = s.normed.data_as<bf16>();
+      const int32_t* gather = s.sorted_token.data_as<int32_t>();
+      if (prefill_gemm) {  // the prefill kernel reads its rows permuted, contiguous (in expert_rows until
+                           // down writes it)
+        auto* rows = static_cast<bf16*>(s.expert_rows.data());
+        MOE_LAUNCH(k::gather_rows(
+            {x, rows, gather, pairs, int64_t{H} * 2, s.expert_offsets.data_as<int32_t>() + E_local},
+            s.stream));
+        x = rows, gather = nullptr;
+      }
+      MOE_LAUNCH(
+          gemm({x, gather, b.w13.data_as<bf16>(), s.expert_offsets.data_as<int32_t>(),
+                s.tile_offsets.data_as<int32_t>(), s.act.data(), inter, H, E_local, max_tiles, true, pairs},
+               s.stream));
       MOE_LAUNCH(gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(),
-                                  s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(),
-                                  s.expert_rows.data(), H, inter, E_local, max_tiles, false}, s.stream));
+                       s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(),
+                       s.expert_rows.data(), H, inter, E_local, max_tiles, false, pairs},
+                      s.stream));
     }
     MOE_LAUNCH(k::moe_unpermute({s.expert_rows.data_as<float>(), s.row_of.data_as<int32_t>(),
                                  s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H}, s.stream));
@@ -563,8 +594,9 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
   MOE_RETURN_IF_ERROR(launch_layer(*s.mtp_layer, shape, s.mtp_final_norm.data(), -1));
   std::vector<uint16_t> normed(static_cast<size_t>(rows) * H);
   if (rows > 0) {
-    MOE_LAUNCH(k::gather_rows({s.normed.data_as<bf16>(), s.logits_rows.data_as<int32_t>(), s.logit_rows.data_as<bf16>(),
-                               rows, H}, s.stream));
+    MOE_LAUNCH(k::gather_rows(
+        {s.normed.data(), s.logit_rows.data(), s.logits_rows.data_as<int32_t>(), rows, int64_t{H} * 2},
+        s.stream));
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.logit_rows.data_as<bf16>(), s.lm_head.data_as<bf16>(), s.logits.data(),
                                        DType::kF32, rows, static_cast<int>(c.vocab_size), H, s.stream));
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.logits.data(), s.logits.data(), out.logits.num_bytes(),

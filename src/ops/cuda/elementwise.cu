@@ -162,10 +162,17 @@ __global__ void argmax_kernel(ArgmaxParams p) {
   }
 }
 
+// One warp per row, 16 (or 4) bytes per lane per step.
+template <typename Unit>
 __global__ void gather_rows_kernel(GatherRowsParams p) {
-  const bf16* in = p.in + static_cast<int64_t>(p.rows[blockIdx.x]) * p.width;
-  bf16* out = p.out + static_cast<int64_t>(blockIdx.x) * p.width;
-  for (int i = threadIdx.x; i < p.width; i += blockDim.x) out[i] = in[i];
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t live = p.live_rows != nullptr ? min(p.rows, static_cast<int64_t>(*p.live_rows)) : p.rows;
+  if (row >= live) return;
+  const int64_t units = p.row_bytes / static_cast<int64_t>(sizeof(Unit));
+  const Unit* src = static_cast<const Unit*>(p.src) + p.index[row] * units;
+  Unit* dst = static_cast<Unit*>(p.dst) + row * units;
+  for (int64_t i = lane; i < units; i += 32) dst[i] = src[i];
 }
 
 __global__ void fill_random_kernel(FillRandomParams p) {
@@ -232,8 +239,17 @@ cudaError_t argmax(const ArgmaxParams& p, cudaStream_t stream) {
 }
 
 cudaError_t gather_rows(const GatherRowsParams& p, cudaStream_t stream) {
-  if (p.num_out == 0) return cudaSuccess;
-  gather_rows_kernel<<<p.num_out, 256, 0, stream>>>(p);
+  if (p.row_bytes % 4 != 0 || p.rows < 0) return cudaErrorInvalidValue;
+  if (p.rows == 0 || p.row_bytes == 0) return cudaSuccess;
+  constexpr int kThreads = 256, kRowsPerBlock = kThreads / 32;
+  const auto blocks = static_cast<unsigned>((p.rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  const bool wide = p.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.src) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(p.dst) % 16 == 0;
+  if (wide) {
+    gather_rows_kernel<uint4><<<blocks, kThreads, 0, stream>>>(p);
+  } else {
+    gather_rows_kernel<uint32_t><<<blocks, kThreads, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

@@ -52,7 +52,10 @@ __device__ __forceinline__ void store_silu_mul_row(bf16* out_row, const float (&
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float gate = acc[4 * i + 2 * h + j], up = acc[4 * (i + kChunks) + 2 * h + j];
-      v[j] = gate / (1.0f + __expf(-gate)) * up;
+      // Fast division (2 ulp, far below bf16's rounding): the IEEE one calls a
+      // slow-path subroutine that took a fifth of the FP8 prefill kernel's
+      // consumer time (profiled on an H200).
+      v[j] = __fdividef(gate, 1.0f + __expf(-gate)) * up;
     }
     if (n + 1 < N) {
       *reinterpret_cast<__nv_bfloat162*>(out_row + n) = __floats2bfloat162_rn(v[0], v[1]);

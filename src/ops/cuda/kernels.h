@@ -154,6 +154,9 @@ struct GroupedGemmParams {
   void* out;                   // gate_up: bf16 [num_rows, N]; down: f32 [num_rows, N]
   int N, K, num_experts, max_tiles;
   bool gate_up;
+  // The *_prefill kernels: rows of `a` (read by TMA, which zero-fills past
+  // them), given in permuted order for gate_up too (sorted_token null).
+  int a_rows = 0;
 };
 inline constexpr int kGroupedGemmTileRows = 64;
 // K must be a multiple of 8. grouped_gemm runs the wgmma kernel on sm_90
@@ -199,6 +202,7 @@ struct Fp8GroupedGemmParams {
   // GEMMs with too few tiles to fill the GPU (a dense projection at decode
   // sizes); fp8_gemm_k_splits picks it. Not used by the *_prefill kernels.
   int k_splits = 1;
+  int a_rows = 0;  // the *_prefill kernels, as in GroupedGemmParams
 };
 cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream);
 // The k_splits that gives a down GEMM of N columns, K deep and `row_tiles`
@@ -245,9 +249,13 @@ cudaError_t mxfp8_grouped_gemm_sm100(const Mxfp8GroupedGemmParams& p, cudaStream
 bool sm100_kernels_available();
 
 // The same two GEMMs for prefill-sized batches (grouped_gemm_prefill.cu:
-// compute-bound, 128-row tiles, two consumer warpgroups): tile_offsets must
-// come from moe_permute with tile_rows = kPrefillGemmTileRows, and max_tiles
-// count such tiles. sm_90 only (cudaErrorNotSupported elsewhere).
+// compute-bound, 128-row tiles, two consumer warpgroups, 2-CTA clusters
+// sharing the activation rows): tile_offsets must come from moe_permute with
+// tile_rows = kPrefillGemmTileRows, and max_tiles count such tiles. `a` holds
+// the permuted rows themselves, for gate_up too (gather_rows first;
+// sorted_token must be null), and a_rows says how many there are
+// (cudaErrorInvalidValue otherwise). sm_90 only (cudaErrorNotSupported
+// elsewhere).
 inline constexpr int kPrefillGemmTileRows = 128;
 cudaError_t wgmma_grouped_gemm_prefill(const GroupedGemmParams& p, cudaStream_t stream);
 cudaError_t fp8_grouped_gemm_prefill(const Fp8GroupedGemmParams& p, cudaStream_t stream);
@@ -310,12 +318,16 @@ struct SampleParams {
 };
 cudaError_t sample(const SampleParams& p, cudaStream_t stream);
 
-// out[r, :] = in[rows[r], :] for bf16 rows (selecting the rows that need logits).
+// dst[r] = src[index[r]] for rows of row_bytes (a multiple of 4) and r <
+// min(rows, *live_rows) (live_rows optional, on the device): the rows that
+// need logits, and the permuted copy of the tokens' rows the prefill grouped
+// GEMMs read.
 struct GatherRowsParams {
-  const bf16* in;        // [num_in, width]
-  const int32_t* rows;   // [num_out]
-  bf16* out;             // [num_out, width]
-  int num_out, width;
+  const void* src;
+  void* dst;
+  const int32_t* index;  // [rows]
+  int64_t rows, row_bytes;
+  const int32_t* live_rows = nullptr;
 };
 cudaError_t gather_rows(const GatherRowsParams& p, cudaStream_t stream);
 

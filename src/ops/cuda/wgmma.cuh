@@ -239,6 +239,61 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tensor_map
       : "memory");
 #endif
 }
+// Thread-block clusters (sm_90): CTAs of a cluster share their shared memory.
+// A TMA load with multicast writes the same box at the same shared-memory
+// offset of every CTA in `cta_mask` and completes the bytes on the barrier at
+// the same offset in each, so the CTAs' shared-memory layouts must match.
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t rank = 0;
+#if MOE_SM90A_DEVICE
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+#endif
+  return rank;
+}
+__device__ __forceinline__ uint32_t cluster_nctarank() {
+  uint32_t count = 1;
+#if MOE_SM90A_DEVICE
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(count));
+#endif
+  return count;
+}
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const void* tensor_map, int x, int y,
+                                                      uint32_t bar, uint16_t cta_mask) {
+#if MOE_SM90A_DEVICE
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(tensor_map), "r"(x), "r"(y), "r"(bar), "h"(cta_mask)
+      : "memory");
+#endif
+}
+// Arrives on the barrier at shared-memory offset `bar` of cluster CTA `cta`
+// (this one included). CTA-scope release, as for a local arrive: enough to
+// tell a producer that this thread's wgmma reads of a stage are done (a
+// cluster-scope release fences every earlier memory access of the thread).
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t bar, uint32_t cta) {
+#if MOE_SM90A_DEVICE
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+#endif
+}
+// Makes mbarrier.init visible to the cluster's other CTAs (before cluster_sync).
+__device__ __forceinline__ void fence_mbarrier_init_cluster() {
+#if MOE_SM90A_DEVICE
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// Every thread of every CTA in the cluster (a block barrier when the cluster is one CTA).
+__device__ __forceinline__ void cluster_sync() {
+#if MOE_SM90A_DEVICE
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
 #if MOE_SM90A_DEVICE
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
