@@ -54,7 +54,9 @@ constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes<kMx>;
 template <bool kMx>
 constexpr int kBarrierBase = kStages * kStageBytes<kMx>;
 template <bool kMx>
-constexpr int kSmemBytes = kBarrierBase<kMx> + 2 * kStages * 8 + 1024;  // + alignment slack
+constexpr int kOffsetsBase = kBarrierBase<kMx> + 2 * kStages * 8;  // then the item offsets (copy_item_offsets)
+template <bool kMx>
+constexpr int kSmemBytes = kOffsetsBase<kMx> + 1024;  // + alignment slack
 constexpr int kGroup = 128;  // fp8-block quantization group along K
 constexpr int kMxGroup = 32;  // MXFP8's
 
@@ -97,6 +99,9 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
   auto full = [&](int stage) { return smem + kBarriers + stage * 8; };
   auto empty = [&](int stage) { return smem + kBarriers + (kStages + stage) * 8; };
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const ItemOffsets offsets =
+      copy_item_offsets(reinterpret_cast<int32_t*>(smem_raw + (smem + kOffsetsBase<kMx> - smem_u32(smem_raw))),
+                        p.expert_offsets, p.tile_offsets, p.num_experts);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full(s), 1 + 32);  // the expect-tx arrival + the producer lanes' cp.async arrivals
@@ -110,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
     // Producer warp. Lane l holds the source rows l and l + 32 (-1: past the tile).
     int step = 0;
     for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
-      const GemmItem item = grouped_gemm_item(p.expert_offsets, p.tile_offsets, p.num_experts, index / args.k_splits,
+      const GemmItem item = grouped_gemm_item(offsets.expert_offsets, offsets.tile_offsets, p.num_experts, index / args.k_splits,
                                               args.num_n_tiles, columns_per_tile);
       const int ks_begin = index % args.k_splits * split_steps, ks_end = min(num_k_steps, ks_begin + split_steps);
       int64_t source[2];
@@ -198,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
   float acc[64], part[64];
   int step = 0;
   for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
-    const GemmItem item = grouped_gemm_item(p.expert_offsets, p.tile_offsets, p.num_experts, index / args.k_splits,
+    const GemmItem item = grouped_gemm_item(offsets.expert_offsets, offsets.tile_offsets, p.num_experts, index / args.k_splits,
                                             args.num_n_tiles, columns_per_tile);
     const int ks_begin = index % args.k_splits * split_steps, ks_end = min(num_k_steps, ks_begin + split_steps);
 #pragma unroll
@@ -365,9 +370,10 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& args, const void* w, int max_tile
   if (error != cudaSuccess) return error;
   const int blocks = std::min(multiprocessor_count(), args.num_n_tiles * max_tiles * args.k_splits);
   auto kernel = gate_up ? fp8_grouped_gemm_kernel<true, kMx> : fp8_grouped_gemm_kernel<false, kMx>;
-  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<kMx>);
+  const int smem_bytes = kSmemBytes<kMx> + offsets_smem_bytes(args.num_experts);
+  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (error != cudaSuccess) return error;
-  kernel<<<blocks, kThreads, kSmemBytes<kMx>, stream>>>(map, args);
+  kernel<<<blocks, kThreads, smem_bytes, stream>>>(map, args);
   return cudaGetLastError();
 }
 

@@ -83,7 +83,7 @@ struct Tile {
   // Then expert_offsets and tile_offsets ([num_experts + 1] each, so dynamic).
   static constexpr int kOffsetsBase = kBarrierBase + 2 * kStages * 8;
   static constexpr int kSmemBytes = kOffsetsBase + 1024;  // + alignment slack
-  static int smem_bytes(int num_experts) { return kSmemBytes + 2 * (num_experts + 1) * 4; }
+  static int smem_bytes(int num_experts) { return kSmemBytes + offsets_smem_bytes(num_experts); }
   static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle atoms 1024-aligned");
 };
 
@@ -117,12 +117,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto a_tile = [&](int stage) { return smem + stage * T::kStageBytes; };
   auto b_tile = [&](int stage) { return a_tile(stage) + T::kABytes; };
   auto scale_tile = [&](int stage) { return b_tile(stage) + T::kBBytes; };  // FP8: [128] activation, [2] weight
-  // Every item looks its expert up (a binary search over tile_offsets): from
-  // shared memory. From global memory the lookups missed L1 (evicted by the
-  // FP8 scale copies) and took 30% of the FP8 down GEMM's consumer time
-  // (profiled on an H200).
-  auto* expert_offsets = reinterpret_cast<int32_t*>(smem_raw + (smem + T::kOffsetsBase - smem_u32(smem_raw)));
-  int32_t* tile_offsets = expert_offsets + p.num_experts + 1;
+  const ItemOffsets offsets =
+      copy_item_offsets(reinterpret_cast<int32_t*>(smem_raw + (smem + T::kOffsetsBase - smem_u32(smem_raw))),
+                        p.expert_offsets, p.tile_offsets, p.num_experts);
   auto full = [&](int stage) { return smem + T::kBarrierBase + stage * 8; };
   auto empty = [&](int stage) { return smem + T::kBarrierBase + (T::kStages + stage) * 8; };
   // Item index -> (row tile, this CTA's column tile); past the last column
@@ -130,17 +127,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto item_of = [&](int index, bool& idle) {
     const int row_tile = index / num_pairs, n_tile = (index % num_pairs) * ctas + rank;
     idle = n_tile >= p.num_n_tiles;
-    GemmItem item = grouped_gemm_item<kM>(expert_offsets, tile_offsets, p.num_experts,
+    GemmItem item = grouped_gemm_item<kM>(offsets.expert_offsets, offsets.tile_offsets, p.num_experts,
                                           row_tile * p.num_n_tiles + (idle ? p.num_n_tiles - 1 : n_tile),
                                           p.num_n_tiles, kColumnsPerTile);
     item.n0 = n_tile * kColumnsPerTile;
     return item;
   };
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int e = threadIdx.x; e <= p.num_experts; e += kThreads) {
-    expert_offsets[e] = p.expert_offsets[e];
-    tile_offsets[e] = p.tile_offsets[e];
-  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       mbarrier_init(full(s),

@@ -33,7 +33,8 @@ constexpr int kM = kGroupedGemmTileRows, kWeightRows = 256, kKStep = 64, kStages
 constexpr int kThreads = 256;  // warpgroup 0: the producer (warp 0); warpgroup 1: the consumer
 constexpr int kABytes = kM * 128, kBBytes = kWeightRows * 128, kStageBytes = kABytes + kBBytes;
 constexpr int kBarrierBase = kStages * kStageBytes;
-constexpr int kSmemBytes = kBarrierBase + 2 * kStages * 8 + 1024;  // + alignment slack
+constexpr int kOffsetsBase = kBarrierBase + 2 * kStages * 8;  // then the item offsets (copy_item_offsets)
+constexpr int kSmemBytes = kOffsetsBase + 1024;                  // + alignment slack
 static_assert(kM == 64, "one wgmma row block per tile");
 
 struct WgmmaGemmParams {
@@ -41,9 +42,10 @@ struct WgmmaGemmParams {
   int num_n_tiles;
 };
 
-[[maybe_unused]] __device__ __forceinline__ GemmItem item_at(const WgmmaGemmParams& args, int index) {
+[[maybe_unused]] __device__ __forceinline__ GemmItem item_at(const WgmmaGemmParams& args, const ItemOffsets& offsets,
+                                                             int index) {
   const GroupedGemmParams& p = args.p;
-  return grouped_gemm_item(p.expert_offsets, p.tile_offsets, p.num_experts, index, args.num_n_tiles,
+  return grouped_gemm_item(offsets.expert_offsets, offsets.tile_offsets, p.num_experts, index, args.num_n_tiles,
                            p.gate_up ? kWeightRows / 2 : kWeightRows);
 }
 
@@ -61,6 +63,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_grouped_gemm_kernel(const _
   auto full = [&](int stage) { return smem + kBarrierBase + stage * 8; };
   auto empty = [&](int stage) { return smem + kBarrierBase + (kStages + stage) * 8; };
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const ItemOffsets offsets =
+      copy_item_offsets(reinterpret_cast<int32_t*>(smem_raw + (smem + kOffsetsBase - smem_u32(smem_raw))),
+                        p.expert_offsets, p.tile_offsets, p.num_experts);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full(s), 1 + 32);  // the expect-tx arrival + the producer lanes' cp.async arrivals
@@ -74,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_grouped_gemm_kernel(const _
     // Producer warp. Lane l holds the source rows l and l + 32 of the item's A tile (null: past the tile).
     int step = 0;
     for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
-      const GemmItem item = item_at(args, index);
+      const GemmItem item = item_at(args, offsets, index);
       const bf16* row_ptr[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -112,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_grouped_gemm_kernel(const _
   float acc[128];
   int step = 0;
   for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
-    const GemmItem item = item_at(args, index);
+    const GemmItem item = item_at(args, offsets, index);
     for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
       const int stage = step % kStages;
       mbarrier_wait(full(stage), (step / kStages) & 1);
@@ -157,9 +162,10 @@ cudaError_t wgmma_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) 
   const int num_sms = multiprocessor_count();
   const int blocks = std::min(num_sms, args.num_n_tiles * p.max_tiles);
   auto kernel = p.gate_up ? wgmma_grouped_gemm_kernel<true> : wgmma_grouped_gemm_kernel<false>;
-  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const int smem_bytes = kSmemBytes + offsets_smem_bytes(p.num_experts);
+  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (error != cudaSuccess) return error;
-  kernel<<<blocks, kThreads, kSmemBytes, stream>>>(map, args);
+  kernel<<<blocks, kThreads, smem_bytes, stream>>>(map, args);
   return cudaGetLastError();
 }
 
