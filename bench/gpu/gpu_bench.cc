@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -318,7 +319,9 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
 // kernels' 64 rows and the prefill kernels' 128.
 void bench_prefill_grouped_gemm() {
   if (!k::hopper_kernels_available()) return;
-  const int E = 128, H = 4096, I = 1536, topk = 8, per_expert = 375;
+  // MOE_BENCH_PREFILL_ROWS: rows per expert other than 375 (a multiple of 8).
+  const char* rows_env = std::getenv("MOE_BENCH_PREFILL_ROWS");
+  const int E = 128, H = 4096, I = 1536, topk = 8, per_expert = rows_env != nullptr ? std::atoi(rows_env) : 375;
   const int T = per_expert * E / topk, pairs = T * topk;
   const double flops = 2.0 * pairs * 3.0 * H * I;
   // The L2 traffic of the 128-row kernels: every item reads its A rows and weight rows over K.

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 
 #include "core/cuda/device_buffer.h"
 #include "ops/attention.h"
@@ -244,8 +245,8 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
   }
 }
 
-// Pins the prefill grouped GEMMs' cluster size (MOE_PREFILL_GEMM_CLUSTER)
-// for one scope; nullptr leaves the default.
+// Pins the prefill grouped GEMMs' cluster size (MOE_PREFILL_GEMM_CLUSTER: 1
+// or 2) for one scope; nullptr leaves the default.
 struct PrefillCluster {
   explicit PrefillCluster(const char* ctas) : set(ctas != nullptr) {
     if (set) setenv("MOE_PREFILL_GEMM_CLUSTER", ctas, 1);
@@ -295,13 +296,12 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
       gemms.push_back({"wgmma", k::wgmma_grouped_gemm, k::kGroupedGemmTileRows});
       // The prefill kernel alone and as a CTA pair sharing its rows (an odd
       // column-tile count leaves the pair's second CTA idle on the last item).
-      gemms.push_back(
-          {"wgmma prefill, one CTA", k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows, "1"});
-      gemms.push_back(
-          {"wgmma prefill, CTA pair", k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows, "2"});
+      for (const char* ctas : {"1", "2"})
+        gemms.push_back({"wgmma prefill", k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows, ctas});
     }
     for (const auto& [name, gemm, tile_rows, cluster] : gemms) {
       const PrefillCluster pin(cluster);
+      SCOPED_TRACE(std::string("cluster ") + (cluster != nullptr ? cluster : "default"));
       Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
       Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
       ASSERT_EQ(k::moe_permute({d_ids.get<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), sorted.get<int32_t>(),
@@ -389,9 +389,10 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
     };
     for (const auto& [name, gemm, tile_rows, cluster] :
          {Kernel{"fp8", k::fp8_grouped_gemm, k::kGroupedGemmTileRows, nullptr},
-          Kernel{"fp8 prefill, one CTA", k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, "1"},
-          Kernel{"fp8 prefill, CTA pair", k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, "2"}}) {
+          Kernel{"fp8 prefill", k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, "1"},
+          Kernel{"fp8 prefill", k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, "2"}}) {
       const PrefillCluster pin(cluster);
+      SCOPED_TRACE(std::string("cluster ") + (cluster != nullptr ? cluster : "default"));
       Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
       Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
       Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
