@@ -150,7 +150,7 @@ void bench_expert_exchange(TcpBootstrap& b, cudaStream_t stream) {
   cudaMalloc(&x, 2ull * max_tokens * hidden);
   cudaMalloc(&ids, 4ull * max_tokens * k);
   cudaMalloc(&w, 4ull * max_tokens * k);
-  cudaMalloc(&y, 2ull * layout.experts_per_rank * layout.capacity() * hidden);
+  cudaMalloc(&y, 2ull * layout.pool_rows() * hidden);
   cudaMalloc(&out, 4ull * max_tokens * hidden);
   std::vector<int32_t> host_ids(static_cast<size_t>(max_tokens) * k);
   for (size_t i = 0; i < host_ids.size(); ++i)  // token t: experts (t * 8 + j * 16) % 128, distinct

@@ -235,13 +235,13 @@ void round_trip(const SymmetricView& view, const Routing& s, int parity, bool f3
 
   // What arrived, against what every rank routed here.
   const char* base = view.base[me];
-  const auto counts = host_copy<int32_t>(base + layout.counts_offset() + 4 * parity * epr, epr);
-  const auto meta = host_copy<int4>(base + layout.meta_offset(), static_cast<size_t>(epr) * layout.capacity());
-  const size_t recv_rows = static_cast<size_t>(epr) * layout.capacity();
-  const auto rows = host_copy<uint16_t>(base + layout.recv_offset(), fp8_payload ? 0 : recv_rows * s.hidden);
-  const auto rows_fp8 =
-      host_copy<uint8_t>(base + layout.recv_offset(), fp8_payload ? recv_rows * s.hidden : 0);
-  const auto row_scales = host_copy<float>(base + layout.scales_offset(), recv_rows * scale_cols);
+  const auto counts = host_copy<int32_t>(base + layout.counts_offset() + 4 * parity * (epr + 1), epr + 1);
+  const int received = counts[epr];
+  const size_t pool_rows = static_cast<size_t>(layout.pool_rows());
+  const auto meta = host_copy<int4>(base + layout.meta_offset(), pool_rows);
+  const auto rows = host_copy<uint16_t>(base + layout.recv_offset(), fp8_payload ? 0 : pool_rows * s.hidden);
+  const auto rows_fp8 = host_copy<uint8_t>(base + layout.recv_offset(), fp8_payload ? pool_rows * s.hidden : 0);
+  const auto row_scales = host_copy<float>(base + layout.scales_offset(), pool_rows * scale_cols);
   std::vector<std::tuple<int, int, int, int>> expected, arrived;  // (expert, rank, token, slot)
   for (int src = 0; src < view.world; ++src)
     for (int t = 0; t < s.tokens[src]; ++t) {
@@ -249,23 +249,26 @@ void round_trip(const SymmetricView& view, const Routing& s, int parity, bool f3
       for (int j = 0; j < s.k; ++j)
         if (e[j] / epr == me) expected.emplace_back(e[j] % epr, src, t, j);
     }
-  std::vector<uint16_t> y(recv_rows * s.hidden);
-  for (int e = 0; e < epr; ++e)
-    for (int pos = 0; pos < counts[e]; ++pos) {
-      const int64_t row = static_cast<int64_t>(e) * layout.capacity() + pos;
-      const int4 m = meta[row];
-      arrived.emplace_back(e, m.x, m.y, m.z);
-      for (int c = 0; c < scale_cols; ++c)
-        ASSERT_EQ(row_scales[row * scale_cols + c], scale_of(m.x, m.y, c)) << "scales from rank " << m.x;
-      for (int i = 0; i < s.hidden; ++i) {
-        if (fp8_payload) {
-          ASSERT_EQ(rows_fp8[row * s.hidden + i], fp8_byte(m.x, m.y, i)) << "row from rank " << m.x;
-        }
-        const float v = fp8_payload ? x_of(m.x, m.y, i) : bf16_to_float(rows[row * s.hidden + i]);
-        ASSERT_EQ(v, x_of(m.x, m.y, i)) << "row from rank " << m.x << " token " << m.y;
-        y[row * s.hidden + i] = float_to_bf16(expert_out(v, me * epr + e, i, false));
+  std::vector<int> per_expert(epr);
+  std::vector<uint16_t> y(pool_rows * s.hidden);
+  for (int row = 0; row < received; ++row) {
+    const int4 m = meta[row];
+    ASSERT_GE(m.w, 0);
+    ASSERT_LT(m.w, epr);
+    ++per_expert[m.w];
+    arrived.emplace_back(m.w, m.x, m.y, m.z);
+    for (int c = 0; c < scale_cols; ++c)
+      ASSERT_EQ(row_scales[int64_t{row} * scale_cols + c], scale_of(m.x, m.y, c)) << "scales from rank " << m.x;
+    for (int i = 0; i < s.hidden; ++i) {
+      if (fp8_payload) {
+        ASSERT_EQ(rows_fp8[int64_t{row} * s.hidden + i], fp8_byte(m.x, m.y, i)) << "row from rank " << m.x;
       }
+      const float v = fp8_payload ? x_of(m.x, m.y, i) : bf16_to_float(rows[int64_t{row} * s.hidden + i]);
+      ASSERT_EQ(v, x_of(m.x, m.y, i)) << "row from rank " << m.x << " token " << m.y;
+      y[int64_t{row} * s.hidden + i] = float_to_bf16(expert_out(v, me * epr + m.w, i, false));
     }
+  }
+  for (int e = 0; e < epr; ++e) ASSERT_EQ(counts[e], per_expert[e]) << "expert " << e;
   std::sort(expected.begin(), expected.end());
   std::sort(arrived.begin(), arrived.end());
   ASSERT_EQ(arrived, expected) << "rank " << me;
@@ -277,7 +280,8 @@ void round_trip(const SymmetricView& view, const Routing& s, int parity, bool f3
     ASSERT_EQ(combine({view, layout, static_cast<const bf16*>(d_y), d_w, d_out, n}, nullptr), cudaSuccess);
   } else {
     // The received rows as grouped-GEMM groups: offsets are the counts' prefix
-    // sums, tiles of 4 rows, and GEMM row offsets[e] + pos reads (e, pos).
+    // sums, tiles of 4 rows, and expert e's GEMM rows read each of its pool
+    // rows once.
     constexpr int kTile = 4;
     const int64_t max_rows = max_received_rows(layout);
     auto* d_groups = device_copy(std::vector<int32_t>(static_cast<size_t>(2 * (epr + 1) + max_rows), -1));
@@ -291,23 +295,27 @@ void round_trip(const SymmetricView& view, const Routing& s, int parity, bool f3
     const int32_t* gather = tiles + epr + 1;
     ASSERT_EQ(offsets[0], 0);
     ASSERT_EQ(tiles[0], 0);
+    std::vector<int> seen(static_cast<size_t>(received));
     for (int e = 0; e < epr; ++e) {
       ASSERT_EQ(offsets[e + 1], offsets[e] + counts[e]) << "expert " << e;
       ASSERT_EQ(tiles[e + 1], tiles[e] + (counts[e] + kTile - 1) / kTile) << "expert " << e;
-      for (int pos = 0; pos < counts[e]; ++pos)
-        ASSERT_EQ(gather[offsets[e] + pos], e * layout.capacity() + pos);
-    }
-    std::vector<float> y_rows(std::max<size_t>(1, static_cast<size_t>(offsets[epr]) * s.hidden));
-    for (int e = 0; e < epr; ++e)
-      for (int pos = 0; pos < counts[e]; ++pos) {
-        const int4 m = meta[static_cast<int64_t>(e) * layout.capacity() + pos];
-        for (int i = 0; i < s.hidden; ++i)
-          y_rows[static_cast<size_t>(offsets[e] + pos) * s.hidden + i] =
-              expert_out(x_of(m.x, m.y, i), me * epr + e, i, true);
+      for (int g = offsets[e]; g < offsets[e + 1]; ++g) {
+        ASSERT_GE(gather[g], 0);
+        ASSERT_LT(gather[g], received);
+        ASSERT_EQ(meta[gather[g]].w, e) << "GEMM row " << g;
+        ++seen[gather[g]];
       }
+    }
+    for (int row = 0; row < received; ++row) ASSERT_EQ(seen[row], 1) << "pool row " << row;
+    std::vector<float> y_rows(std::max<size_t>(1, static_cast<size_t>(offsets[epr]) * s.hidden));
+    for (int g = 0; g < offsets[epr]; ++g) {
+      const int4 m = meta[gather[g]];
+      for (int i = 0; i < s.hidden; ++i)
+        y_rows[static_cast<size_t>(g) * s.hidden + i] = expert_out(x_of(m.x, m.y, i), me * epr + m.w, i, true);
+    }
     d_y = device_copy(y_rows);
     CombineParams p{view, layout, nullptr, d_w, d_out, n};
-    p.y_rows = static_cast<const float*>(d_y), p.y_offsets = d_groups;
+    p.y_rows = static_cast<const float*>(d_y);
     ASSERT_EQ(combine(p, nullptr), cudaSuccess);
     cudaFree(d_groups);
   }

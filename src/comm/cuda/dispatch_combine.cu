@@ -2,11 +2,12 @@
 // straight into the peers' symmetric receive areas (ExpertLayout).
 //
 // dispatch: a warp takes kPairsPerWarp (token, slot) pairs: its first lanes
-// each take a position in their pair's destination expert's receive list
-// with a system-scope atomicAdd on the owner's counter (over NVLink for a
-// remote owner; the round trips overlap), then the warp writes the rows
-// (hidden bf16, or hidden E4M3 bytes and their scales; 16-byte stores) and
-// their origins (rank, token, slot).
+// count their pair in the destination expert's counter and take rows of the
+// destination rank's pool, one system-scope atomicAdd per destination rank
+// for the warp's pairs going there (over NVLink for a remote owner; the round
+// trips overlap), then the warp writes the rows (hidden bf16, or hidden E4M3
+// bytes and their scales; 16-byte stores) and their origins (rank, token,
+// slot) and expert.
 // Then every block raises its flag in every rank, and block 0 waits for all
 // blocks of all ranks, so when the kernel ends every row for this rank has
 // landed. Counters alternate between two parities; a dispatch zeroes the
@@ -27,7 +28,8 @@
 // as it sends it, so no pass over them comes between the GEMM and combine.
 //
 // received_groups: one block turns the last dispatch's per-expert counts into
-// the grouped GEMM's offsets, tile offsets and gather index (no host sync).
+// the grouped GEMM's offsets, tile offsets and gather index, and notes each
+// pool row's GEMM row for combine (no host sync).
 //
 // A rank with zero tokens still launches both kernels and takes part in the
 // barriers. Both kernels always run kExpertBlocks blocks. Expert ids must be
@@ -43,12 +45,16 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kPairsPerWarp = 8;  // their counter atomics in flight together
 constexpr int kMaxK = 8;          // combine's loads in flight per token (larger k: in rounds)
+constexpr int kMaxGroupExperts = 8192;  // received_groups' per-expert counters in shared memory
 
 __device__ int32_t* counts_of(const SymmetricView& v, const ExpertLayout& l, int r, int parity) {
-  return reinterpret_cast<int32_t*>(v.base[r] + l.counts_offset()) + parity * l.experts_per_rank;
+  return reinterpret_cast<int32_t*>(v.base[r] + l.counts_offset()) + parity * (l.experts_per_rank + 1);
 }
 __device__ int4* meta_of(const SymmetricView& v, const ExpertLayout& l, int r) {
   return reinterpret_cast<int4*>(v.base[r] + l.meta_offset());
+}
+__device__ int32_t* order_of(const SymmetricView& v, const ExpertLayout& l) {
+  return reinterpret_cast<int32_t*>(v.base[v.rank] + l.order_offset());
 }
 __device__ uint4* recv_row(const SymmetricView& v, const ExpertLayout& l, int r, int64_t row) {
   return reinterpret_cast<uint4*>(v.base[r] + l.recv_offset() + row * l.row_bytes());
@@ -83,26 +89,35 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(DispatchParams p) {
   const uint32_t seq = v.counters[kSetDispatch].barrier[blockIdx.x] + 1;
   const int parity = launch & 1, lane = threadIdx.x & 31, vectors = l.row_bytes() / 16;
   if (blockIdx.x == 0)
-    for (int e = threadIdx.x; e < l.experts_per_rank; e += blockDim.x) counts_of(v, l, v.rank, parity ^ 1)[e] = 0;
+    for (int e = threadIdx.x; e <= l.experts_per_rank; e += blockDim.x) counts_of(v, l, v.rank, parity ^ 1)[e] = 0;
 
   const int num_experts = l.experts_per_rank * v.world;
   const int64_t pairs = static_cast<int64_t>(p.num_tokens) * l.k;
   const int64_t warp_stride = static_cast<int64_t>(kExpertBlocks) * kWarps * kPairsPerWarp;
   for (int64_t first = (static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kPairsPerWarp; first < pairs;
        first += warp_stride) {
-    int dst = 0, local = 0, pos = 0;
-    if (lane < kPairsPerWarp && first + lane < pairs) {
+    const bool active = lane < kPairsPerWarp && first + lane < pairs;
+    int dst = 0, local = 0;
+    if (active) {
       const int e = p.expert_ids[first + lane];
       if (e < 0 || e >= num_experts) __trap();
       dst = e / l.experts_per_rank, local = e % l.experts_per_rank;
-      pos = atomicAdd_system(counts_of(v, l, dst, parity) + local, 1);
-      if (pos >= l.capacity()) __trap();
+      atomicAdd_system(counts_of(v, l, dst, parity) + local, 1);
     }
+    // Pool rows: one atomicAdd per destination rank for the lanes going there.
+    const unsigned same = __match_any_sync(0xffffffffu, active ? dst : -1 - lane);
+    const int leader = __ffs(same) - 1;
+    int base = 0;
+    if (active && lane == leader)
+      base = atomicAdd_system(counts_of(v, l, dst, parity) + l.experts_per_rank, __popc(same));
+    base = __shfl_sync(0xffffffffu, base, leader);
+    const int pool_row = base + __popc(same & ((1u << lane) - 1));
+    if (active && pool_row >= l.pool_rows()) __trap();
     const int n = pairs - first < kPairsPerWarp ? static_cast<int>(pairs - first) : kPairsPerWarp;
     for (int j = 0; j < n; ++j) {
       const int to_rank = __shfl_sync(0xffffffffu, dst, j);
-      const int64_t row = static_cast<int64_t>(__shfl_sync(0xffffffffu, local, j)) * l.capacity() +
-                          __shfl_sync(0xffffffffu, pos, j);
+      const int expert = __shfl_sync(0xffffffffu, local, j);
+      const int64_t row = __shfl_sync(0xffffffffu, pool_row, j);
       const int t = static_cast<int>((first + j) / l.k), slot = static_cast<int>((first + j) % l.k);
       uint4* to = recv_row(v, l, to_rank, row);
       const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.x) +
@@ -113,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(DispatchParams p) {
         for (int c = lane; c < l.scale_cols(); c += 32)
           to_scales[c] = p.x_scales[int64_t{t} * l.scale_cols() + c];
       }
-      if (lane == 0) meta_of(v, l, to_rank)[row] = make_int4(v.rank, t, slot, 0);
+      if (lane == 0) meta_of(v, l, to_rank)[row] = make_int4(v.rank, t, slot, expert);
     }
   }
   signal_all(v, kSetDispatch, seq);
@@ -128,25 +143,20 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(CombineParams p) {
   const uint32_t seq = v.counters[kSetCombine].barrier[blockIdx.x] + 1;
   // The counters of the dispatch this combine answers (the last one).
   const int parity = (launch_index(v, kSetDispatch) - 1) & 1, lane = threadIdx.x & 31, vectors = l.hidden / 8;
-  const int32_t* counts = counts_of(v, l, v.rank, parity);
+  const int received = counts_of(v, l, v.rank, parity)[l.experts_per_rank];
   const int4* meta = meta_of(v, l, v.rank);
-  for (int e = 0; e < l.experts_per_rank; ++e) {
-    const int count = counts[e];
-    for (int pos = blockIdx.x * kWarps + (threadIdx.x >> 5); pos < count; pos += kExpertBlocks * kWarps) {
-      const int64_t row = static_cast<int64_t>(e) * l.capacity() + pos;
-      const int4 m = meta[row];  // (source rank, token, slot)
-      uint4* to = combine_row(v, l, m.x, static_cast<int64_t>(m.y) * l.k + m.z);
-      if (p.y != nullptr) {
-        const uint4* from = reinterpret_cast<const uint4*>(p.y + row * l.hidden);
-        for (int c = lane; c < vectors; c += 32) to[c] = from[c];
-      } else {  // f32 rows in the grouped GEMM's order, 8 per 16-byte store
-        const float4* from =
-            reinterpret_cast<const float4*>(p.y_rows + (p.y_offsets[e] + int64_t{pos}) * l.hidden);
-        for (int c = lane; c < vectors; c += 32) {
-          const float4 a = from[2 * c], b = from[2 * c + 1];
-          to[c] =
-              make_uint4(pack_pair(a.x, a.y), pack_pair(a.z, a.w), pack_pair(b.x, b.y), pack_pair(b.z, b.w));
-        }
+  const int32_t* order = order_of(v, l);
+  for (int row = blockIdx.x * kWarps + (threadIdx.x >> 5); row < received; row += kExpertBlocks * kWarps) {
+    const int4 m = meta[row];  // (source rank, token, slot, expert)
+    uint4* to = combine_row(v, l, m.x, static_cast<int64_t>(m.y) * l.k + m.z);
+    if (p.y != nullptr) {
+      const uint4* from = reinterpret_cast<const uint4*>(p.y + int64_t{row} * l.hidden);
+      for (int c = lane; c < vectors; c += 32) to[c] = from[c];
+    } else {  // f32 rows in the grouped GEMM's order, 8 per 16-byte store
+      const float4* from = reinterpret_cast<const float4*>(p.y_rows + int64_t{order[row]} * l.hidden);
+      for (int c = lane; c < vectors; c += 32) {
+        const float4 a = from[2 * c], b = from[2 * c + 1];
+        to[c] = make_uint4(pack_pair(a.x, a.y), pack_pair(a.z, a.w), pack_pair(b.x, b.y), pack_pair(b.z, b.w));
       }
     }
   }
@@ -209,11 +219,19 @@ __global__ void __launch_bounds__(kThreads) received_groups_kernel(ReceivedGroup
     tile += (counts[e] + p.tile_rows - 1) / p.tile_rows;
   }
   if (threadIdx.x == 0) p.expert_offsets[E] = rows[kThreads], p.tile_offsets[E] = tiles[kThreads];
-  __syncthreads();  // the offsets are read back below by other threads
-  for (int e = 0; e < E; ++e) {
-    const int32_t start = p.expert_offsets[e];
-    for (int i = threadIdx.x; i < counts[e]; i += kThreads)
-      p.gather[start + i] = static_cast<int32_t>(e * l.capacity() + i);
+  // Each pool row's place among its expert's rows (arrival order within a
+  // block's rows; any order is a valid grouping).
+  extern __shared__ int32_t next[];  // [E]
+  for (int e = threadIdx.x; e < E; e += kThreads) next[e] = 0;
+  __syncthreads();  // the offsets (read back below by other threads) and next
+  const int4* meta = meta_of(v, l, v.rank);
+  int32_t* order = order_of(v, l);
+  const int received = counts[E];
+  for (int row = threadIdx.x; row < received; row += kThreads) {
+    const int e = meta[row].w;
+    const int32_t gemm_row = p.expert_offsets[e] + atomicAdd(&next[e], 1);
+    p.gather[gemm_row] = row;
+    order[row] = gemm_row;
   }
 }
 
@@ -235,8 +253,7 @@ cudaError_t dispatch(const DispatchParams& p, cudaStream_t stream) {
 }
 
 cudaError_t combine(const CombineParams& p, cudaStream_t stream) {
-  if (!valid(p.sym, p.layout, p.num_tokens) ||
-      (p.y == nullptr && (p.y_rows == nullptr || p.y_offsets == nullptr)))
+  if (!valid(p.sym, p.layout, p.num_tokens) || (p.y == nullptr && p.y_rows == nullptr))
     return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(p.y) | reinterpret_cast<uintptr_t>(p.y_rows) |
        reinterpret_cast<uintptr_t>(p.out)) %
@@ -248,8 +265,9 @@ cudaError_t combine(const CombineParams& p, cudaStream_t stream) {
 }
 
 cudaError_t received_groups(const ReceivedGroupsParams& p, cudaStream_t stream) {
-  if (!valid(p.sym, p.layout, 0) || p.tile_rows < 1) return cudaErrorInvalidValue;
-  received_groups_kernel<<<1, kThreads, 0, stream>>>(p);
+  if (!valid(p.sym, p.layout, 0) || p.tile_rows < 1 || p.layout.experts_per_rank > kMaxGroupExperts)
+    return cudaErrorInvalidValue;
+  received_groups_kernel<<<1, kThreads, p.layout.experts_per_rank * sizeof(int32_t), stream>>>(p);
   return cudaGetLastError();
 }
 

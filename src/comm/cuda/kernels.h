@@ -115,32 +115,40 @@ cudaError_t fused_all_reduce_add_rms_norm(const FusedAllReduceNormParams& p, cud
 
 // --- decode DP+EP dispatch / combine -----------------------------------------
 // The expert exchange's own symmetric allocation, laid out as ExpertLayout
-// says on every rank (capacity = world * max_tokens rows per local expert: a
-// token picks an expert at most once). The rows travel in bf16, or (fp8) as
-// E4M3 rows with their f32 scales per 128 columns (fp8-block activations,
-// ops/quant.h): half the bytes, and what the FP8 expert GEMMs read.
+// says on every rank. Received rows share one pool per rank, in arrival order:
+// a token sends a rank at most min(k, experts_per_rank) rows (its experts are
+// distinct), so world * max_tokens * that many rows always fit, whatever the
+// routing (a region per expert would need world * max_tokens rows for each:
+// experts_per_rank / k times more, 8x at 128 experts, top-8, 2 ranks). The
+// rows travel in bf16, or (fp8) as E4M3 rows with their f32 scales per 128
+// columns (fp8-block activations, ops/quant.h): half the bytes, and what the
+// FP8 expert GEMMs read.
 struct ExpertLayout {
   int world, experts_per_rank, max_tokens, k, hidden;
   bool fp8 = false;
-  __host__ __device__ int64_t capacity() const { return static_cast<int64_t>(world) * max_tokens; }
+  // Rows a rank can receive in one dispatch.
+  __host__ __device__ int64_t pool_rows() const {
+    return static_cast<int64_t>(world) * max_tokens * (k < experts_per_rank ? k : experts_per_rank);
+  }
   __host__ __device__ static size_t align(size_t bytes) { return (bytes + 255) / 256 * 256; }
   __host__ __device__ int row_bytes() const { return fp8 ? hidden : 2 * hidden; }
   __host__ __device__ int scale_cols() const { return fp8 ? (hidden + 127) / 128 : 0; }
-  // int32 [2 parities][experts_per_rank]: rows received per local expert
+  // int32 [2 parities][experts_per_rank + 1]: rows received per local expert,
+  // then in all (the pool's next free row)
   __host__ __device__ size_t counts_offset() const { return kSignalBytes; }
-  // int4 [experts_per_rank][capacity]: (source rank, token, slot, 0) of each row
-  __host__ __device__ size_t meta_offset() const { return align(counts_offset() + 8 * experts_per_rank); }
-  // [experts_per_rank][capacity][row_bytes()]: the rows
-  __host__ __device__ size_t recv_offset() const {
-    return align(meta_offset() + 16 * static_cast<size_t>(experts_per_rank) * capacity());
-  }
-  // f32 [experts_per_rank][capacity][scale_cols()]: the rows' scales (fp8)
+  // int4 [pool_rows]: (source rank, token, slot, local expert) of each received row
+  __host__ __device__ size_t meta_offset() const { return align(counts_offset() + 8 * (experts_per_rank + 1)); }
+  // int32 [pool_rows]: each received row's place in received_groups' order (its GEMM row)
+  __host__ __device__ size_t order_offset() const { return align(meta_offset() + 16 * pool_rows()); }
+  // [pool_rows][row_bytes()]: the rows
+  __host__ __device__ size_t recv_offset() const { return align(order_offset() + 4 * pool_rows()); }
+  // f32 [pool_rows][scale_cols()]: the rows' scales (fp8)
   __host__ __device__ size_t scales_offset() const {
-    return align(recv_offset() + static_cast<size_t>(row_bytes()) * experts_per_rank * capacity());
+    return align(recv_offset() + static_cast<size_t>(row_bytes()) * pool_rows());
   }
   // bf16 [max_tokens * k][hidden]: expert outputs coming back to this rank
   __host__ __device__ size_t combine_offset() const {
-    return align(scales_offset() + 4 * static_cast<size_t>(scale_cols()) * experts_per_rank * capacity());
+    return align(scales_offset() + 4 * static_cast<size_t>(scale_cols()) * pool_rows());
   }
   __host__ __device__ size_t total_bytes() const {
     return align(combine_offset() + 2 * static_cast<size_t>(max_tokens) * k * hidden);
@@ -148,12 +156,11 @@ struct ExpertLayout {
 };
 
 // Sends each (token, slot) row of x to the rank owning expert_ids[t, slot]
-// (expert e on rank e / experts_per_rank): the row lands at a free position of
-// that expert in the owner's recv area, and its origin in meta. After the
-// kernel, this rank's recv area holds counts[parity][e] rows per local expert
-// (the order within an expert is the arrival order; results do not depend on
-// it). parity = the number of dispatches so far & 1, on the device
-// (expert_counts() below reads it back for a host that needs it).
+// (expert e on rank e / experts_per_rank): the row lands at the next free row
+// of the owner's pool, and its origin and expert in meta. After the kernel,
+// this rank's pool holds counts[parity][experts_per_rank] rows, of which
+// counts[parity][e] for local expert e, in arrival order (results do not
+// depend on it). parity = the number of dispatches so far & 1, on the device.
 struct DispatchParams {
   SymmetricView sym;  // the ExpertLayout allocation
   ExpertLayout layout;
@@ -167,9 +174,10 @@ cudaError_t dispatch(const DispatchParams& p, cudaStream_t stream);
 // The rows this rank received in its last dispatch as the contiguous groups
 // of a grouped GEMM (ops/cuda/kernels.h GroupedGemmParams): local expert e's
 // rows are GEMM rows [expert_offsets[e], expert_offsets[e + 1]), GEMM row i
-// reading received row gather[i] (of the recv area, received_rows() below),
-// and tile_offsets counts tiles of tile_rows rows. One block; the counts stay
-// on the device, so a CUDA graph can hold it.
+// reading received row gather[i] (of the pool, received_rows() below),
+// and tile_offsets counts tiles of tile_rows rows. It also records each
+// received row's GEMM row for combine's y_rows. One block; the counts stay on
+// the device, so a CUDA graph can hold it. experts_per_rank <= 8192.
 struct ReceivedGroupsParams {
   SymmetricView sym;  // the ExpertLayout allocation
   ExpertLayout layout;
@@ -179,12 +187,12 @@ struct ReceivedGroupsParams {
   int tile_rows;
 };
 cudaError_t received_groups(const ReceivedGroupsParams& p, cudaStream_t stream);
-// Every rank's tokens times k: a bound on the rows a rank receives.
+// A bound on the rows a rank receives (its pool).
 inline int64_t max_received_rows(const ExpertLayout& l) {
-  return l.capacity() * l.k;
+  return l.pool_rows();
 }
-// This rank's recv area: [experts_per_rank * capacity, hidden] bf16 or E4M3,
-// and (fp8) the rows' scales [experts_per_rank * capacity, scale_cols()].
+// This rank's pool: [pool_rows, hidden] bf16 or E4M3, and (fp8) the rows'
+// scales [pool_rows, scale_cols()].
 inline const void* received_rows(const SymmetricView& v, const ExpertLayout& l) {
   return v.base[v.rank] + l.recv_offset();
 }
@@ -194,19 +202,18 @@ inline const float* received_scales(const SymmetricView& v, const ExpertLayout& 
 
 // Sends each received row's expert output back to its (rank, token, slot) and
 // sums them there: out[t] = sum over slots j ascending of weights[t, j] * y(t, j).
-// The outputs are either y, bf16 at the received rows' places, or y_rows, f32
-// in the order of received_groups (row y_offsets[e] + i for the i-th row of
-// local expert e: what the grouped GEMM over those groups writes), rounded to
-// bf16 on the way.
+// The outputs are either y, bf16 at the received rows' places in the pool, or
+// y_rows, f32 in the order of received_groups (what the grouped GEMM over
+// those groups writes; received_groups must have run since the dispatch),
+// rounded to bf16 on the way.
 struct CombineParams {
   SymmetricView sym;
   ExpertLayout layout;
-  const bf16* y;         // [experts_per_rank, capacity, hidden] outputs of the received rows, or null
+  const bf16* y;         // [pool_rows, hidden] outputs of the received rows, or null
   const float* weights;  // [num_tokens, k] of this rank's dispatch
   float* out;            // [num_tokens, hidden]
   int num_tokens;        // as in this rank's dispatch
-  const float* y_rows = nullptr;       // with y null: [received rows, hidden]
-  const int32_t* y_offsets = nullptr;  // with y_rows: received_groups' expert_offsets
+  const float* y_rows = nullptr;  // with y null: [received rows, hidden], in GEMM row order
 };
 cudaError_t combine(const CombineParams& p, cudaStream_t stream);
 

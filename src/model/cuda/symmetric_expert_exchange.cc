@@ -50,7 +50,7 @@ Expected<ReceivedRows> SymmetricExpertExchange::dispatch(const void* x, const fl
 Status SymmetricExpertExchange::combine(const float* y, const float* weights, float* out, int num_tokens,
                                         cudaStream_t stream) {
   comm::cuda::CombineParams p{memory_->view(), layout_, nullptr, weights, out, num_tokens};
-  p.y_rows = y, p.y_offsets = expert_offsets();
+  p.y_rows = y;
   return cuda_status(comm::cuda::combine(p, stream), "expert combine");
 }
 
