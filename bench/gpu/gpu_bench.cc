@@ -342,6 +342,15 @@ void bench_prefill_grouped_gemm() {
   };
   char shape[64];
   std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
+  auto describe = [&](double ms, double gather_ms, double decode_ms) {
+    char extra[192];
+    std::snprintf(
+        extra, sizeof extra,
+        "%.1f TFLOP/s, 128-row tiles (gather of gate_up's rows first: %.3f ms; 64-row decode kernel: "
+        "%.3f ms, %.1f TFLOP/s)",
+        flops / (ms * 1e9), gather_ms, decode_ms, flops / (decode_ms * 1e9));
+    return std::string(extra);
+  };
   {
     DeviceTensor w13 = random_bf16({E, 2 * I, H}, 33, 0.02f), w2 = random_bf16({E, H, I}, 34, 0.02f);
     // The prefill kernel reads gate_up's rows permuted: gathered once here, timed on its own.
@@ -368,13 +377,7 @@ void bench_prefill_grouped_gemm() {
     };
     const double decode_ms = time_gemms(k::wgmma_grouped_gemm, k::kGroupedGemmTileRows);
     const double ms = time_gemms(k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows);
-    char extra[192];
-    std::snprintf(
-        extra, sizeof extra,
-        "%.1f TFLOP/s, 128-row tiles (gather of gate_up's rows first: %.3f ms; 64-row decode kernel: %.3f "
-        "ms, %.1f TFLOP/s)",
-        flops / (ms * 1e9), gather_ms, decode_ms, flops / (decode_ms * 1e9));
-    report("moe_gemms_prefill", shape, ms, flops / 790e9, extra);
+    report("moe_gemms_prefill", shape, ms, flops / 790e9, describe(ms, gather_ms, decode_ms));
   }
   {
     DeviceTensor w13 = fp8_weights(int64_t{E} * 2 * I, H, 35), w2 = fp8_weights(int64_t{E} * H, I, 36);
@@ -413,13 +416,7 @@ void bench_prefill_grouped_gemm() {
     };
     const double decode_ms = time_gemms(k::fp8_grouped_gemm, k::kGroupedGemmTileRows);
     const double ms = time_gemms(k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows);
-    char extra[192];
-    std::snprintf(
-        extra, sizeof extra,
-        "%.1f TFLOP/s, 128-row tiles (gather of gate_up's rows first: %.3f ms; 64-row decode kernel: %.3f "
-        "ms, %.1f TFLOP/s)",
-        flops / (ms * 1e9), gather_ms, decode_ms, flops / (decode_ms * 1e9));
-    report("moe_gemms_prefill_fp8", shape, ms, flops / 1580e9, extra);
+    report("moe_gemms_prefill_fp8", shape, ms, flops / 1580e9, describe(ms, gather_ms, decode_ms));
   }
 }
 

@@ -98,6 +98,24 @@ struct PrefillArgs {
   int gate_block_rows;  // gate_up: ceil(N / 128), where the up half's scale block rows start
 };
 
+// The epilogue of a consumer thread: its tile rows `row` and `row + 8` (those
+// the item has) from the accumulator, SiLU-multiplied to bf16 (gate_up) or f32.
+template <bool kGateUp, int kSize>
+__device__ __forceinline__ void store_rows(const PrefillArgs& p, const GemmItem& item,
+                                           const float (&acc)[kSize], int row, int q) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row + 8 * h;
+    if (r >= item.rows) continue;
+    const int64_t offset = static_cast<int64_t>(item.row0 + r) * p.N;
+    if constexpr (kGateUp) {
+      store_silu_mul_row<kSize / 8>(static_cast<bf16*>(p.out) + offset, acc, item.n0, p.N, h, q);
+    } else {
+      store_f32_row(static_cast<float*>(p.out) + offset, acc, item.n0, p.N, h, q);
+    }
+  }
+}
+
 template <bool kFp8, bool kGateUp>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_grouped_gemm_kernel(const __grid_constant__ CUtensorMap weights,
@@ -225,19 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         wgmma_wait_group<0>();
         release((step - 1) % T::kStages);
-        if (idle) continue;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = consumer * 64 + warp * 16 + g + 8 * h;
-          if (r >= item.rows) continue;
-          if constexpr (kGateUp) {
-            store_silu_mul_row<16>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
-                                   item.n0, p.N, h, q);
-          } else {
-            store_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
-                          item.n0, p.N, h, q);
-          }
-        }
+        if (!idle) store_rows<kGateUp>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }
     } else {
       // Two partial accumulators: the MMAs of K step ks go into part[ks % 2]
@@ -295,19 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           promote(part1, step + ks);
         }
         step += num_k_steps;
-        if (idle) continue;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = consumer * 64 + warp * 16 + g + 8 * h;
-          if (r >= item.rows) continue;
-          if constexpr (kGateUp) {
-            store_silu_mul_row<8>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
-                                  item.n0, p.N, h, q);
-          } else {
-            store_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
-                          item.n0, p.N, h, q);
-          }
-        }
+        if (!idle) store_rows<kGateUp>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }
     }
   }
@@ -382,6 +376,16 @@ int num_n_tiles(int N, bool gate_up, int weight_rows) {
   return (N + columns - 1) / columns;
 }
 
+// The fields of both dtypes' params (GroupedGemmParams, Fp8GroupedGemmParams).
+template <typename Params>
+PrefillArgs prefill_args(const Params& p, int weight_rows) {
+  PrefillArgs args{};
+  args.expert_offsets = p.expert_offsets, args.tile_offsets = p.tile_offsets, args.out = p.out;
+  args.N = p.N, args.K = p.K, args.num_experts = p.num_experts;
+  args.num_n_tiles = num_n_tiles(p.N, p.gate_up, weight_rows);
+  return args;
+}
+
 }  // namespace
 
 int moe_tile_rows(int64_t rows, int num_experts) {
@@ -390,33 +394,15 @@ int moe_tile_rows(int64_t rows, int num_experts) {
 
 cudaError_t wgmma_grouped_gemm_prefill(const GroupedGemmParams& p, cudaStream_t stream) {
   if (p.sorted_token != nullptr) return cudaErrorInvalidValue;  // the rows come gathered (gather_rows)
-  const PrefillArgs args{nullptr,
-                         nullptr,
-                         p.expert_offsets,
-                         p.tile_offsets,
-                         p.out,
-                         p.N,
-                         p.K,
-                         p.num_experts,
-                         num_n_tiles(p.N, p.gate_up, Tile<false>::kWeightRows),
-                         0,
-                         0};
-  return launch_prefill_gemm<false>(args, p.a, p.a_rows, p.w, p.max_tiles, p.gate_up, stream);
+  return launch_prefill_gemm<false>(prefill_args(p, Tile<false>::kWeightRows), p.a, p.a_rows, p.w,
+                                    p.max_tiles, p.gate_up, stream);
 }
 
 cudaError_t fp8_grouped_gemm_prefill(const Fp8GroupedGemmParams& p, cudaStream_t stream) {
   if (p.k_splits != 1 || p.sorted_token != nullptr) return cudaErrorInvalidValue;
-  const PrefillArgs args{p.a_scales,
-                         p.w_scales,
-                         p.expert_offsets,
-                         p.tile_offsets,
-                         p.out,
-                         p.N,
-                         p.K,
-                         p.num_experts,
-                         num_n_tiles(p.N, p.gate_up, Tile<true>::kWeightRows),
-                         (p.K + 127) / 128,
-                         (p.N + 127) / 128};
+  PrefillArgs args = prefill_args(p, Tile<true>::kWeightRows);
+  args.a_scales = p.a_scales, args.w_scales = p.w_scales;
+  args.scale_cols = (p.K + 127) / 128, args.gate_block_rows = (p.N + 127) / 128;
   return launch_prefill_gemm<true>(args, p.a, p.a_rows, p.w, p.max_tiles, p.gate_up, stream);
 }
 
