@@ -39,9 +39,13 @@
 // Measured on an H200 (375 rows per expert, 2026-12-01): the first version of
 // this kernel (activation rows gathered with cp.async through sorted_token,
 // one CTA per item) ran 3.87 ms bf16 / 3.12 ms FP8; TMA rows and the bf16
-// pair 3.2-3.4 / 2.44-2.55 ms. A cluster-scope release on the consumers'
-// arrivals (mbarrier.arrive.release.cluster) had cost 30-50%: it fences every
-// earlier access of the thread.
+// pair 3.2-3.4 / 2.44-2.55 ms; the item lookups in shared memory FP8 2.07 ms.
+// A cluster-scope release on the consumers' arrivals
+// (mbarrier.arrive.release.cluster) had cost 30-50%: it fences every earlier
+// access of the thread. Now bf16 is L2-bound (94-95% L2 throughput, the
+// weights read about twice from DRAM) and FP8's tensor pipe is 44-54% busy
+// with neither the producer nor L2 the limit (ncu; bench/results
+// 2026-12-01_gpu_prefill_gemm_v2.md).
 //
 // Floor (Qwen3-235B, 128 experts, hidden 4096, moe_intermediate 1536, 375 rows
 // per expert = 6000 tokens x top-8): 2 x 48000 x 4096 x 4608 = 1.81 TFLOP per
