@@ -86,6 +86,7 @@ Expected<GpuRanks> meet_gpu_ranks(const ServeArgs& args, int max_tokens, const m
     log_info("GPU rank {} of {} on GPU {}: layer collective ready", p.internal_rank, p.world(), g.device);
     abort = [comm = g.comm.get()] { comm->abort(); };
   }
+  g.abandon = AbandonGuard(std::make_shared<CollectiveAbandon>(abort));
   if (g.followers) {
     g.watchdog = std::jthread([pids = g.followers->pids(), abort](const std::stop_token& stop) {
       watch_followers(stop, pids, abort);
@@ -129,7 +130,7 @@ Expected<std::vector<std::unique_ptr<engine::SharedKvPool>>> share_kv_pools(
 Status gpu_ranks_ready(GpuRanks& g, const ParallelArgs& par) {
   if (par.follower()) {
     MOE_RETURN_IF_ERROR(engine::signal_ready(par.internal_plan_fd));
-    stop_when_leader_exits(par.internal_plan_fd);
+    stop_when_leader_exits(par.internal_plan_fd, [abandon = g.abandon.handle] { abandon->fire(); });
     return Status::ok();
   }
   MOE_RETURN_IF_ERROR(engine::wait_for_followers(g.followers->fds));

@@ -8,7 +8,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -35,12 +37,45 @@ namespace moe::apps {
 // Data-parallel ranks (--dp, decode instances) meet the same way, but each is
 // a decode instance of its own; they open the expert exchange instead of the
 // layer collective, and their engines step together, voting over the bootstrap.
+// Ends the waits of a rank's collective kernels in flight (the collective's
+// abort), from any thread, until disarmed: a watcher thread that fires after
+// the collective is gone does nothing.
+class CollectiveAbandon {
+ public:
+  explicit CollectiveAbandon(std::function<void()> abort) : abort_(std::move(abort)) {}
+  void fire() {
+    std::lock_guard lock(mutex_);
+    if (abort_) abort_();
+  }
+  void disarm() {
+    std::lock_guard lock(mutex_);
+    abort_ = nullptr;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::function<void()> abort_;
+};
+
+// Holds a CollectiveAbandon and disarms it when it goes (before the collective does).
+struct AbandonGuard {
+  std::shared_ptr<CollectiveAbandon> handle;
+  AbandonGuard() = default;
+  explicit AbandonGuard(std::shared_ptr<CollectiveAbandon> h) : handle(std::move(h)) {}
+  AbandonGuard(AbandonGuard&&) noexcept = default;
+  AbandonGuard& operator=(AbandonGuard&&) noexcept = default;
+  ~AbandonGuard() {
+    if (handle) handle->disarm();
+  }
+};
+
 struct GpuRanks {
   std::optional<Followers> followers;  // the leader's
   std::unique_ptr<comm::TcpBootstrap> bootstrap;
   std::unique_ptr<model::SymmetricLayerComm> comm;          // --tp/--ep
   std::unique_ptr<model::SymmetricExpertExchange> experts;  // --dp
   int device = 0;
+  AbandonGuard abandon;   // the collective's abort; disarmed before the collective goes
   std::jthread watchdog;  // the leader's (watch_followers); declared last, so it stops first
 };
 
@@ -64,7 +99,9 @@ Expected<std::vector<std::unique_ptr<engine::SharedKvPool>>> share_kv_pools(
     comm::TcpBootstrap& bootstrap, const model::CudaQwen3MoeModel& model);
 
 // Data-parallel GPU ranks, each model built: a follower says so and goes
-// with its leader; the leader waits for every rank.
+// with its leader (ending its exchange's waits first, so a step in flight
+// fails at once rather than at the kernels' ~10 s timeout); the leader waits
+// for every rank.
 Status gpu_ranks_ready(GpuRanks& g, const ParallelArgs& par);
 
 }  // namespace moe::apps

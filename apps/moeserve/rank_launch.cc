@@ -38,14 +38,15 @@ std::string new_group_name() {
   return fmt::format("moeserve-{}-{:x}", getpid(), static_cast<uint64_t>(now));
 }
 
-void stop_when_leader_exits(int plan_fd) {
-  std::thread([plan_fd] {
+void stop_when_leader_exits(int plan_fd, std::function<void()> before_stop) {
+  std::thread([plan_fd, before_stop = std::move(before_stop)] {
     char byte;
     while (true) {
       const ssize_t r = ::read(plan_fd, &byte, 1);
       if (r == 0 || (r < 0 && errno != EINTR)) break;
     }
     log_info("the leader rank went away: stopping this rank");
+    if (before_stop) before_stop();
     ::kill(::getpid(), SIGTERM);
   }).detach();
 }

@@ -67,8 +67,9 @@ Expected<Followers> spawn_followers(const ParallelArgs& args, const std::string&
                                     int bootstrap_port = 0);
 
 // A data-parallel follower (its own decode instance) stops like on SIGTERM
-// once its leader's plan socket closes: a watcher thread raises SIGTERM.
-void stop_when_leader_exits(int plan_fd);
+// once its leader's plan socket closes: a watcher thread calls before_stop
+// (if any), then raises SIGTERM.
+void stop_when_leader_exits(int plan_fd, std::function<void()> before_stop = {});
 
 // A GPU follower exits (_exit, 2 s after the close, so that a "stop" sent
 // before it is obeyed first) when its leader's plan socket closes, also in the
