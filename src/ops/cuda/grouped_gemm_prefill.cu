@@ -8,11 +8,11 @@
 //
 // Algorithm: a persistent grid of clusters of one or two CTAs (cluster_ctas:
 // two for bf16) walks items of (128 permuted rows of one expert) x (a column
-// tile per CTA: 256 weight rows in bf16, 128 in FP8; gate_up takes half gate
-// and half matching up rows, so SiLU-multiply runs on the accumulators). The
+// tile of 256 weight rows per CTA; gate_up takes 128 gate and the 128
+// matching up rows, so SiLU-multiply runs on the accumulators). The
 // CTAs of a cluster need the same activation rows: each loads its share with
 // the bulk tensor copy engine (TMA) and multicasts it to all, so a CTA of a
-// pair pulls 5/6 (bf16) or 3/4 (FP8) of the L2 bytes it would alone. In a
+// pair pulls 5/6 of the L2 bytes it would alone. In a
 // CTA, three warpgroups share a ring of shared-memory stages, each holding
 // 128 bytes of every row along K:
 //   - the producer (warpgroup 0, registers handed down to 56): one thread
@@ -23,10 +23,10 @@
 //     64 of the rows by all the stage's weight rows with wgmma from shared
 //     memory. bf16: one m64n256 accumulator; a stage is freed once the MMAs of
 //     the next one are issued (wait_group 1), so the tensor cores never wait
-//     on the consumer. FP8: per 128-wide K block (one scale block) the MMAs go
-//     into one of two partial m64n128 accumulators, and the other one (the
-//     block before) is added to the running sum times (activation scale x
-//     weight scale) while they run.
+//     on the consumer. FP8: per 128-wide K block (one scale block) and half
+//     of the weight rows, the MMAs go into a partial m64n128 accumulator,
+//     which is then added to the m64n256 sum times (activation scale x
+//     weight scale); the other consumer's MMAs run meanwhile.
 //   A stage is free once the consumers of every CTA of the cluster are done
 //   with it (each consumer warp arrives on the stage's barrier in each),
 //   since the peers' multicasts write it too.
@@ -39,22 +39,27 @@
 // Measured on an H200 (375 rows per expert, 2026-12-01): the first version of
 // this kernel (activation rows gathered with cp.async through sorted_token,
 // one CTA per item) ran 3.87 ms bf16 / 3.12 ms FP8; TMA rows and the bf16
-// pair 3.2-3.4 / 2.44-2.55 ms; the item lookups in shared memory FP8 2.07 ms.
+// pair 3.2-3.4 / 2.44-2.55 ms; the item lookups in shared memory FP8 2.07 ms;
+// FP8 column tiles of 256 instead of 128 (so 48 instead of 32 KB per stage
+// for twice the MMAs) 2.04-2.33 -> 1.83-1.99 ms, and 743-826 -> 907-916
+// TFLOP/s at 1000-2000 rows per expert.
 // A cluster-scope release on the consumers' arrivals
 // (mbarrier.arrive.release.cluster) had cost 30-50%: it fences every earlier
 // access of the thread. Now bf16 is L2-bound (94-95% L2 throughput, the
-// weights read about twice from DRAM) and FP8's tensor pipe is 44-54% busy
-// with neither the producer nor L2 the limit (ncu; bench/results
-// 2026-12-01_gpu_prefill_gemm_v2.md).
+// weights read about twice from DRAM). FP8's tensor pipe is 64% (gate_up)
+// and 51% (down) busy, L2 at 87-94% throughput: its consumers wait on their
+// MMAs a third of the time and promote another third, and the producer
+// mostly waits for free stages (ncu; bench/results
+// 2026-12-01_gpu_prefill_gemm_v2.md, 2026-12-01_gpu_prefill_fp8_256.md).
 //
 // Floor (Qwen3-235B, 128 experts, hidden 4096, moe_intermediate 1536, 375 rows
 // per expert = 6000 tokens x top-8): 2 x 48000 x 4096 x 4608 = 1.81 TFLOP per
 // layer, 2.3 ms at the ~790 TFLOP/s dense bf16 rate and 1.15 ms at FP8's
 // twice that; the weights (4.8 GB bf16, 2.4 GB FP8) stream in 1.1 / 0.6 ms,
 // so both are compute-bound when L2 serves an expert's weights to all of its
-// row tiles. L2 is the next limit: a CTA's stage is 48 KB (bf16) or 32 KB
-// (FP8) for 4.2 MFLOP, ~9-10 TB/s across the grid at the tensor-core rate
-// against ~7.2 TB/s measured; the multicast cuts that to 40 / 24 KB.
+// row tiles. L2 is the next limit: a CTA's stage is 48 KB for 4.2 MFLOP
+// (bf16) or 8.4 MFLOP (FP8), ~9-10 TB/s across the grid at the bf16
+// tensor-core rate against ~7.2 TB/s measured; the multicast cuts that to 40 KB.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -76,12 +81,12 @@ constexpr int kThreads = 384;
 
 template <bool kFp8>
 struct Tile {
-  static constexpr int kWeightRows = kFp8 ? 128 : 256;  // per item
-  static constexpr int kKStep = kFp8 ? 128 : 64;        // elements per stage: 128 bytes of each row
-  static constexpr int kBoxRows = kWeightRows / 2;      // the weight rows arrive as two boxes
-  static constexpr int kStages = kFp8 ? 6 : 4;
+  static constexpr int kWeightRows = 256;           // per item
+  static constexpr int kKStep = kFp8 ? 128 : 64;    // elements per stage: 128 bytes of each row
+  static constexpr int kBoxRows = kWeightRows / 2;  // the weight rows arrive as two boxes
+  static constexpr int kStages = 4;
   static constexpr int kABytes = kM * 128, kBBytes = kWeightRows * 128;
-  static constexpr int kScaleBytes = kFp8 ? 1024 : 0;   // 128 activation + 2 weight scales, padded
+  static constexpr int kScaleBytes = kFp8 ? 1024 : 0;  // 128 activation + 2 weight scales, padded
   static constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes;
   static constexpr int kBarrierBase = kStages * kStageBytes;
   // Then expert_offsets and tile_offsets ([num_experts + 1] each, so dynamic).
@@ -178,11 +183,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         const GemmItem item = item_of(index, idle);
         const int y0 = item.expert * (kGateUp ? 2 * p.N : p.N) + item.n0;
         const int y1 = kGateUp ? y0 + p.N : y0 + T::kBoxRows;
-        int64_t w_scale_row = 0;  // FP8: thread 0 copies the first block's scale, thread 1 the second's
+        // FP8: thread 0 copies the scale of the weight block of the tile's
+        // first 128 columns (gate_up: the gate ones), thread 1 of the last
+        // 128 (gate_up: the matching up ones), if the tile reaches them.
+        int64_t w_scale_row = 0;
+        bool w_scale_live = !idle;
         if constexpr (kFp8) {
           const int blocks_per_expert = kGateUp ? 2 * p.gate_block_rows : (p.N + 127) / 128;
           w_scale_row = static_cast<int64_t>(item.expert) * blocks_per_expert + item.n0 / 128 +
-                        (kGateUp && own == 1 ? p.gate_block_rows : 0);
+                        (own == 1 ? (kGateUp ? p.gate_block_rows : 1) : 0);
+          if (!kGateUp && own == 1) w_scale_live = w_scale_live && item.n0 + 128 < p.N;
         }
         for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
           const int stage = step % T::kStages;
@@ -206,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                        live);
             if (own < 2)
               cp_async_4(scale_tile(stage) + (128 + own) * 4,
-                         p.w_scales + (idle ? 0 : w_scale_row * p.scale_cols + ks), !idle);
+                         p.w_scales + (w_scale_live ? w_scale_row * p.scale_cols + ks : 0), w_scale_live);
             mbarrier_arrive_cp_async(full(stage));
           }
         }
@@ -250,61 +260,44 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (!idle) store_rows<kGateUp>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }
     } else {
-      // Two partial accumulators: the MMAs of K step ks go into part[ks % 2]
-      // while step ks - 1's are scaled into acc, so the tensor cores always
-      // have the next step's MMAs queued. (Waiting for a step's MMAs before
-      // scaling them, as the decode kernel does, left the tensor pipe idle
-      // during every promotion: 44% busy, profiled on an H200.)
-      float acc[64], part0[64], part1[64];
-      auto issue = [&](float(&part)[64], int at) {  // the MMAs of pipeline step `at`
-        const int stage = at % T::kStages;
-        mbarrier_wait(full(stage), (at / T::kStages) & 1);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n128k32_e4m3_ss(part, sw128_descriptor(a_tile(stage) + a_offset + kk * 32, 16, 1024),
-                                   sw128_descriptor(b_tile(stage) + kk * 32, 16, 1024), kk > 0);
-        wgmma_commit_group();
-      };
-      auto promote = [&](const float(&part)[64], int at) {  // once step `at`'s MMAs are done
-        const int stage = at % T::kStages;
-        const float* scales = reinterpret_cast<const float*>(smem_raw + (scale_tile(stage) - smem_u32(smem_raw)));
-        float row_scale[2][2];  // [row half][weight block: columns < 64 or >= 64]
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float a_scale = scales[consumer * 64 + warp * 16 + g + 8 * h];
-          row_scale[h][0] = a_scale * scales[128];
-          row_scale[h][1] = a_scale * scales[129];
-        }
-        release(stage);
-#pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] += part[i] * row_scale[(i >> 1) & 1][i >= 32];
-      };
+      // Per 128-wide K block (one scale block) and half of the weight rows,
+      // the MMAs go into a partial accumulator that is then added to the
+      // running sum times (activation scale x weight scale). Registers hold
+      // only one partial beside the m64n256 sum, so within a warpgroup a
+      // half's MMAs and its promotion alternate; the tensor cores run the
+      // other consumer's MMAs meanwhile. (Making the two consumers take turns
+      // to issue, with named barriers, so that one always promotes while the
+      // other's MMAs run, changed nothing: measured on an H200.)
+      float acc[128], part[64];
       for (int index = cluster; index < num_items; index += num_clusters) {
         bool idle;
         const GemmItem item = item_of(index, idle);
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-        issue(part0, step);
-        for (int ks = 1;; ks += 2) {  // even steps in part0, odd ones in part1
-          if (ks == num_k_steps) {
+        for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+        for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
+          const int stage = step % T::kStages;
+          mbarrier_wait(full(stage), (step / T::kStages) & 1);
+          const float* scales =
+              reinterpret_cast<const float*>(smem_raw + (scale_tile(stage) - smem_u32(smem_raw)));
+          const float a_scale[2] = {scales[consumer * 64 + warp * 16 + g],
+                                    scales[consumer * 64 + warp * 16 + g + 8]};
+          const float w_scale[2] = {scales[128], scales[129]};
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+              wgmma_m64n128k32_e4m3_ss(
+                  part, sw128_descriptor(a_tile(stage) + a_offset + kk * 32, 16, 1024),
+                  sw128_descriptor(b_tile(stage) + half * (T::kBBytes / 2) + kk * 32, 16, 1024), kk > 0);
+            wgmma_commit_group();
             wgmma_wait_group<0>();
-            promote(part0, step + ks - 1);
-            break;
+            if (half == 1) release(stage);
+            const float row_scale[2] = {a_scale[0] * w_scale[half], a_scale[1] * w_scale[half]};
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i] * row_scale[(i >> 1) & 1];
           }
-          issue(part1, step + ks);
-          wgmma_wait_group<1>();
-          promote(part0, step + ks - 1);
-          if (ks + 1 == num_k_steps) {
-            wgmma_wait_group<0>();
-            promote(part1, step + ks);
-            break;
-          }
-          issue(part0, step + ks + 1);
-          wgmma_wait_group<1>();
-          promote(part1, step + ks);
         }
-        step += num_k_steps;
         if (!idle) store_rows<kGateUp>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }
     }
@@ -316,8 +309,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // CTAs per cluster. Measured on an H200 at 375 rows per expert (three runs
 // each): bf16 gains from sharing the rows (3.20-3.42 ms against 3.39-3.61
-// alone), FP8 does not (2.53-2.58 ms against 2.44-2.55: its CTAs' lockstep
-// costs more than the L2 bytes save). MOE_PREFILL_GEMM_CLUSTER=1 or 2
+// alone), FP8 does not (256-column tiles: 1.94 ms against 1.86; before, with
+// 128, 2.53-2.58 against 2.44-2.55: its CTAs' lockstep costs more than the L2
+// bytes save). MOE_PREFILL_GEMM_CLUSTER=1 or 2
 // overrides, for measuring and for the tests.
 int cluster_ctas(bool fp8) {
   const char* v = std::getenv("MOE_PREFILL_GEMM_CLUSTER");
