@@ -1,5 +1,6 @@
-// The CUDA comm kernels on two GPUs (ranks as threads, one GPU each, sharing
-// cuMemCreate memory through POSIX file descriptors), against the CPU:
+// The CUDA comm kernels with two ranks (on two GPUs: threads, one GPU each;
+// on one GPU: processes sharing it), sharing cuMemCreate memory through POSIX
+// file descriptors, against the CPU:
 //   all-reduce (one-shot, two-shot, auto with chunks) == the bf16 rounding of
 //     the f32 sum in rank order, bit for bit, odd sizes included;
 //   fused all-reduce + residual + RMSNorm == sum, then ops::cpu::add_rms_norm
@@ -7,8 +8,9 @@
 //   dispatch then combine == the reference weighted sum, rows tagged with
 //     (source rank, token) so misrouting shows, twice (both counter parities);
 //   NCCL (when libnccl loads) == ours on the same inputs.
-// Skips with a message on machines with fewer than two GPUs. Never creates a
-// multicast object (the NVLS kernel is compiled, not run).
+// Skips with a message on machines without a GPU (NCCL's check: with fewer
+// than two). Never creates a multicast object (the NVLS kernel is compiled,
+// not run).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -30,12 +32,23 @@ namespace moe::comm::cuda {
 namespace {
 
 using moe::comm::testing::gpu_count;
-using moe::comm::testing::run_gpu_ranks;
 
-#define SKIP_WITHOUT_TWO_GPUS()                                                         \
-  do {                                                                                  \
-    if (gpu_count() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpu_count();        \
+#define SKIP_WITHOUT_GPU()                              \
+  do {                                                  \
+    if (gpu_count() < 1) GTEST_SKIP() << "needs a GPU"; \
   } while (0)
+
+// body(bootstrap) on every rank: threads with a GPU each where there are
+// enough GPUs, else processes (this test again, run_rank_processes) sharing them.
+std::string run_ranks(int world, const std::function<void(TcpBootstrap&)>& body) {
+  using namespace moe::comm::testing;
+  if (in_rank_process()) return rank_process_body(body);
+  if (gpu_count() >= world) return run_gpu_ranks(world, body);
+  const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
+  return run_rank_processes(
+      world,
+      {std::string("--gtest_filter=") + test->test_suite_name() + "." + test->name(), "--gtest_color=no"});
+}
 
 // A bf16 value per (rank, index), in [-4, 4).
 uint16_t value_of(int rank, int64_t i) {
@@ -62,7 +75,7 @@ std::vector<T> host_copy(const void* device, size_t count) {
 
 std::unique_ptr<CudaSymmetricMemory> open_memory(TcpBootstrap& b, size_t data_bytes) {
   SymmetricMemoryOptions options;
-  options.device = b.rank();
+  options.device = b.rank() % gpu_count();
   options.data_bytes = data_bytes;
   auto mem = CudaSymmetricMemory::create(options, b);
   EXPECT_TRUE(mem.has_value()) << mem.status().to_string();
@@ -95,8 +108,8 @@ std::string check_all_reduce(const SymmetricView& view, int64_t n, Algo algo) {
 }
 
 TEST(CommCuda, AllReduceEqualsCpuSum) {
-  SKIP_WITHOUT_TWO_GPUS();
-  const std::string e = run_gpu_ranks(2, [](TcpBootstrap& b) {
+  SKIP_WITHOUT_GPU();
+  const std::string e = run_ranks(2, [](TcpBootstrap& b) {
     auto mem = open_memory(b, 32 << 20);  // halves of 16 MB: 8M elements per call
     ASSERT_NE(mem, nullptr);
     for (int64_t n : {1, 7, 8, 9, 1000, 4097, 65536, 65543, 1 << 20, (3 << 20) + 5})
@@ -150,8 +163,8 @@ void check_fused(const SymmetricView& view, int rows, int hidden, bool two_shot)
 }
 
 TEST(CommCuda, FusedAllReduceAddRmsNormEqualsReference) {
-  SKIP_WITHOUT_TWO_GPUS();
-  const std::string e = run_gpu_ranks(2, [](TcpBootstrap& b) {
+  SKIP_WITHOUT_GPU();
+  const std::string e = run_ranks(2, [](TcpBootstrap& b) {
     auto mem = open_memory(b, 32 << 20);
     ASSERT_NE(mem, nullptr);
     for (bool two_shot : {false, true})
@@ -338,8 +351,8 @@ void round_trip(const SymmetricView& view, const Routing& s, int parity, bool f3
 }
 
 TEST(CommCuda, DispatchThenCombineEqualsReference) {
-  SKIP_WITHOUT_TWO_GPUS();
-  const std::string e = run_gpu_ranks(2, [](TcpBootstrap& b) {
+  SKIP_WITHOUT_GPU();
+  const std::string e = run_ranks(2, [](TcpBootstrap& b) {
     Routing s;
     s.tokens = {11, 0};  // rank 1 has no tokens and still takes part
     const ExpertLayout layout{2, s.num_experts / 2, s.max_tokens, s.k, s.hidden};
@@ -358,8 +371,8 @@ TEST(CommCuda, DispatchThenCombineEqualsReference) {
 
 // The same with an FP8 payload (E4M3 rows and their scales per 128 columns).
 TEST(CommCuda, DispatchFp8RowsWithTheirScales) {
-  SKIP_WITHOUT_TWO_GPUS();
-  const std::string e = run_gpu_ranks(2, [](TcpBootstrap& b) {
+  SKIP_WITHOUT_GPU();
+  const std::string e = run_ranks(2, [](TcpBootstrap& b) {
     Routing s;
     s.hidden = 512;  // 4 scale columns
     s.tokens = {12, 5};
@@ -375,10 +388,10 @@ TEST(CommCuda, DispatchFp8RowsWithTheirScales) {
 
 #ifdef MOE_COMM_HAVE_NCCL
 TEST(CommCuda, NcclAgreesWithOurs) {
-  SKIP_WITHOUT_TWO_GPUS();
+  if (gpu_count() < 2) GTEST_SKIP() << "NCCL needs a GPU per rank: 2, found " << gpu_count();
   auto version = NcclCommunicator::library_version();
   if (!version) GTEST_SKIP() << version.status().to_string();
-  const std::string e = run_gpu_ranks(2, [](TcpBootstrap& b) {
+  const std::string e = moe::comm::testing::run_gpu_ranks(2, [](TcpBootstrap& b) {
     auto nccl = NcclCommunicator::create(b, b.rank());
     ASSERT_TRUE(nccl.has_value()) << nccl.status().to_string();
     const int64_t n = (1 << 20) + 8;

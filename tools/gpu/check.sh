@@ -2,7 +2,7 @@
 # Runs the GPU tests (and, with --bench, the GPU benchmarks) on a machine with
 # an NVIDIA GPU, from binaries built elsewhere with
 #   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMOE_STATIC_RUNTIME=ON
-#   cmake --build build-gpu --target ops_cuda_test model_cuda_test dtype_cuda_test sampling_cuda_test speculative_cuda_test parallel_cuda_test gpu_bench
+#   cmake --build build-gpu --target ops_cuda_test model_cuda_test dtype_cuda_test sampling_cuda_test speculative_cuda_test parallel_cuda_test comm_cuda_test gpu_bench
 # (static libstdc++ and header-only fmt, so only the CUDA libraries are needed
 # where it runs). Tests find tests/data through the source path compiled into
 # them; SOURCE_DIR maps it to this checkout. Logs go to $OUT (default /tmp/out).
@@ -18,7 +18,7 @@ if [[ "$(pwd)" != "$SOURCE_DIR" && ! -e "$SOURCE_DIR" ]]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 status=0
-for t in dtype_cuda_test ops_cuda_test sampling_cuda_test model_cuda_test speculative_cuda_test parallel_cuda_test; do
+for t in dtype_cuda_test ops_cuda_test sampling_cuda_test model_cuda_test speculative_cuda_test parallel_cuda_test comm_cuda_test; do
   echo "=== $t"
   "$BIN/$t" --gtest_color=no 2>&1 | tee "$OUT/$t.log" | grep -vE "^\[ (RUN|      OK) \]" || true
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
