@@ -7,12 +7,16 @@
 // contiguous, in permuted order (sorted_token null, a_rows set).
 //
 // Algorithm: a persistent grid of clusters of one or two CTAs (cluster_ctas:
-// two for bf16) walks items of (128 permuted rows of one expert) x (a column
-// tile of 256 weight rows per CTA; gate_up takes 128 gate and the 128
-// matching up rows, so SiLU-multiply runs on the accumulators). The
-// CTAs of a cluster need the same activation rows: each loads its share with
-// the bulk tensor copy engine (TMA) and multicasts it to all, so a CTA of a
-// pair pulls 5/6 of the L2 bytes it would alone. In a
+// two for bf16, and for FP8 from 512 rows per expert on average) walks items
+// of (128 permuted rows of one expert) x (a column tile of 256 weight rows
+// per CTA; gate_up takes 128 gate and the 128 matching up rows, so
+// SiLU-multiply runs on the accumulators). The CTAs of a pair share half
+// their operands, loading them with the bulk tensor copy engine (TMA) and
+// multicasting them to both: two row tiles of one expert share the weight
+// rows (each CTA loads one of the two weight boxes), and an expert's last
+// row tile when its count is odd is shared by two column tiles (each CTA
+// loads half the rows); a CTA of a pair pulls 2/3 (5/6) of the L2 bytes it
+// would alone. In a
 // CTA, three warpgroups share a ring of shared-memory stages, each holding
 // 128 bytes of every row along K:
 //   - the producer (warpgroup 0, registers handed down to 56): one thread
@@ -42,11 +46,13 @@
 // pair 3.2-3.4 / 2.44-2.55 ms; the item lookups in shared memory FP8 2.07 ms;
 // FP8 column tiles of 256 instead of 128 (so 48 instead of 32 KB per stage
 // for twice the MMAs) 2.04-2.33 -> 1.83-1.99 ms, and 743-826 -> 907-916
-// TFLOP/s at 1000-2000 rows per expert.
+// TFLOP/s at 1000-2000 rows per expert; pairs sharing weight rows besides
+// pairs sharing activation rows: bf16 3.18-3.24 -> 3.01-3.10 ms.
 // A cluster-scope release on the consumers' arrivals
 // (mbarrier.arrive.release.cluster) had cost 30-50%: it fences every earlier
-// access of the thread. Now bf16 is L2-bound (94-95% L2 throughput, the
-// weights read about twice from DRAM). FP8's tensor pipe is 64% (gate_up)
+// access of the thread. bf16's gate_up now keeps the tensor pipe 87% busy
+// with L2 at 92% throughput, the SM clock held at ~1.55 GHz by the power
+// limit (so ~600 of the ~840 TFLOP/s that clock allows). FP8's tensor pipe is 64% (gate_up)
 // and 51% (down) busy, L2 at 87-94% throughput: its consumers wait on their
 // MMAs a third of the time and promote another third, and the producer
 // mostly waits for free stages (ncu; bench/results
@@ -59,7 +65,7 @@
 // so both are compute-bound when L2 serves an expert's weights to all of its
 // row tiles. L2 is the next limit: a CTA's stage is 48 KB for 4.2 MFLOP
 // (bf16) or 8.4 MFLOP (FP8), ~9-10 TB/s across the grid at the bf16
-// tensor-core rate against ~7.2 TB/s measured; the multicast cuts that to 40 KB.
+// tensor-core rate against ~7.2 TB/s measured; the pairs cut that to 32-40 KB.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -132,10 +138,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if MOE_SM90A_DEVICE
   using T = Tile<kFp8>;
   constexpr int kColumnsPerTile = kGateUp ? T::kWeightRows / 2 : T::kWeightRows;
-  // The cluster (1 or 2 CTAs, from the launch): CTA `rank` takes column tile
-  // `rank` of each item's pair and loads rows [rank, rank + 1) x kM / ctas of its row tile.
+  // The cluster (1 or 2 CTAs, from the launch). A pair's items come in two
+  // kinds (item_of): two row tiles of one expert and one column tile, each
+  // CTA loading its rows and one of the two weight boxes for both; or, for
+  // an expert's last row tile when its count is odd (and everywhere when
+  // the column tiles are odd), one row tile and two column tiles, each CTA
+  // loading its weights and half the rows for both.
   const uint32_t rank = cluster_ctarank(), ctas = cluster_nctarank();
-  const int num_pairs = (p.num_n_tiles + ctas - 1) / ctas;
+  const bool weight_pairs = ctas == 2 && p.num_n_tiles % 2 == 0;
+  const int num_pairs = (p.num_n_tiles + ctas - 1) / ctas;  // cluster items per row tile
   const int num_items = p.tile_offsets[p.num_experts] * num_pairs;
   const int num_k_steps = (p.K + T::kKStep - 1) / T::kKStep;
   const int cluster = blockIdx.x / ctas, num_clusters = gridDim.x / ctas;
@@ -149,16 +160,45 @@ __global__ void __launch_bounds__(kThreads, 1)
                         p.expert_offsets, p.tile_offsets, p.num_experts);
   auto full = [&](int stage) { return smem + T::kBarrierBase + stage * 8; };
   auto empty = [&](int stage) { return smem + T::kBarrierBase + (T::kStages + stage) * 8; };
-  // Item index -> (row tile, this CTA's column tile); past the last column
-  // tile (an odd count) the CTA still loads and multiplies, n0 >= N drops its stores.
-  auto item_of = [&](int index, bool& idle) {
-    const int row_tile = index / num_pairs, n_tile = (index % num_pairs) * ctas + rank;
-    idle = n_tile >= p.num_n_tiles;
-    GemmItem item = grouped_gemm_item<kM>(offsets.expert_offsets, offsets.tile_offsets, p.num_experts,
-                                          row_tile * p.num_n_tiles + (idle ? p.num_n_tiles - 1 : n_tile),
-                                          p.num_n_tiles, kColumnsPerTile);
-    item.n0 = n_tile * kColumnsPerTile;
-    return item;
+  // Cluster item index -> this CTA's item. Past the last column tile (an odd
+  // count) the CTA still loads and multiplies: n0 >= N drops its stores.
+  struct ClusterItem {
+    GemmItem item;
+    bool idle;           // nothing of it is stored
+    bool share_weights;  // the pair shares the weight rows (else the activation rows)
+  };
+  auto item_of = [&](int index) {
+    ClusterItem c{};
+    const int row_tile = index / num_pairs;
+    if (!weight_pairs) {
+      const int n_tile = (index % num_pairs) * ctas + rank;
+      c.idle = n_tile >= p.num_n_tiles;
+      c.item = grouped_gemm_item<kM>(offsets.expert_offsets, offsets.tile_offsets, p.num_experts,
+                                     row_tile * p.num_n_tiles + (c.idle ? p.num_n_tiles - 1 : n_tile),
+                                     p.num_n_tiles, kColumnsPerTile);
+      c.item.n0 = n_tile * kColumnsPerTile;
+      return c;
+    }
+    // An expert with R row tiles has R x num_pairs cluster items: first the
+    // row-tile pairs (R / 2 of them) x every column tile, then (R odd) its
+    // last row tile x the column-tile pairs.
+    const int e = grouped_gemm_item<kM>(offsets.expert_offsets, offsets.tile_offsets, p.num_experts,
+                                        row_tile * p.num_n_tiles, p.num_n_tiles, kColumnsPerTile)
+                      .expert;
+    const int first_tile = offsets.tile_offsets[e], tiles = offsets.tile_offsets[e + 1] - first_tile;
+    const int j = index - first_tile * num_pairs, paired = tiles / 2 * p.num_n_tiles;
+    int local_tile, n_tile;
+    if (j < paired) {
+      c.share_weights = true;
+      local_tile = 2 * (j / p.num_n_tiles) + static_cast<int>(rank), n_tile = j % p.num_n_tiles;
+    } else {
+      local_tile = tiles - 1, n_tile = 2 * (j - paired) + static_cast<int>(rank);
+    }
+    c.item.expert = e;
+    c.item.row0 = offsets.expert_offsets[e] + local_tile * kM;
+    c.item.rows = min(kM, offsets.expert_offsets[e + 1] - c.item.row0);
+    c.item.n0 = n_tile * kColumnsPerTile;
+    return c;
   };
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
@@ -179,8 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int share_rows = kM / static_cast<int>(ctas);
       int step = 0;
       for (int index = cluster; index < num_items; index += num_clusters) {
-        bool idle;
-        const GemmItem item = item_of(index, idle);
+        const auto [item, idle, share_weights] = item_of(index);
         const int y0 = item.expert * (kGateUp ? 2 * p.N : p.N) + item.n0;
         const int y1 = kGateUp ? y0 + p.N : y0 + T::kBoxRows;
         // FP8: thread 0 copies the scale of the weight block of the tile's
@@ -199,15 +238,22 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (step >= T::kStages) mbarrier_wait(empty(stage), ((step / T::kStages) - 1) & 1);
           if (own == 0) {
             mbarrier_arrive_expect_tx(full(stage), T::kABytes + T::kBBytes);
-            const uint32_t share = a_tile(stage) + rank * share_rows * 128;
+            const int x = ks * T::kKStep;
             if (ctas == 1) {
-              tma_load_2d(share, &rows, ks * T::kKStep, item.row0, full(stage));
-            } else {
-              tma_load_2d_multicast(share, &rows, ks * T::kKStep, item.row0 + rank * share_rows, full(stage),
-                                    cta_mask);
+              tma_load_2d(a_tile(stage), &rows, x, item.row0, full(stage));
+            } else if (share_weights) {  // own rows (two boxes); weight box `rank` for both CTAs
+              tma_load_2d(a_tile(stage), &rows, x, item.row0, full(stage));
+              tma_load_2d(a_tile(stage) + share_rows * 128, &rows, x, item.row0 + share_rows, full(stage));
+              tma_load_2d_multicast(b_tile(stage) + rank * (T::kBBytes / 2), &weights, x, rank == 0 ? y0 : y1,
+                                    full(stage), cta_mask);
+            } else {  // rows [rank, rank + 1) x kM / 2 for both CTAs
+              tma_load_2d_multicast(a_tile(stage) + rank * share_rows * 128, &rows, x,
+                                    item.row0 + static_cast<int>(rank) * share_rows, full(stage), cta_mask);
             }
-            tma_load_2d(b_tile(stage), &weights, ks * T::kKStep, y0, full(stage));
-            tma_load_2d(b_tile(stage) + T::kBBytes / 2, &weights, ks * T::kKStep, y1, full(stage));
+            if (!share_weights) {
+              tma_load_2d(b_tile(stage), &weights, x, y0, full(stage));
+              tma_load_2d(b_tile(stage) + T::kBBytes / 2, &weights, x, y1, full(stage));
+            }
           }
           if constexpr (kFp8) {
             const bool live = own < item.rows;
@@ -241,8 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (!kFp8) {
       float acc[128];
       for (int index = cluster; index < num_items; index += num_clusters) {
-        bool idle;
-        const GemmItem item = item_of(index, idle);
+        const auto [item, idle, share_weights] = item_of(index);
         for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
           const int stage = step % T::kStages;
           mbarrier_wait(full(stage), (step / T::kStages) & 1);
@@ -273,8 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // consumer waits for its MMAs.
       float acc[128], part[64];
       for (int index = cluster; index < num_items; index += num_clusters) {
-        bool idle;
-        const GemmItem item = item_of(index, idle);
+        const auto [item, idle, share_weights] = item_of(index);
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
         for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
@@ -310,16 +354,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// CTAs per cluster. Measured on an H200 at 375 rows per expert (three runs
-// each): bf16 gains from sharing the rows (3.20-3.42 ms against 3.39-3.61
-// alone), FP8 does not (256-column tiles: 1.94 ms against 1.86; before, with
-// 128, 2.53-2.58 against 2.44-2.55: its CTAs' lockstep costs more than the L2
-// bytes save). MOE_PREFILL_GEMM_CLUSTER=1 or 2
+// CTAs per cluster. Measured on an H200 (three runs each): bf16 gains from
+// pairs at 375 rows per expert (3.20-3.42 ms against 3.39-3.61 alone with
+// only row sharing; 3.01-3.10 since pairs share weights too), FP8 only from
+// about four row tiles per expert up (weight-sharing pairs: 5.16 against
+// 6.04-6.16 ms alone at 1000 rows per expert, 10.67 against 10.78-11.20 at
+// 2000; at 375, 1.80-1.95 against 1.82-1.90). MOE_PREFILL_GEMM_CLUSTER=1 or 2
 // overrides, for measuring and for the tests.
-int cluster_ctas(bool fp8) {
+int cluster_ctas(bool fp8, int a_rows, int num_experts) {
   const char* v = std::getenv("MOE_PREFILL_GEMM_CLUSTER");
   if (v != nullptr && (std::string_view(v) == "1" || std::string_view(v) == "2")) return v[0] - '0';
-  return fp8 ? 1 : 2;
+  return !fp8 || a_rows >= 4 * kM * num_experts ? 2 : 1;
 }
 
 template <bool kFp8>
@@ -329,7 +374,7 @@ cudaError_t launch_prefill_gemm(const PrefillArgs& args, const void* a, int a_ro
   if (!hopper_kernels_available()) return cudaErrorNotSupported;
   if (args.K % (kFp8 ? 16 : 8) != 0 || a_rows <= 0) return cudaErrorInvalidValue;
   if (max_tiles == 0) return cudaSuccess;
-  const int element_bytes = kFp8 ? 1 : 2, ctas = cluster_ctas(kFp8);
+  const int element_bytes = kFp8 ? 1 : 2, ctas = cluster_ctas(kFp8, a_rows, args.num_experts);
   const uint64_t row_bytes = static_cast<uint64_t>(args.K) * element_bytes;
   const uint64_t weight_rows = static_cast<uint64_t>(args.num_experts) * (gate_up ? 2 * args.N : args.N);
   CUtensorMap weight_map, row_map;
