@@ -34,6 +34,7 @@
 # results.jsonl. Exit status 0 when everything passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+source tools/gpu/lib.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 BIN=${BIN:-build-gpu/bin}
@@ -165,13 +166,8 @@ check_disagg_dp() {
   "$BIN/moeserve" decode "${common[@]}" --dp 2 --ep 2 --gpus "0,$DECODE_GPU" --port $DECODE_PORT ${DP_FLAGS:-} \
     >> "$OUT/decode.log" 2>&1 &
   local decode=$!
-  local registered=0
-  for _ in $(seq 1 600); do
-    registered=$(curl -sf "http://127.0.0.1:$ROUTER_PORT/metrics" | grep -c '^moeserve:router_instance_healthy.* 1$')
-    [[ $registered -ge 3 ]] && break
-    kill -0 $decode 2>/dev/null && kill -0 $prefill 2>/dev/null || break
-    sleep 0.2
-  done
+  local registered
+  registered=$(wait_router_instances "http://127.0.0.1:$ROUTER_PORT" 3 600 "$decode" "$prefill")
   if [[ $registered -lt 3 ]]; then
     say "  FAILED: $registered of 3 instances (prefill, two decode ranks) healthy at the router (decode.log)"
     tail -8 "$OUT/prefill.log" "$OUT/decode.log" | tee -a "$OUT/summary.txt"

@@ -16,6 +16,7 @@
 # process. Exit status 0 when both cases passed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+source tools/gpu/lib.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 BIN=${BIN:-build-gpu/bin}
@@ -49,13 +50,8 @@ start_instances() {
   "$BIN/moeserve" decode "${common[@]}" --dp 2 --ep 2 --gpus "0,$DECODE_GPU" --port $DECODE_PORT \
     > "$OUT/dp_kill_${tag}_decode.log" 2>&1 &
   decode=$!
-  local registered=0
-  for _ in $(seq 1 600); do
-    registered=$(curl -sf "http://127.0.0.1:$ROUTER_PORT/metrics" | grep -c '^moeserve:router_instance_healthy.* 1$')
-    [[ $registered -ge 3 ]] && break
-    kill -0 $decode 2> /dev/null && kill -0 $prefill 2> /dev/null || break
-    sleep 0.2
-  done
+  local registered
+  registered=$(wait_router_instances "http://127.0.0.1:$ROUTER_PORT" 3 600 "$decode" "$prefill")
   follower=$(pgrep -P "$decode" -f moeserve | head -1)
   if [[ $registered -lt 3 || -z $follower ]]; then
     say "  FAILED: $registered of 3 instances registered, follower pid '${follower}'"

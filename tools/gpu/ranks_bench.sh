@@ -11,6 +11,7 @@
 # (e.g. "--quantization fp8-block") go to every instance.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+source tools/gpu/lib.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 BIN=${BIN:-build-gpu/bin}
@@ -75,13 +76,9 @@ run_decode_case() {  # name, concurrency, decode flags...
   local prefill=$!
   "$BIN/moeserve" decode "${common[@]}" "${memory[@]}" --port 18582 "$@" > "$OUT/$name.log" 2>&1 &
   local decode=$!
-  local want=$(( $# > 2 ? WORLD + 1 : 2 )) healthy=0
-  for _ in $(seq 1 750); do  # 150 s: the instances draw their dummy weights and warm up
-    healthy=$(curl -sf localhost:18580/metrics | grep -c '^moeserve:router_instance_healthy.* 1$')
-    [[ $healthy -ge $want ]] && break
-    kill -0 $decode 2>/dev/null && kill -0 $prefill 2>/dev/null && kill -0 $router 2>/dev/null || break
-    sleep 0.2
-  done
+  local want=$(( $# > 2 ? WORLD + 1 : 2 )) healthy
+  # 150 s: the instances draw their dummy weights and warm up.
+  healthy=$(wait_router_instances http://127.0.0.1:18580 "$want" 750 "$decode" "$prefill" "$router")
   if [[ $healthy -lt $want ]]; then
     echo "$name: did not start ($healthy of $want instances healthy)"
     tail -3 "$OUT/$name.router.log" "$OUT/$name.prefill.log" "$OUT/$name.log"
