@@ -356,11 +356,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // CTAs per cluster. Measured on an H200 (three runs each): bf16 gains from
 // pairs at 375 rows per expert (3.20-3.42 ms against 3.39-3.61 alone with
-// only row sharing; 3.01-3.10 since pairs share weights too), FP8 only from
-// about four row tiles per expert up (weight-sharing pairs: 5.16 against
-// 6.04-6.16 ms alone at 1000 rows per expert, 10.67 against 10.78-11.20 at
-// 2000; at 375, 1.80-1.95 against 1.82-1.90). MOE_PREFILL_GEMM_CLUSTER=1 or 2
-// overrides, for measuring and for the tests.
+// only row sharing; 2.87-3.10 since pairs share weights too, against
+// 3.37-3.39 alone in the same call), FP8 a little from about four row tiles
+// per expert up (pairs against one CTA, two rounds each in one call: 512
+// rows per expert 2.47-2.52 / 2.57-2.78 ms, 768 rows 4.18-4.20 / 4.26-4.28,
+// 1000 rows 6.25-6.29 / 6.10-6.42, 375 rows 1.87-1.94 / 1.89-1.99).
+// MOE_PREFILL_GEMM_CLUSTER=1 or 2 overrides, for measuring and for the tests.
 int cluster_ctas(bool fp8, int a_rows, int num_experts) {
   const char* v = std::getenv("MOE_PREFILL_GEMM_CLUSTER");
   if (v != nullptr && (std::string_view(v) == "1" || std::string_view(v) == "2")) return v[0] - '0';
