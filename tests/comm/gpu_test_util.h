@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -104,6 +105,7 @@ inline std::string run_rank_processes(int world, const std::vector<std::string>&
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
   std::vector<int> status(world, -1);
+  bool killed = false;
   for (int left = world; left > 0;) {
     left = 0;
     for (int r = 0; r < world; ++r) {
@@ -115,10 +117,11 @@ inline std::string run_rank_processes(int world, const std::vector<std::string>&
         ++left;
       }
     }
-    if (left > 0 && std::chrono::steady_clock::now() > deadline) {
+    if (left > 0 && !killed && std::chrono::steady_clock::now() > deadline) {
       for (int r = 0; r < world; ++r)
         if (pids[r] > 0 && status[r] == -1) kill(pids[r], SIGKILL);
       error += "ranks still running after " + std::to_string(timeout_s) + " s were killed; ";
+      killed = true;
     }
     if (left > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
