@@ -14,9 +14,13 @@
 // kernel drains.
 //
 // At small batch x context (64 x 1k: 134 MB, 31 us at the copy bandwidth)
-// the fixed cost of a launch dominates what is left: ~6 us for a grid whose
-// warps see one chunk each (prologue: position, page table, first chunk;
-// the warps' merge; the launch gap), measured on an H200.
+// what is left is fixed cost and imbalance, measured on an H200 with
+// per-warp timestamps (2026-12-01): ~1 us before the first copies (position,
+// page table), ~0.65 us of merge, and SMs that stream at different rates:
+// the warps of some ~20 SMs finish their 1024 positions at ~27-30 us, most
+// at ~34-36 us, and the faster SMs then idle (more splits, which the block
+// scheduler would balance, cost more in ramp-up and the combine kernel:
+// 0.050 ms at 2 splits against 0.040 at 1).
 //
 // Floor: decode reads every K/V byte of the visible positions once per kv
 // head (bytes / HBM bandwidth); the 2 MMAs per position are far below the
@@ -355,29 +359,47 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
     merge_ml[(warp * kRows + g + 8) * 2] = m[1], merge_ml[(warp * kRows + g + 8) * 2 + 1] = l[1];
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < group * kD / 2; idx += blockDim.x) {  // two columns each
-    const int row = idx / (kD / 2), col = idx % (kD / 2) * 2;
-    float max_all = -FLT_MAX;
+  // A row of the group per kMergeThreads threads: one row's weights (one
+  // exp2 per warp), then thread q sums columns 4q + 32j (j < kD / 32) over
+  // the warps, so the 8 threads of a row read 128 contiguous bytes per load.
+  // Measured on an H200 at batch 64 x 1k (per-warp timestamps): the merge
+  // took ~1.35 us when every column pair recomputed its row's weights, ~0.65
+  // us so; the kernel 0.0400-0.0403 -> 0.0390-0.0392 ms.
+  constexpr int kMergeThreads = kWarps * 32 / kRows;
+  static_assert(kWarps * 32 % kRows == 0 && kD % (4 * kMergeThreads) == 0);
+  const int q = threadIdx.x % kMergeThreads;
+  for (int row = threadIdx.x / kMergeThreads; row < group; row += kWarps * 32 / kMergeThreads) {
+    float c[kWarps], max_all = -FLT_MAX, denominator = 0.0f;
+#pragma unroll
     for (int w = 0; w < kWarps; ++w) max_all = fmaxf(max_all, merge_ml[(w * kRows + row) * 2]);
-    float2 numerator = make_float2(0.0f, 0.0f);
-    float denominator = 0.0f;
+#pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float lw = merge_ml[(w * kRows + row) * 2 + 1];
-      const float c = lw > 0.0f ? fast_exp2(merge_ml[(w * kRows + row) * 2] - max_all) : 0.0f;
-      const float2 v = *reinterpret_cast<const float2*>(merge_o + (w * kRows + row) * kMergeStride + col);
-      numerator.x += v.x * c, numerator.y += v.y * c;
-      denominator += lw * c;
+      const float2 ml = *reinterpret_cast<const float2*>(merge_ml + (w * kRows + row) * 2);
+      c[w] = ml.y > 0.0f ? fast_exp2(ml.x - max_all) : 0.0f;
+      denominator += ml.y * c[w];
     }
     const float inv = 1.0f / denominator;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) c[w] *= inv;
     const int head = kv_head * group + row;
-    if (args.num_splits == 1) {
-      *reinterpret_cast<__nv_bfloat162*>(p.out + (static_cast<int64_t>(t) * p.num_q_heads + head) * kD +
-                                         col) = __floats2bfloat162_rn(numerator.x * inv, numerator.y * inv);
-    } else {
-      const int64_t slot = (static_cast<int64_t>(t) * p.num_q_heads + head) * args.num_splits + split;
-      *reinterpret_cast<float2*>(args.partial_o + slot * kD + col) =
-          make_float2(numerator.x * inv, numerator.y * inv);
-      if (col == 0) args.partial_ml[slot * 2] = max_all, args.partial_ml[slot * 2 + 1] = denominator;
+#pragma unroll
+    for (int j = 0; j < kD / (4 * kMergeThreads); ++j) {
+      const int col = j * 4 * kMergeThreads + q * 4;
+      float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float4 v = *reinterpret_cast<const float4*>(merge_o + (w * kRows + row) * kMergeStride + col);
+        sum.x += v.x * c[w], sum.y += v.y * c[w], sum.z += v.z * c[w], sum.w += v.w * c[w];
+      }
+      if (args.num_splits == 1) {
+        const uint2 packed{pack_bf16(sum.x, sum.y), pack_bf16(sum.z, sum.w)};
+        *reinterpret_cast<uint2*>(p.out + (static_cast<int64_t>(t) * p.num_q_heads + head) * kD + col) =
+            packed;
+      } else {
+        const int64_t slot = (static_cast<int64_t>(t) * p.num_q_heads + head) * args.num_splits + split;
+        *reinterpret_cast<float4*>(args.partial_o + slot * kD + col) = sum;
+        if (col == 0) args.partial_ml[slot * 2] = max_all, args.partial_ml[slot * 2 + 1] = denominator;
+      }
     }
   }
 }
