@@ -167,13 +167,14 @@ void bench_grouped_gemm(double copy_gbs) {
     check(cudaMemset(weights.data(), 0, weights.num_bytes()), "memset");
     const int max_tiles = (T * topk + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
     using Gemm = cudaError_t (*)(const k::GroupedGemmParams&, cudaStream_t);
-    // gate/up + SiLU, then down: the two grouped GEMMs (what torch._grouped_mm does).
-    auto gemms = [&](Gemm gemm, cudaStream_t stream) {
+    // gate/up + SiLU, then down: the two grouped GEMMs (what torch._grouped_mm
+    // does), down writing bf16 rows as the model's does (f32: for comparison).
+    auto gemms = [&](Gemm gemm, cudaStream_t stream, bool bf16_rows = true) {
       gemm({x.data_as<bf16>(), sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
             tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true},
            stream);
       gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(),
-            tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false},
+            tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false, 0, bf16_rows},
            stream);
     };
     auto layer = [&](Gemm gemm, cudaStream_t stream) {
@@ -182,8 +183,8 @@ void bench_grouped_gemm(double copy_gbs) {
            sorted.data_as<int32_t>(), row_of.data_as<int32_t>(), T, topk, E, k::kGroupedGemmTileRows},
           stream);
       gemms(gemm, stream);
-      k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(),
-                        out.data_as<float>(), T, topk, H},
+      k::moe_unpermute({rows.data(), row_of.data_as<int32_t>(), weights.data_as<float>(),
+                        out.data_as<float>(), T, topk, H, true},
                        stream);
     };
     const double mma_ms = time_ms([&] { layer(k::mma_grouped_gemm, nullptr); });
@@ -193,15 +194,16 @@ void bench_grouped_gemm(double copy_gbs) {
     const double ms = hopper ? time_ms([&] { layer(best, nullptr); }) : mma_ms;
     const double graph_ms = time_graph_ms([&](cudaStream_t stream) { layer(best, stream); }, 4);
     const double gemms_ms = time_graph_ms([&](cudaStream_t stream) { gemms(best, stream); }, 4);
+    const double f32_ms = time_graph_ms([&](cudaStream_t stream) { gemms(best, stream, false); }, 4);
     check(cudaGetLastError(), "grouped gemm (wgmma)");
     const double floor_ms = weight_bytes / (copy_gbs * 1e6);
-    char shape[96], extra[192];
+    char shape[96], extra[224];
     std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
     std::snprintf(extra, sizeof extra,
-                  "%.0f GB/s of weights, %s (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%; WMMA "
-                  "kernel: %.3f ms)",
+                  "%.0f GB/s of weights, %s (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%, "
+                  "f32 rows %.3f ms; WMMA kernel: %.3f ms)",
                   weight_bytes / (ms * 1e6), hopper ? "wgmma" : "WMMA", graph_ms, 100.0 * floor_ms / graph_ms,
-                  gemms_ms, 100.0 * floor_ms / gemms_ms, mma_ms);
+                  gemms_ms, 100.0 * floor_ms / gemms_ms, f32_ms, mma_ms);
     report("moe_experts_decode", shape, ms, floor_ms, extra);
   }
 }
@@ -244,18 +246,20 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
       check(cudaMemset(weights.data(), 0, weights.num_bytes()), "memset");
       const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + E;
       // One expert GEMM over activations already quantized into (in_q, in_s) ...
+      // (down: bf16 rows, as the model's, unless bf16_rows is false).
       auto gemm = [&](const DeviceTensor& in_q, const DeviceTensor& in_s, const int32_t* gather,
-                      const DeviceTensor& w, const DeviceTensor& block, const DeviceTensor& mx_s, void* dst, int N,
-                      int K, bool gate_up, cudaStream_t stream) {
+                      const DeviceTensor& w, const DeviceTensor& block, const DeviceTensor& mx_s, void* dst,
+                      int N, int K, bool gate_up, cudaStream_t stream, bool bf16_rows = true) {
         if (mx) {
-          k::mxfp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather,
-                                 w.data_as<uint8_t>(), mx_s.data_as<uint8_t>(), offsets.data_as<int32_t>(),
-                                 tiles.data_as<int32_t>(), dst, N, K, E, max_tiles, gate_up},
-                                stream);
+          k::mxfp8_grouped_gemm(
+              {in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather, w.data_as<uint8_t>(),
+               mx_s.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), dst, N, K, E,
+               max_tiles, gate_up, 1, !gate_up && bf16_rows},
+              stream);
         } else {
           k::fp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<float>(), gather, w.data_as<uint8_t>(),
                                block.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-                               dst, N, K, E, max_tiles, gate_up},
+                               dst, N, K, E, max_tiles, gate_up, 1, 0, !gate_up && bf16_rows},
                               stream);
         }
       };
@@ -273,8 +277,8 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
       auto gate_up = [&](cudaStream_t stream) {
         gemm(x_q, x_s, sorted.data_as<int32_t>(), w13, s13, mx13, act.data(), I, H, true, stream);
       };
-      auto down = [&](cudaStream_t stream) {
-        gemm(act_q, act_s, nullptr, w2, s2, mx2, rows.data(), H, I, false, stream);
+      auto down = [&](cudaStream_t stream, bool bf16_rows = true) {
+        gemm(act_q, act_s, nullptr, w2, s2, mx2, rows.data(), H, I, false, stream, bf16_rows);
       };
       auto layer = [&](cudaStream_t stream) {
         k::moe_permute(
@@ -285,8 +289,8 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
         gate_up(stream);
         quantize(act, act_q, act_s, pairs, I, stream);
         down(stream);
-        k::moe_unpermute({rows.data_as<float>(), row_of.data_as<int32_t>(), weights.data_as<float>(),
-                          out.data_as<float>(), T, topk, H},
+        k::moe_unpermute({rows.data(), row_of.data_as<int32_t>(), weights.data_as<float>(),
+                          out.data_as<float>(), T, topk, H, true},
                          stream);
       };
       const double ms = time_ms([&] { layer(nullptr); });
@@ -298,15 +302,22 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
             down(stream);
           },
           4);
+      const double f32_ms = time_graph_ms(
+          [&](cudaStream_t stream) {
+            gate_up(stream);
+            down(stream, false);
+          },
+          4);
       check(cudaGetLastError(), mx ? "mxfp8 grouped gemm" : "fp8 grouped gemm");
       const double floor_ms = weight_bytes / (copy_gbs * 1e6);
-      char shape[96], extra[160];
+      char shape[96], extra[192];
       std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
       std::snprintf(
           extra, sizeof extra,
-          "%.0f GB/s of FP8 weights + scales (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%)",
+          "%.0f GB/s of FP8 weights + scales (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%, f32 "
+          "rows %.3f ms)",
           weight_bytes / (ms * 1e6), graph_ms, 100.0 * floor_ms / graph_ms, gemms_ms,
-          100.0 * floor_ms / gemms_ms);
+          100.0 * floor_ms / gemms_ms, f32_ms);
       report(mx ? "moe_experts_decode_mxfp8" : "moe_experts_decode_fp8", shape, ms, weight_bytes / (copy_gbs * 1e6), extra);
     }
   }
@@ -316,7 +327,8 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
 // 375 rows each (gate/up then down; the permutation is made once, outside the
 // timing). Compute-bound: floor = FLOPs at 790 TFLOP/s (bf16 dense, measured
 // on H200 here) or 1580 (FP8, twice that). Both row tilings run: the decode
-// kernels' 64 rows and the prefill kernels' 128.
+// kernels' 64 rows and the prefill kernels' 128. Down writes bf16 rows, as
+// the model's does.
 void bench_prefill_grouped_gemm() {
   if (!k::hopper_kernels_available()) return;
   // MOE_BENCH_PREFILL_ROWS: rows per expert other than 375 (a multiple of 8).
@@ -342,13 +354,13 @@ void bench_prefill_grouped_gemm() {
   };
   char shape[64];
   std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
-  auto describe = [&](double ms, double gather_ms, double decode_ms) {
-    char extra[192];
-    std::snprintf(
-        extra, sizeof extra,
-        "%.1f TFLOP/s, 128-row tiles (gather of gate_up's rows first: %.3f ms; 64-row decode kernel: "
-        "%.3f ms, %.1f TFLOP/s)",
-        flops / (ms * 1e9), gather_ms, decode_ms, flops / (decode_ms * 1e9));
+  auto describe = [&](double ms, double f32_ms, double gather_ms, double decode_ms) {
+    char extra[224];
+    std::snprintf(extra, sizeof extra,
+                  "%.1f TFLOP/s, 128-row tiles (f32 rows: %.3f ms; gather of gate_up's rows first: %.3f ms; "
+                  "64-row decode "
+                  "kernel: %.3f ms, %.1f TFLOP/s)",
+                  flops / (ms * 1e9), f32_ms, gather_ms, decode_ms, flops / (decode_ms * 1e9));
     return std::string(extra);
   };
   {
@@ -357,7 +369,7 @@ void bench_prefill_grouped_gemm() {
     DeviceTensor x_rows = alloc(DType::kBF16, {pairs, H});
     double gather_ms = 0.0;
     using Gemm = cudaError_t (*)(const k::GroupedGemmParams&, cudaStream_t);
-    auto time_gemms = [&](Gemm gemm, int tile_rows) {
+    auto time_gemms = [&](Gemm gemm, int tile_rows, bool bf16_rows = true) {
       const int max_tiles = permute(tile_rows);
       const bool gathered = tile_rows == k::kPrefillGemmTileRows;
       const k::GatherRowsParams gather{x.data(), x_rows.data(), sorted.data_as<int32_t>(), pairs,
@@ -369,7 +381,7 @@ void bench_prefill_grouped_gemm() {
               tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true, pairs},
              nullptr);
         gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(),
-              tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false, pairs},
+              tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false, pairs, bf16_rows},
              nullptr);
       });
       check(cudaGetLastError(), "grouped gemm");
@@ -377,7 +389,8 @@ void bench_prefill_grouped_gemm() {
     };
     const double decode_ms = time_gemms(k::wgmma_grouped_gemm, k::kGroupedGemmTileRows);
     const double ms = time_gemms(k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows);
-    report("moe_gemms_prefill", shape, ms, flops / 790e9, describe(ms, gather_ms, decode_ms));
+    const double f32_ms = time_gemms(k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows, false);
+    report("moe_gemms_prefill", shape, ms, flops / 790e9, describe(ms, f32_ms, gather_ms, decode_ms));
   }
   {
     DeviceTensor w13 = fp8_weights(int64_t{E} * 2 * I, H, 35), w2 = fp8_weights(int64_t{E} * H, I, 36);
@@ -390,7 +403,7 @@ void bench_prefill_grouped_gemm() {
     DeviceTensor xg_q = alloc(DType::kF8E4M3, {pairs, H}), xg_s = alloc(DType::kF32, {pairs, H / 128});
     double gather_ms = 0.0;
     using Gemm = cudaError_t (*)(const k::Fp8GroupedGemmParams&, cudaStream_t);
-    auto time_gemms = [&](Gemm gemm, int tile_rows) {
+    auto time_gemms = [&](Gemm gemm, int tile_rows, bool bf16_rows = true) {
       const int max_tiles = permute(tile_rows);
       const bool gathered = tile_rows == k::kPrefillGemmTileRows;
       if (gathered) {
@@ -408,7 +421,7 @@ void bench_prefill_grouped_gemm() {
              nullptr);
         gemm({act_q.data_as<uint8_t>(), act_s.data_as<float>(), nullptr, w2.data_as<uint8_t>(),
               s2.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(), H, I, E,
-              max_tiles, false, 1, pairs},
+              max_tiles, false, 1, pairs, bf16_rows},
              nullptr);
       });
       check(cudaGetLastError(), "fp8 grouped gemm");
@@ -416,7 +429,8 @@ void bench_prefill_grouped_gemm() {
     };
     const double decode_ms = time_gemms(k::fp8_grouped_gemm, k::kGroupedGemmTileRows);
     const double ms = time_gemms(k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows);
-    report("moe_gemms_prefill_fp8", shape, ms, flops / 1580e9, describe(ms, gather_ms, decode_ms));
+    const double f32_ms = time_gemms(k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, false);
+    report("moe_gemms_prefill_fp8", shape, ms, flops / 1580e9, describe(ms, f32_ms, gather_ms, decode_ms));
   }
 }
 

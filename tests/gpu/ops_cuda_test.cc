@@ -98,6 +98,37 @@ std::vector<float> as_floats(const std::vector<uint8_t>& bytes, DType dtype) {
   return out;
 }
 
+// A down GEMM run with bf16_out must write its f32 rows rounded once (to
+// nearest even), bit for bit; then the un-permute of those rows (bf16_rows)
+// must match the reference as the f32 one does. `rerun` writes the bf16 rows
+// into `bf16_rows` (as many rows as `f32_rows` holds).
+template <typename Rerun>
+void expect_bf16_rows(const std::vector<uint8_t>& f32_rows, const Output& bf16_rows, Rerun rerun,
+                      const k::MoeUnpermuteParams& unpermute, const float* ref, double tolerance) {
+  ASSERT_EQ(rerun(), cudaSuccess);
+  const Output out =
+      Output::make(static_cast<size_t>(unpermute.num_tokens) * unpermute.hidden * sizeof(float));
+  k::MoeUnpermuteParams p = unpermute;
+  p.rows = bf16_rows.get<void>(), p.bf16_rows = true, p.out = out.get<float>();
+  ASSERT_EQ(k::moe_unpermute(p, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint8_t> got = bf16_rows.download();
+  const size_t count = f32_rows.size() / 4;
+  ASSERT_EQ(got.size(), count * 2);
+  size_t mismatches = 0, first = count;
+  for (size_t i = 0; i < count; ++i) {
+    float f;
+    uint16_t b;
+    std::memcpy(&f, f32_rows.data() + 4 * i, 4);
+    std::memcpy(&b, got.data() + 2 * i, 2);
+    if (float_to_bf16(f) != b && ++mismatches == 1) first = i;
+  }
+  EXPECT_EQ(mismatches, 0u) << "bf16 rows differ from the rounded f32 rows, first at element " << first;
+  EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref,
+                         static_cast<size_t>(unpermute.num_tokens) * unpermute.hidden),
+            tolerance);
+}
+
 class CudaOps : public testing::Test {
  protected:
   void SetUp() override {
@@ -333,13 +364,30 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
                nullptr),
           cudaSuccess)
           << name;
-      ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.get<float>(), out.get<float>(),
-                                  c.tokens, c.topk, c.hidden}, nullptr), cudaSuccess);
+      const k::MoeUnpermuteParams unpermute{rows.get<float>(),
+                                            row_of.get<int32_t>(),
+                                            d_weights.get<float>(),
+                                            out.get<float>(),
+                                            c.tokens,
+                                            c.topk,
+                                            c.hidden};
+      ASSERT_EQ(k::moe_unpermute(unpermute, nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
       act.download();
-      rows.download();
+      const std::vector<uint8_t> f32_rows = rows.download();
       EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 2e-2)
           << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden;
+      SCOPED_TRACE(std::string(name) + ", bf16 rows");
+      const Output rows_bf16 = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(bf16));
+      expect_bf16_rows(
+          f32_rows, rows_bf16,
+          [&] {
+            return gemm(
+                {act.get<bf16>(), nullptr, d_w2.data_as<bf16>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
+                 rows_bf16.get<void>(), c.hidden, c.inter, c.experts, max_tiles, false, pairs, true},
+                nullptr);
+          },
+          unpermute, ref.data_as<float>(), 2e-2);
     }
   }
 }
@@ -432,13 +480,31 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
                       c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs},
                      nullptr),
                 cudaSuccess);
-      ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.data_as<float>(), out.get<float>(),
-                                  c.tokens, c.topk, c.hidden}, nullptr), cudaSuccess);
+      const k::MoeUnpermuteParams unpermute{rows.get<float>(),
+                                            row_of.get<int32_t>(),
+                                            d_weights.data_as<float>(),
+                                            out.get<float>(),
+                                            c.tokens,
+                                            c.topk,
+                                            c.hidden};
+      ASSERT_EQ(k::moe_unpermute(unpermute, nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
       x_q.download();
       act_q.download();
       EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 3e-2)
           << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden << ", inter " << c.inter;
+      SCOPED_TRACE(std::string(name) + ", bf16 rows");
+      const Output rows_bf16 = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(bf16));
+      expect_bf16_rows(
+          rows.download(), rows_bf16,
+          [&] {
+            return gemm(
+                {act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
+                 d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows_bf16.get<void>(),
+                 c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs, true},
+                nullptr);
+          },
+          unpermute, ref.data_as<float>(), 3e-2);
     }
   }
 }
@@ -496,6 +562,19 @@ TEST_F(CudaOps, Fp8DenseProjectionSplitAlongKMatchesTheCpu) {
       }
       EXPECT_LT(scaled_error(outs[1], outs[0].data(), static_cast<int64_t>(outs[0].size())), 1e-5)
           << "split along K (" << splits << ") against one item per tile";
+      // Split shares add up in f32: bf16 rows with k_splits > 1 are refused.
+      Output bf16_out = Output::make(static_cast<size_t>(c.tokens) * c.N * sizeof(bf16));
+      EXPECT_EQ(mx ? k::mxfp8_grouped_gemm(
+                         {x_q.get<uint8_t>(), x_s.get<uint8_t>(), nullptr, d_w.data_as<uint8_t>(),
+                          d_s.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                          bf16_out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, splits, true},
+                         nullptr)
+                   : k::fp8_grouped_gemm(
+                         {x_q.get<uint8_t>(), x_s.get<float>(), nullptr, d_w.data_as<uint8_t>(),
+                          d_s.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                          bf16_out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, splits, 0, true},
+                         nullptr),
+                cudaErrorInvalidValue);
       EXPECT_GT(splits, 1) << c.N << " x " << c.K << " has too few tiles to fill the GPU unsplit";
     }
   }
@@ -604,13 +683,30 @@ void expect_mxfp8_moe_matches_cpu(Mxfp8Gemm gemm, const char* name, std::mt19937
     ASSERT_EQ(gemm({act_q.get<uint8_t>(), act_s.get<uint8_t>(), nullptr, d_w2.data_as<uint8_t>(),
                     d_s2.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(), c.hidden,
                     c.inter, c.experts, max_tiles, false}, nullptr), cudaSuccess) << name;
-    ASSERT_EQ(k::moe_unpermute({rows.get<float>(), row_of.get<int32_t>(), d_weights.data_as<float>(), out.get<float>(),
-                                c.tokens, c.topk, c.hidden}, nullptr), cudaSuccess);
+    const k::MoeUnpermuteParams unpermute{rows.get<float>(),
+                                          row_of.get<int32_t>(),
+                                          d_weights.data_as<float>(),
+                                          out.get<float>(),
+                                          c.tokens,
+                                          c.topk,
+                                          c.hidden};
+    ASSERT_EQ(k::moe_unpermute(unpermute, nullptr), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
     x_q.download();
     act_q.download();
     EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 3e-2)
         << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden << ", inter " << c.inter;
+    SCOPED_TRACE(std::string(name) + ", bf16 rows");
+    const Output rows_bf16 = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(bf16));
+    expect_bf16_rows(
+        rows.download(), rows_bf16,
+        [&] {
+          return gemm({act_q.get<uint8_t>(), act_s.get<uint8_t>(), nullptr, d_w2.data_as<uint8_t>(),
+                       d_s2.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
+                       rows_bf16.get<void>(), c.hidden, c.inter, c.experts, max_tiles, false, 1, true},
+                      nullptr);
+        },
+        unpermute, ref.data_as<float>(), 3e-2);
   }
 }
 

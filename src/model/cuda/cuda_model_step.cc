@@ -219,17 +219,18 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
       auto* base = static_cast<uint8_t*>(s.expert_rows.data());
       return std::pair{base, reinterpret_cast<float*>(base + (pairs * K + 15) / 16 * 16)};
     };
-    // One expert GEMM: quantize `in` [rows, K], then gate_up (gathered by sorted_token) or down.
+    // One expert GEMM: quantize `in` [rows, K], then gate_up (gathered by sorted_token) or down (bf16 rows).
     auto gemm = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows, int K,
                     const int32_t* gather, const DeviceTensor& w, const DeviceTensor& w_scales, void* out,
                     int N, bool gate_up) -> Status {
       if (b.mx_experts) {  // 64-row tiles only (moe_tile_rows)
         MOE_LAUNCH(k::quantize_mxfp8({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), rows, K},
                                      s.stream));
-        MOE_LAUNCH(k::mxfp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather,
-                                          w.data_as<uint8_t>(), w_scales.data_as<uint8_t>(),
-                                          s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), out,
-                                          N, K, E, max_tiles, gate_up}, s.stream));
+        MOE_LAUNCH(k::mxfp8_grouped_gemm(
+            {in_q.data_as<uint8_t>(), in_s.data_as<uint8_t>(), gather, w.data_as<uint8_t>(),
+             w_scales.data_as<uint8_t>(), s.expert_offsets.data_as<int32_t>(),
+             s.tile_offsets.data_as<int32_t>(), out, N, K, E, max_tiles, gate_up, 1, !gate_up},
+            s.stream));
         return Status::ok();
       }
       MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows, K},
@@ -247,7 +248,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
       MOE_LAUNCH((prefill_gemm ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
           {a, a_scales, gather, w.data_as<uint8_t>(), w_scales.data_as<float>(),
            s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), out, N, K, E, max_tiles,
-           gate_up, 1, rows},
+           gate_up, 1, rows, !gate_up},
           s.stream));
       return Status::ok();
     };
@@ -366,11 +367,15 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                s.stream));
       MOE_LAUNCH(gemm({s.act.data_as<bf16>(), nullptr, b.w2.data_as<bf16>(),
                        s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(),
-                       s.expert_rows.data(), H, inter, E_local, max_tiles, false, pairs},
+                       s.expert_rows.data(), H, inter, E_local, max_tiles, false, pairs, true},
                       s.stream));
     }
-    MOE_LAUNCH(k::moe_unpermute({s.expert_rows.data_as<float>(), s.row_of.data_as<int32_t>(),
-                                 s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H}, s.stream));
+    // The down GEMMs above write bf16 rows (each expert's output rounded once,
+    // as transformers' Qwen3-MoE does): half the bytes of f32 both ways.
+    MOE_LAUNCH(
+        k::moe_unpermute({s.expert_rows.data(), s.row_of.data_as<int32_t>(),
+                          s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H, true},
+                         s.stream));
   } else {
     const int inter = static_cast<int>(c.intermediate_size);
     if (b.fake_quant_mlp) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));

@@ -74,6 +74,7 @@ struct Fp8GemmArgs {
   int scale_cols;        // fp8-block: ceil(K / 128) floats; MXFP8: K / 32 bytes
   int gate_block_rows;   // fp8-block gate_up: ceil(N / 128), where the up half's block rows start
   int k_splits;          // down only: K-steps split over this many items, each adding its share into `out`
+  bool bf16_out;         // down only, k_splits 1: bf16 rows
 };
 
 // 2^(code - 127); code 0 is 2^-127 (a denormal), as the CPU reference reads it.
@@ -270,8 +271,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
         add_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
                     item.n0 + 128 * consumer, p.N, h, q);
       } else {
-        store_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
-                      item.n0 + 128 * consumer, p.N, h, q);
+        store_down_row(p.out, args.bf16_out, item.row0 + r, p.N, acc, item.n0 + 128 * consumer, h, q);
       }
     }
   }
@@ -362,6 +362,7 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& args, const void* w, int max_tile
   if (!hopper_kernels_available()) return cudaErrorNotSupported;
   if (args.K % (kMx ? 128 : 16) != 0) return cudaErrorInvalidValue;
   if (args.k_splits < 1 || (gate_up && args.k_splits > 1)) return cudaErrorInvalidValue;
+  if (args.bf16_out && args.k_splits > 1) return cudaErrorInvalidValue;  // the split shares add up in f32
   if (max_tiles == 0) return cudaSuccess;
   const uint64_t weight_rows = static_cast<uint64_t>(args.num_experts) * (gate_up ? 2 * args.N : args.N);
   CUtensorMap map;
@@ -413,15 +414,40 @@ cudaError_t quantize_mxfp8(const QuantizeMxfp8Params& p, cudaStream_t stream) {
 }
 
 cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream) {
-  const Fp8GemmArgs args{p.a, p.a_scales, p.sorted_token, p.w_scales, p.expert_offsets, p.tile_offsets, p.out, p.N,
-                         p.K, p.num_experts, fp8_n_tiles(p.N, p.gate_up), (p.K + kGroup - 1) / kGroup,
-                         (p.N + 127) / 128, p.k_splits};
+  const Fp8GemmArgs args{p.a,
+                         p.a_scales,
+                         p.sorted_token,
+                         p.w_scales,
+                         p.expert_offsets,
+                         p.tile_offsets,
+                         p.out,
+                         p.N,
+                         p.K,
+                         p.num_experts,
+                         fp8_n_tiles(p.N, p.gate_up),
+                         (p.K + kGroup - 1) / kGroup,
+                         (p.N + 127) / 128,
+                         p.k_splits,
+                         p.bf16_out};
   return launch_fp8_gemm<false>(args, p.w, p.max_tiles, p.gate_up, stream);
 }
 
 cudaError_t mxfp8_grouped_gemm(const Mxfp8GroupedGemmParams& p, cudaStream_t stream) {
-  const Fp8GemmArgs args{p.a, p.a_scales, p.sorted_token, p.w_scales, p.expert_offsets, p.tile_offsets, p.out, p.N,
-                         p.K, p.num_experts, fp8_n_tiles(p.N, p.gate_up), p.K / kMxGroup, 0, p.k_splits};
+  const Fp8GemmArgs args{p.a,
+                         p.a_scales,
+                         p.sorted_token,
+                         p.w_scales,
+                         p.expert_offsets,
+                         p.tile_offsets,
+                         p.out,
+                         p.N,
+                         p.K,
+                         p.num_experts,
+                         fp8_n_tiles(p.N, p.gate_up),
+                         p.K / kMxGroup,
+                         0,
+                         p.k_splits,
+                         p.bf16_out};
   return launch_fp8_gemm<true>(args, p.w, p.max_tiles, p.gate_up, stream);
 }
 

@@ -111,10 +111,12 @@ struct PrefillArgs {
   int N, K, num_experts, num_n_tiles;
   int scale_cols;       // ceil(K / 128)
   int gate_block_rows;  // gate_up: ceil(N / 128), where the up half's scale block rows start
+  bool bf16_out;        // down: bf16 rows
 };
 
 // The epilogue of a consumer thread: its tile rows `row` and `row + 8` (those
-// the item has) from the accumulator, SiLU-multiplied to bf16 (gate_up) or f32.
+// the item has) from the accumulator, SiLU-multiplied to bf16 (gate_up) or as
+// they are (down: f32, or bf16 with bf16_out).
 template <bool kGateUp, int kSize>
 __device__ __forceinline__ void store_rows(const PrefillArgs& p, const GemmItem& item,
                                            const float (&acc)[kSize], int row, int q) {
@@ -122,11 +124,11 @@ __device__ __forceinline__ void store_rows(const PrefillArgs& p, const GemmItem&
   for (int h = 0; h < 2; ++h) {
     const int r = row + 8 * h;
     if (r >= item.rows) continue;
-    const int64_t offset = static_cast<int64_t>(item.row0 + r) * p.N;
     if constexpr (kGateUp) {
-      store_silu_mul_row<kSize / 8>(static_cast<bf16*>(p.out) + offset, acc, item.n0, p.N, h, q);
+      store_silu_mul_row<kSize / 8>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N,
+                                    acc, item.n0, p.N, h, q);
     } else {
-      store_f32_row(static_cast<float*>(p.out) + offset, acc, item.n0, p.N, h, q);
+      store_down_row(p.out, p.bf16_out, item.row0 + r, p.N, acc, item.n0, h, q);
     }
   }
 }
@@ -428,7 +430,7 @@ template <typename Params>
 PrefillArgs prefill_args(const Params& p, int weight_rows) {
   PrefillArgs args{};
   args.expert_offsets = p.expert_offsets, args.tile_offsets = p.tile_offsets, args.out = p.out;
-  args.N = p.N, args.K = p.K, args.num_experts = p.num_experts;
+  args.N = p.N, args.K = p.K, args.num_experts = p.num_experts, args.bf16_out = p.bf16_out;
   args.num_n_tiles = num_n_tiles(p.N, p.gate_up, weight_rows);
   return args;
 }

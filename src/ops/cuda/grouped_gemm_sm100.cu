@@ -357,14 +357,21 @@ __device__ void drain_epilogue(const Sm100GemmArgs& args, const Smem& s, uint32_
         }
       }
     } else {
-      float* out = static_cast<float*>(p.out) + static_cast<int64_t>(item.row0) * p.N;
+      const int64_t first = static_cast<int64_t>(item.row0) * p.N;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int n = item.n0 + h * kHalfRows + row;
         if (n < p.N) {
 #pragma unroll
-          for (int t = 0; t < kTileRows; ++t)
-            if (t < item.rows) out[static_cast<int64_t>(t) * p.N + n] = __uint_as_float(v[h][t / 32][t % 32]);
+          for (int t = 0; t < kTileRows; ++t) {
+            if (t >= item.rows) continue;
+            const float value = __uint_as_float(v[h][t / 32][t % 32]);
+            if (p.bf16_out) {
+              static_cast<bf16*>(p.out)[first + static_cast<int64_t>(t) * p.N + n] = __float2bfloat16(value);
+            } else {
+              static_cast<float*>(p.out)[first + static_cast<int64_t>(t) * p.N + n] = value;
+            }
+          }
         }
       }
     }

@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_grouped_gemm_kernel(const _
         store_silu_mul_row<16>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc, item.n0,
                                p.N, h, q);
       } else {
-        store_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc, item.n0, p.N, h, q);
+        store_down_row(p.out, p.bf16_out, item.row0 + r, p.N, acc, item.n0, h, q);
       }
     }
   }

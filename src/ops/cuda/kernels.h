@@ -145,6 +145,7 @@ cudaError_t moe_permute(const MoePermuteParams& p, cudaStream_t stream);
 //   gate_up: act[r, n] = bf16(silu(x[tok] . w[e, n]) * (x[tok] . w[e, inter + n])),
 //            tok = sorted_token[r], w = w13 [num_experts, 2 * inter, hidden]
 //   down:    out[r, n] = a[r] . w[e, n], w = w2 [num_experts, hidden, inter], out f32
+//            (bf16 with bf16_out)
 struct GroupedGemmParams {
   const bf16* a;               // gate_up: x [num_tokens, K]; down: act [num_rows, K]
   const int32_t* sorted_token; // gate_up only: row -> token of x
@@ -157,6 +158,9 @@ struct GroupedGemmParams {
   // The *_prefill kernels: rows of `a` (read by TMA, which zero-fills past
   // them), given in permuted order for gate_up too (sorted_token null).
   int a_rows = 0;
+  // down: `out` holds bf16 rows, each the f32 result rounded once (what the
+  // MoE layer sums; half the bytes of f32 to write and to read back).
+  bool bf16_out = false;
 };
 inline constexpr int kGroupedGemmTileRows = 64;
 // K must be a multiple of 8. grouped_gemm runs the wgmma kernel on sm_90
@@ -203,6 +207,7 @@ struct Fp8GroupedGemmParams {
   // sizes); fp8_gemm_k_splits picks it. Not used by the *_prefill kernels.
   int k_splits = 1;
   int a_rows = 0;  // the *_prefill kernels, as in GroupedGemmParams
+  bool bf16_out = false;  // as in GroupedGemmParams (k_splits must be 1)
 };
 cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream);
 // The k_splits that gives a down GEMM of N columns, K deep and `row_tiles`
@@ -236,6 +241,7 @@ struct Mxfp8GroupedGemmParams {
   int N, K, num_experts, max_tiles;
   bool gate_up;
   int k_splits = 1;  // as Fp8GroupedGemmParams::k_splits (the Hopper kernel only)
+  bool bf16_out = false;  // as in GroupedGemmParams (k_splits must be 1)
 };
 cudaError_t mxfp8_grouped_gemm(const Mxfp8GroupedGemmParams& p, cudaStream_t stream);
 // The same GEMM on Blackwell (grouped_gemm_sm100.cu): tcgen05 block-scaled
@@ -268,11 +274,12 @@ int moe_tile_rows(int64_t rows, int num_experts);
 // out[t] = sum_j weights[t, j] * rows[row_of[t * k + j]] (f32), over the
 // pairs with a row (row_of >= 0: the rank's own experts under expert parallelism).
 struct MoeUnpermuteParams {
-  const float* rows;     // [num_tokens * k, hidden]
+  const void* rows;      // [num_tokens * k, hidden], f32 (bf16 with bf16_rows)
   const int32_t* row_of; // [num_tokens * k]
   const float* weights;  // [num_tokens, k]
   float* out;            // [num_tokens, hidden]
   int num_tokens, k, hidden;
+  bool bf16_rows = false;  // rows from a down GEMM with bf16_out
 };
 cudaError_t moe_unpermute(const MoeUnpermuteParams& p, cudaStream_t stream);
 

@@ -257,6 +257,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(GroupedGemmParam
       if (kGateUp) {
         const float g = gate[v], u = c_tile[r][c];
         static_cast<bf16*>(p.out)[out_index] = __float2bfloat16(g / (1.0f + expf(-g)) * u);
+      } else if (p.bf16_out) {
+        static_cast<bf16*>(p.out)[out_index] = __float2bfloat16(c_tile[r][c]);
       } else {
         static_cast<float*>(p.out)[out_index] = c_tile[r][c];
       }
@@ -270,28 +272,44 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(GroupedGemmParam
 // tokens x top-8 x 4096: 21 us for the kernel below, one block per token).
 constexpr int kUnpermuteThreads = 256;
 
+// Four consecutive values of a row, f32 or bf16 (MoeUnpermuteParams::bf16_rows).
+__device__ __forceinline__ float4 load_row4(const float* row, int i) {
+  return reinterpret_cast<const float4*>(row)[i];
+}
+__device__ __forceinline__ float4 load_row4(const bf16* row, int i) {
+  const uint2 raw = reinterpret_cast<const uint2*>(row)[i];
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
+template <typename Row>
 __global__ void __launch_bounds__(kUnpermuteThreads) moe_unpermute_vec_kernel(MoeUnpermuteParams p) {
   const int t = blockIdx.x, i = blockIdx.y * kUnpermuteThreads + threadIdx.x, n = p.hidden / 4;
   if (i >= n) return;
+  const Row* rows = static_cast<const Row*>(p.rows);
   float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
   for (int j = 0; j < p.k; ++j) {
     const int32_t row = p.row_of[t * p.k + j];
     if (row < 0) continue;
     const float w = p.weights[t * p.k + j];
-    const float4 r = reinterpret_cast<const float4*>(p.rows + static_cast<int64_t>(row) * p.hidden)[i];
+    const float4 r = load_row4(rows + static_cast<int64_t>(row) * p.hidden, i);
     sum.x += w * r.x, sum.y += w * r.y, sum.z += w * r.z, sum.w += w * r.w;
   }
   reinterpret_cast<float4*>(p.out + static_cast<int64_t>(t) * p.hidden)[i] = sum;
 }
 
+template <typename Row>
 __global__ void moe_unpermute_kernel(MoeUnpermuteParams p) {
   const int t = blockIdx.x;
+  const Row* rows = static_cast<const Row*>(p.rows);
   for (int i = threadIdx.x; i < p.hidden; i += blockDim.x) {
     float sum = 0.0f;
     for (int j = 0; j < p.k; ++j) {
       const int32_t row = p.row_of[t * p.k + j];
-      if (row >= 0) sum += p.weights[t * p.k + j] * p.rows[static_cast<int64_t>(row) * p.hidden + i];
+      if (row >= 0)
+        sum += p.weights[t * p.k + j] * static_cast<float>(rows[static_cast<int64_t>(row) * p.hidden + i]);
     }
     p.out[static_cast<int64_t>(t) * p.hidden + i] = sum;
   }
@@ -332,9 +350,15 @@ cudaError_t moe_unpermute(const MoeUnpermuteParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
   if (p.hidden % 4 == 0) {
     const dim3 grid(p.num_tokens, (p.hidden / 4 + kUnpermuteThreads - 1) / kUnpermuteThreads);
-    moe_unpermute_vec_kernel<<<grid, kUnpermuteThreads, 0, stream>>>(p);
+    if (p.bf16_rows) {
+      moe_unpermute_vec_kernel<bf16><<<grid, kUnpermuteThreads, 0, stream>>>(p);
+    } else {
+      moe_unpermute_vec_kernel<float><<<grid, kUnpermuteThreads, 0, stream>>>(p);
+    }
+  } else if (p.bf16_rows) {
+    moe_unpermute_kernel<bf16><<<p.num_tokens, 256, 0, stream>>>(p);
   } else {
-    moe_unpermute_kernel<<<p.num_tokens, 256, 0, stream>>>(p);
+    moe_unpermute_kernel<float><<<p.num_tokens, 256, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
