@@ -74,7 +74,7 @@ struct Fp8GemmArgs {
   int scale_cols;        // fp8-block: ceil(K / 128) floats; MXFP8: K / 32 bytes
   int gate_block_rows;   // fp8-block gate_up: ceil(N / 128), where the up half's block rows start
   int k_splits;          // down only: K-steps split over this many items, each adding its share into `out`
-  bool bf16_out;         // down only, k_splits 1: bf16 rows
+  bool bf16_out = false;  // down only, k_splits 1: bf16 rows
 };
 
 // 2^(code - 127); code 0 is 2^-127 (a denormal), as the CPU reference reads it.
@@ -414,40 +414,17 @@ cudaError_t quantize_mxfp8(const QuantizeMxfp8Params& p, cudaStream_t stream) {
 }
 
 cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream) {
-  const Fp8GemmArgs args{p.a,
-                         p.a_scales,
-                         p.sorted_token,
-                         p.w_scales,
-                         p.expert_offsets,
-                         p.tile_offsets,
-                         p.out,
-                         p.N,
-                         p.K,
-                         p.num_experts,
-                         fp8_n_tiles(p.N, p.gate_up),
-                         (p.K + kGroup - 1) / kGroup,
-                         (p.N + 127) / 128,
-                         p.k_splits,
-                         p.bf16_out};
+  Fp8GemmArgs args{p.a, p.a_scales, p.sorted_token, p.w_scales, p.expert_offsets, p.tile_offsets, p.out, p.N,
+                   p.K, p.num_experts, fp8_n_tiles(p.N, p.gate_up), (p.K + kGroup - 1) / kGroup,
+                   (p.N + 127) / 128, p.k_splits};
+  args.bf16_out = p.bf16_out;
   return launch_fp8_gemm<false>(args, p.w, p.max_tiles, p.gate_up, stream);
 }
 
 cudaError_t mxfp8_grouped_gemm(const Mxfp8GroupedGemmParams& p, cudaStream_t stream) {
-  const Fp8GemmArgs args{p.a,
-                         p.a_scales,
-                         p.sorted_token,
-                         p.w_scales,
-                         p.expert_offsets,
-                         p.tile_offsets,
-                         p.out,
-                         p.N,
-                         p.K,
-                         p.num_experts,
-                         fp8_n_tiles(p.N, p.gate_up),
-                         p.K / kMxGroup,
-                         0,
-                         p.k_splits,
-                         p.bf16_out};
+  Fp8GemmArgs args{p.a, p.a_scales, p.sorted_token, p.w_scales, p.expert_offsets, p.tile_offsets, p.out, p.N,
+                   p.K, p.num_experts, fp8_n_tiles(p.N, p.gate_up), p.K / kMxGroup, 0, p.k_splits};
+  args.bf16_out = p.bf16_out;
   return launch_fp8_gemm<true>(args, p.w, p.max_tiles, p.gate_up, stream);
 }
 
