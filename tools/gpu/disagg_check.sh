@@ -105,7 +105,7 @@ check_disagg() {
   if ! wait_healthy "http://127.0.0.1:$PREFILL_PORT" $prefill ||
      ! wait_healthy "http://127.0.0.1:$DECODE_PORT" $decode; then
     say "  FAILED: an instance did not start (prefill.log, decode.log)"
-    tail -5 "$OUT/prefill.log" "$OUT/decode.log" | tee -a "$OUT/summary.txt"
+    tail -n 5 "$OUT/prefill.log" "$OUT/decode.log" | tee -a "$OUT/summary.txt"
     stop $prefill $decode
     status=1
     return
@@ -170,7 +170,7 @@ check_disagg_dp() {
   registered=$(wait_router_instances "http://127.0.0.1:$ROUTER_PORT" 3 600 "$decode" "$prefill")
   if [[ $registered -lt 3 ]]; then
     say "  FAILED: $registered of 3 instances (prefill, two decode ranks) healthy at the router (decode.log)"
-    tail -8 "$OUT/prefill.log" "$OUT/decode.log" | tee -a "$OUT/summary.txt"
+    tail -n 8 "$OUT/prefill.log" "$OUT/decode.log" | tee -a "$OUT/summary.txt"
     stop $decode $prefill $router
     status=1
     return

@@ -13,3 +13,40 @@ wait_router_instances() {  # url want tries pids...
   done
   echo "$healthy"
 }
+
+# One disaggregated case behind a router, loaded by `moeserve bench serve`: a
+# router (port 18580), a prefill instance (18581) and a decode instance
+# (18582) registering with it, each given its flags as one word-split string;
+# waits (WAIT_TRIES x 0.2 s, default 150 s: dummy weights are drawn and warmed
+# up) for WANT healthy instances (data-parallel decode ranks count one each),
+# then runs bench serve with the remaining arguments (BENCH_TIMEOUT, default
+# 200 s), its result in $OUT/NAME.json and logs in $OUT/NAME.*.log. Needs BIN,
+# CONFIG and OUT. Fails when the instances did not come up or the bench failed.
+run_disaggregated() {  # name, prefill flags, decode flags, want, bench flags...
+  local name=$1 prefill_flags=$2 decode_flags=$3 want=$4 healthy status=0
+  shift 4
+  "$BIN/moeserve" router --model "$CONFIG" --port 18580 > "$OUT/$name.router.log" 2>&1 &
+  local router=$!
+  # shellcheck disable=SC2086  # the flags are word lists
+  "$BIN/moeserve" prefill $prefill_flags --host 127.0.0.1 --port 18581 --router http://127.0.0.1:18580 \
+    > "$OUT/$name.prefill.log" 2>&1 &
+  local prefill=$!
+  # shellcheck disable=SC2086
+  "$BIN/moeserve" decode $decode_flags --host 127.0.0.1 --port 18582 --router http://127.0.0.1:18580 \
+    > "$OUT/$name.decode.log" 2>&1 &
+  local decode=$!
+  healthy=$(wait_router_instances http://127.0.0.1:18580 "$want" "${WAIT_TRIES:-750}" "$decode" "$prefill" "$router")
+  if [[ $healthy -lt $want ]]; then
+    echo "$name: did not start ($healthy of $want instances healthy)"
+    tail -n 3 "$OUT/$name.router.log" "$OUT/$name.prefill.log" "$OUT/$name.decode.log"
+    status=1
+  else
+    timeout "${BENCH_TIMEOUT:-200}" "$BIN/moeserve" bench serve --url http://127.0.0.1:18580 "$@" \
+      --save-result "$OUT/$name.json" > "$OUT/$name.bench.log" 2>&1 || status=1
+  fi
+  kill -INT $decode $prefill 2> /dev/null
+  wait $decode $prefill 2> /dev/null
+  kill -INT $router 2> /dev/null
+  wait $router 2> /dev/null
+  return $status
+}

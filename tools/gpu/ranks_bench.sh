@@ -58,46 +58,29 @@ print(f"| {name} | {get(prefill, 'input_throughput'):.0f} | {get(prefill, 'mean_
 PY
 }
 
-# A decode instance behind the router (prefill instance on GPU 0, registering
-# with a router started first): one GPU (GPU 1) against data-parallel ranks
-# (--dp WORLD --ep WORLD over GPUs 0..WORLD-1, experts split, each rank its own
-# endpoint), loaded with short prompts so decode dominates. Prints one table row.
+# A decode instance behind the router (prefill instance on GPU 0): one GPU
+# (GPU 1) against data-parallel ranks (--dp WORLD --ep WORLD over GPUs
+# 0..WORLD-1, experts split, each rank its own endpoint), loaded with short
+# prompts so decode dominates. Prints one table row.
 run_decode_case() {  # name, concurrency, decode flags...
-  local name=$1 concurrency=$2; shift 2
-  # shellcheck disable=SC2206
-  local common=(--device cuda --model "$CONFIG" --load-format dummy --num-layers "$LAYERS" ${MODEL_FLAGS:-} --max-num-seqs 256
-                --max-num-batched-tokens 4096 --max-model-len "$MAX_MODEL_LEN" --host 127.0.0.1
-                --router http://127.0.0.1:18580)
-  "$BIN/moeserve" router --model "$CONFIG" --port 18580 > "$OUT/$name.router.log" 2>&1 &
-  local router=$!
-  local memory=(--gpu-memory-utilization 0.45)
-  [[ -n ${ONE_GPU:-} ]] && memory=(--kv-cache-gb 4)
-  "$BIN/moeserve" prefill "${common[@]}" --gpu 0 "${memory[@]}" --port 18581 > "$OUT/$name.prefill.log" 2>&1 &
-  local prefill=$!
-  "$BIN/moeserve" decode "${common[@]}" "${memory[@]}" --port 18582 "$@" > "$OUT/$name.log" 2>&1 &
-  local decode=$!
-  local want=$(( $# > 2 ? WORLD + 1 : 2 )) healthy
-  # 150 s: the instances draw their dummy weights and warm up.
-  healthy=$(wait_router_instances http://127.0.0.1:18580 "$want" 750 "$decode" "$prefill" "$router")
-  if [[ $healthy -lt $want ]]; then
-    echo "$name: did not start ($healthy of $want instances healthy)"
-    tail -3 "$OUT/$name.router.log" "$OUT/$name.prefill.log" "$OUT/$name.log"
-  else
-    timeout "${BENCH_TIMEOUT:-200}" "$BIN/moeserve" bench serve --url http://127.0.0.1:18580 --random-input-len 128 \
-      --random-output-len "$DECODE_LEN" --num-prompts $((concurrency * 2)) --max-concurrency "$concurrency" \
-      --random-vocab-hi 150000 --save-result "$OUT/$name.decode.json" > "$OUT/$name.bench.log" 2>&1
-    python3 - "$name" "$concurrency" "$OUT/$name.decode.json" <<'PY'
+  local name=$1 concurrency=$2
+  shift 2
+  local common="--device cuda --model $CONFIG --load-format dummy --num-layers $LAYERS ${MODEL_FLAGS:-}
+                --max-num-seqs 256 --max-num-batched-tokens 4096 --max-model-len $MAX_MODEL_LEN"
+  local memory="--gpu-memory-utilization 0.45"
+  [[ -n ${ONE_GPU:-} ]] && memory="--kv-cache-gb 4"
+  if run_disaggregated "$name" "$common --gpu 0 $memory" "$common $memory $*" $(($# > 2 ? WORLD + 1 : 2)) \
+    --random-input-len 128 --random-output-len "$DECODE_LEN" --num-prompts $((concurrency * 2)) \
+    --max-concurrency "$concurrency" --random-vocab-hi 150000; then
+    python3 - "$name" "$concurrency" "$OUT/$name.json" <<'PY'
 import json, sys
 name, concurrency, path = sys.argv[1:4]
-try:
-    r = json.load(open(path))
-    print(f"| {name} | {concurrency} | {r['output_throughput']:.0f} | {r['mean_tpot_ms']:.2f} | {r['completed']} |")
-except Exception as e:
-    print(f"| {name} | {concurrency} | failed: {e} | | |")
+r = json.load(open(path))
+print(f"| {name} | {concurrency} | {r['output_throughput']:.0f} | {r['mean_tpot_ms']:.2f} | {r['completed']} |")
 PY
+  else
+    echo "| $name | $concurrency | failed (logs: $OUT/$name.*.log) | | |"
   fi
-  kill -INT $decode $prefill 2>/dev/null; wait $decode $prefill 2>/dev/null
-  kill -INT $router 2>/dev/null; wait $router 2>/dev/null
 }
 
 if [[ -n ${DECODE_ONLY:-} ]]; then
