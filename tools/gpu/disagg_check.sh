@@ -125,7 +125,7 @@ check_disagg() {
   python3 tools/gpu/disagg_check.py serve --router "http://127.0.0.1:$ROUTER_PORT" \
     --prefill "http://127.0.0.1:$PREFILL_PORT" --decode "http://127.0.0.1:$DECODE_PORT" --model "$model" \
     --reference "$work/reference_$name.json" --out "$OUT/results.jsonl" --metrics "$OUT/metrics.txt" \
-    "${speculative[@]}" | tee -a "$OUT/summary.txt"
+    "${speculative[@]}" "${CHECK_ARGS[@]}" | tee -a "$OUT/summary.txt"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
   stop $router
   stop $prefill $decode
@@ -188,6 +188,7 @@ check_disagg_dp() {
 }
 
 PREFILL_PLACEMENT=(--gpu 0)  # the prefill instance's GPU(s); the TP check below gives it two ranks
+CHECK_ARGS=()  # extra disagg_check.py arguments (the TP check's)
 for model in $MODELS; do
   name=$(basename "$model")
   say "=== $name: reference, moeserve generate --device cuda --gpu 0 (one prompt per run)"
@@ -216,11 +217,20 @@ for model in $MODELS; do
     [[ $name == moeserve-demo ]] && accepted=(--expect-accepted)
     DP_MTP=$mtp check_disagg_dp "$model" --speculative "${accepted[@]}"
   fi
-  # A prefill instance of two GPU ranks (heads split): the leader sends every rank's KV.
+  # A prefill instance of two GPU ranks (heads split): the leader sends every
+  # rank's KV. Its prompt KV differs from one GPU's by rounding (each rank's
+  # partial attention and MoE outputs cross the all-reduce in bf16), so only
+  # the first 3 tokens must equal the reference, the rest are reported (and
+  # the goldens still rule up to their robust margins); parallel_cuda_test
+  # checks the ranks' numerics. On 2026-12-01 (eleventh session) one
+  # moe_dense_layer prompt left the reference at step 5, between two tokens
+  # its output repeats (273 x5 then 179, against 273 x4 then 179).
   if [[ -z ${NO_TP:-} ]]; then
     PREFILL_PLACEMENT=(--tp 2 --gpus "0,$DECODE_GPU")
+    CHECK_ARGS=(--match-tokens 3)
     check_disagg "$model" " (prefill --tp 2)"
     PREFILL_PLACEMENT=(--gpu 0)
+    CHECK_ARGS=()
   fi
 done
 # FP8 experts on the data-parallel decode ranks: the demo model quantized to
@@ -233,15 +243,11 @@ if [[ -z ${NO_DP:-} ]]; then
   say "=== moeserve-demo-fp8: reference, moeserve generate --device cuda --gpu 0 (one prompt per run)"
   if python3 tools/gpu/disagg_check.py reference --bin "$BIN" --model "$model" --gpu 0 \
       --out "$work/reference_moeserve-demo-fp8.json" --log "$OUT/generate.log" | tee -a "$OUT/summary.txt"; then
-    # Tokens past the third are reported, not required: the exchange rounds
-    # the expert outputs to bf16 (one GPU sums them in f32), and FP8
-    # activation quantization in the next layers turns those ulps into whole
-    # E4M3 steps (parallel_cuda_test Fp8ExpertsTravelQuantized: 0.9% of the
-    # logits' norm on its dummy model, bit-exact without the rounding). On
-    # 2026-12-01 two of the 7 demo prompts left the reference at step 3 (top-2
-    # margins there 0.35 and 0.41 nats), the bf16 demo none, FP8 without
-    # --dp none; the same happened with --enforce-eager.
-    check_disagg_dp "$model" --no-golden --match-tokens 3
+    # Every token must equal the reference: the ranks' E4M3 rows, scales and
+    # bf16-rounded expert outputs are what one GPU computes (one GPU's down
+    # GEMM writes bf16 rows too since 2026-12-01; before, two of the 7 demo
+    # prompts left the reference at step 3 and only 3 tokens were required).
+    check_disagg_dp "$model" --no-golden
   else
     status=1
   fi
