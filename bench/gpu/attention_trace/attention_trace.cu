@@ -1,18 +1,19 @@
 // Timeline of the decode attention kernel (ops/cuda/attention_mma.cu): every
 // warp stamps %globaltimer and clock64 at entry, after griddepcontrol.wait,
 // when its first chunk is in shared memory, at the end of its loop and at the
-// block's exit; printed as percentiles over the warps, with per-SM loop ends.
-// The stamps go into a copy of the kernel made by make_traced.py, so the
-// kernel itself carries no tracing. Build and run (sm_90a; from the repo root):
-//   python3 bench/gpu/attention_trace/make_traced.py src/ops/cuda/attention_mma.cu /tmp/attn_traced.cu
-//   nvcc -O3 -DNDEBUG -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -std=c++20 -I src \
-//     -DTRACED='"/tmp/attn_traced.cu"' -o /tmp/attention_trace bench/gpu/attention_trace/attention_trace.cu
-//   /tmp/attention_trace BATCH CONTEXT [SPLITS]
-#include TRACED
+// block's exit (the kernel's MOE_TRACE points, compiled in here with
+// MOE_ATTENTION_TRACE); printed as percentiles over the warps, with per-SM
+// loop ends and the spread within blocks. Built with the GPU targets
+// (bench/CMakeLists.txt); run on the GPU machine:
+//   attention_trace BATCH CONTEXT [SPLITS]
+// The kernel's file is compiled into this program, so the few functions it
+// needs from the rest of the library are defined below.
 #include <algorithm>
 #include <cstdio>
 #include <random>
 #include <vector>
+
+#include "ops/cuda/attention_mma.cu"
 namespace moe::ops::cuda {
 int multiprocessor_count() {
   int d, n;
@@ -98,12 +99,12 @@ int main(int argc, char** argv) {
   printf("splits %d, batch %d x %d: back-to-back %.4f ms (%.0f GB/s), single launch %.4f ms\n", splits, batch,
          context, loop_ms[5], bytes / loop_ms[5] / 1e6, single_ms[5]);
   // traced: a launch right after another (as in the loop)
-  std::vector<unsigned long long> tr(4096 * 8);
+  std::vector<unsigned long long> tr(size_t{1} << 19);
   for (int pass = 0; pass < 3; ++pass) {
     CK(mma_paged_attention(p, context - 1, ws, wsb, nullptr));
     CK(mma_paged_attention(p, context - 1, ws, wsb, nullptr));
     CK(cudaDeviceSynchronize());
-    CK(cudaMemcpyFromSymbol(tr.data(), g_trace, tr.size() * 8));
+    CK(cudaMemcpyFromSymbol(tr.data(), g_attention_trace, tr.size() * 8));
     const int warps = batch * Hkv * 4 * std::max(splits, 1);
     unsigned long long g0 = ~0ull, gend = 0;
     std::vector<double> entry, first, loopend, exit_, waitd, merge, clock_ghz;

@@ -56,6 +56,35 @@ template <int kStages>
 constexpr int kDecodeSmem = kWarps * kWarpSmem<kStages> > kMergeBytes ? kWarps * kWarpSmem<kStages> : kMergeBytes;
 constexpr int kMinSplitPositions = 64, kMaxSplits = 64;  // split-KV bounds
 
+// Per-warp timestamps of the decode kernel for bench/gpu/attention_trace,
+// compiled in only with MOE_ATTENTION_TRACE: slot 0 %globaltimer at entry,
+// 1 clock64 at entry, 7 after griddepcontrol.wait, 2 first chunk in shared
+// memory, 3 end of the warp's loop, 4 clock64 and 5 %globaltimer at the
+// block's exit, 6 the SM; record (token, kv head, split, warp).
+#ifdef MOE_ATTENTION_TRACE
+__device__ unsigned long long g_attention_trace[1 << 16][8];
+#define MOE_TRACE(slot, value)                                                                      \
+  do {                                                                                              \
+    if ((threadIdx.x & 31) == 0)                                                                    \
+      g_attention_trace[((blockIdx.x * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z) * kWarps + \
+                        (threadIdx.x >> 5)][slot] = (value);                                        \
+  } while (0)
+__device__ __forceinline__ unsigned long long global_timer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned long long sm_id() {
+  unsigned s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+#else
+#define MOE_TRACE(slot, value) \
+  do {                         \
+  } while (0)
+#endif
+
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -260,6 +289,9 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
   const int t = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   const int group = p.num_q_heads / p.num_kv_heads;
+  MOE_TRACE(0, global_timer());
+  MOE_TRACE(1, clock64());
+  MOE_TRACE(6, sm_id());
   const int pos = p.positions[t];
   const int begin = split * args.split_len;
   if (begin > pos) return;
@@ -316,6 +348,7 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
   // that writes q and this step's K/V): everything above overlaps that
   // kernel's tail; nothing written by it is read before this wait.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  MOE_TRACE(7, clock64());
   uint32_t qa[kD / 16][4];
   load_q_raw(qa, p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD, group, lane);
 #pragma unroll
@@ -329,11 +362,13 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
     issue(i + kStages - 1, (stage + kStages - 1) % kStages);
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 1));
     __syncwarp();
+    if (i == 0) MOE_TRACE(2, clock64());
     const unsigned char* k_tile = warp_smem + (stage * 2) * kChunkBytes;
     attend_chunk<kChunk>(state, qa, k_tile, k_tile + kChunkBytes, chunk * kChunk, begin, end, lane);
     __syncwarp();
     stage = (stage + 1) % kStages;
   }
+  MOE_TRACE(3, clock64());
   asm volatile("cp.async.wait_group 0;\n" ::);  // nothing in flight when the merge reuses shared memory
   float (&o)[kD / 8][4] = state.o;
   float (&m)[2] = state.m;
@@ -402,6 +437,8 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
       }
     }
   }
+  MOE_TRACE(4, clock64());
+  MOE_TRACE(5, global_timer());
 }
 
 // One block per (token, q head): merges the splits that saw any position.
