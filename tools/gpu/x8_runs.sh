@@ -16,7 +16,7 @@
 # MODEL_FLAGS (default "--quantization fp8-block") go to every instance.
 # Memory decides what runs: per GPU the decode instance holds 1/8 of the
 # experts plus the whole attention, embedding and lm_head (bf16: ~73 GB, FP8:
-# ~35 GB), and a 2k-token sequence's KV over 94 layers is ~0.44 GB per rank.
+# ~38 GB), and a 2k-token sequence's KV over 94 layers is ~0.44 GB per rank.
 # With the prefill instance on the same GPUs (PREFILL_SHARE of the memory,
 # default 0.3; DECODE_SHARE 0.62), FP8 leaves room for ~100 sequences per
 # rank and bf16 for only a few: the larger batches then queue in the server,
