@@ -16,6 +16,7 @@
 
 #include "core/cuda/device_buffer.h"
 #include "ops/attention.h"
+#include "ops/cuda/gemm.h"
 #include "ops/cuda/kernels.h"
 #include "ops/moe.h"
 #include "ops/norm.h"
@@ -580,6 +581,72 @@ TEST_F(CudaOps, Fp8DenseProjectionSplitAlongKMatchesTheCpu) {
                 cudaErrorInvalidValue);
       if (row_tiles == 1)
         EXPECT_GT(splits, 1) << c.N << " x " << c.K << " has too few tiles to fill the GPU unsplit";
+    }
+  }
+}
+
+// fp8-block projections through cuBLASLt's block-scaled GEMM
+// (Gemm::matmul_fp8_block): the activation scales laid out by group are the
+// row layout's transpose bit for bit, and the GEMM gives the CPU's quantized
+// linear in bf16 and f32. On Hopper with cuBLASLt >= 12.9 it must offer an
+// algorithm for token counts that are multiples of 8 (the decode graphs'
+// buckets, Qwen3-235B's qkv and o_proj); other counts are checked where it
+// offers one.
+TEST_F(CudaOps, Fp8BlockCublasLtMatchesTheCpu) {
+  if (!k::hopper_kernels_available()) GTEST_SKIP() << "the block-scaled FP8 GEMM needs an sm_90 device";
+  auto created = k::Gemm::create();
+  ASSERT_TRUE(created.has_value()) << created.status().message();
+  k::Gemm& gemm = *created;
+  struct Case {
+    int tokens, N, K;
+  };
+  for (const Case& c : {Case{64, 9216, 4096}, Case{256, 4096, 8192}, Case{8, 1024, 512},
+                        Case{600, 1536, 2048}, Case{37, 1024, 4096}, Case{1, 2048, 1024}}) {
+    SCOPED_TRACE(std::to_string(c.tokens) + " x " + std::to_string(c.N) + " x " + std::to_string(c.K));
+    Host x = random_bf16({c.tokens, c.K}, rng_);
+    Host w = random_bf16({c.N, c.K}, rng_, 1.0f / std::sqrt(static_cast<float>(c.K)));
+    Tensor values(DType::kF8E4M3, {c.N, c.K}),
+        scales(DType::kF32, quant_scale_shape(QuantFormat::kFp8Block, c.N, c.K));
+    const QuantizedTensor q{QuantFormat::kFp8Block, values.view(), scales.view(), TensorView(), 0};
+    quantize_matrix(w.f32.data_as<float>(), q);
+    Tensor ref(DType::kF32, {c.tokens, c.N});
+    cpu::quantized_linear(pool_, x.f32.view(), q, ref.view());
+    DeviceTensor d_x = upload(x.bf16), d_w = upload(values), d_s = upload(scales);
+    const int groups = c.K / 128;
+    Output x_q = Output::make(static_cast<size_t>(c.tokens) * c.K),
+           by_row = Output::make(c.tokens * groups * 4);
+    Output x_q2 = Output::make(static_cast<size_t>(c.tokens) * c.K),
+           by_group = Output::make(c.tokens * groups * 4);
+    ASSERT_EQ(k::quantize_fp8_groups(
+                  {d_x.data_as<bf16>(), x_q.get<uint8_t>(), by_row.get<float>(), c.tokens, c.K}, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(k::quantize_fp8_groups({d_x.data_as<bf16>(), x_q2.get<uint8_t>(), by_group.get<float>(),
+                                      c.tokens, c.K, nullptr, nullptr, true},
+                                     nullptr),
+              cudaSuccess);
+    ASSERT_EQ(x_q.download(), x_q2.download());
+    const std::vector<float> rows = as_floats(by_row.download(), DType::kF32);
+    const std::vector<float> cols = as_floats(by_group.download(), DType::kF32);
+    for (int t = 0; t < c.tokens; ++t)
+      for (int g = 0; g < groups; ++g)
+        ASSERT_EQ(rows[t * groups + g], cols[g * c.tokens + t]) << "token " << t << ", group " << g;
+    for (const DType dtype : {DType::kBF16, DType::kF32}) {
+      const bool offered = gemm.has_fp8_block(c.tokens, c.N, c.K, dtype);
+      if (c.tokens % 8 == 0) EXPECT_TRUE(offered) << "cuBLASLt offers no fp8-block algorithm";
+      if (!offered) {
+        std::printf("[ info ] cuBLASLt: no fp8-block algorithm for %d x %d x %d\n", c.tokens, c.N, c.K);
+        continue;
+      }
+      const size_t bytes = static_cast<size_t>(c.tokens) * c.N * (dtype == DType::kBF16 ? 2 : 4);
+      Output out = Output::make(bytes);
+      const Status status =
+          gemm.matmul_fp8_block(x_q2.get<uint8_t>(), by_group.get<float>(), d_w.data_as<uint8_t>(),
+                                d_s.data_as<float>(), out.get<void>(), dtype, c.tokens, c.N, c.K, nullptr);
+      ASSERT_TRUE(status.is_ok()) << status.message();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_LT(scaled_error(as_floats(out.download(), dtype), ref.data_as<float>(), ref.num_elements()),
+                2e-2)
+          << (dtype == DType::kBF16 ? "bf16" : "f32") << " output";
     }
   }
 }

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <optional>
+#include <string_view>
 
 #include "core/cuda/device_buffer.h"
 #include "core/logging.h"
@@ -392,6 +394,8 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   for (const auto& a : allocs) MOE_RETURN_IF_ERROR(track(*a.t, DeviceTensor::allocate(a.dtype, a.shape)));
   if (options.comm != nullptr) MOE_RETURN_IF_ERROR(track(s->delta_bf16, DeviceTensor::allocate(DType::kBF16, {T, H})));
   if (s->fp8_attention) {
+    const char* dense_gemm = std::getenv("MOE_FP8_DENSE_GEMM");
+    s->cublas_fp8_projections = dense_gemm == nullptr || std::string_view(dense_gemm) != "grouped";
     MOE_RETURN_IF_ERROR(track(s->dense_offsets, DeviceTensor::allocate(DType::kI32, {2})));
     MOE_RETURN_IF_ERROR(track(s->dense_tile_offsets, DeviceTensor::allocate(DType::kI32, {2})));
     MOE_RETURN_IF_ERROR(track(s->qkv_f32, DeviceTensor::allocate(DType::kF32, {T, qkv_width})));

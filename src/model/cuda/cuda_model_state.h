@@ -55,6 +55,10 @@ struct CudaQwen3MoeModel::State {
   // per step) and the qkv projection's f32 output before its bf16 cast.
   DeviceTensor dense_offsets, dense_tile_offsets, qkv_f32;
   bool fp8_attention = false;
+  // fp8-block projections through cuBLASLt's block-scaled GEMM where it has
+  // an algorithm (else the grouped GEMM); MOE_FP8_DENSE_GEMM=grouped turns it
+  // off, for measurements.
+  bool cublas_fp8_projections = true;
   DeviceTensor sample_rows;          // per-row sampling parameters
   // The MTP layer (options.mtp): its norms and fc, its decoder block, and its
   // one-layer KV pool; mtp_h [T, H] f32 takes the host's hidden states, the

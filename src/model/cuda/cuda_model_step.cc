@@ -258,11 +258,23 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                 false);
   };
   // An attention projection in FP8: `in` [T, K] quantized as the experts'
-  // inputs are, then the grouped GEMM with one group, f32 rows out.
-  // At decode sizes its few tiles are split along K (fp8_gemm_k_splits) so
-  // the whole GPU streams the weights, adding into `out` zeroed first.
-  auto fp8_projection = [&](const DeviceTensor& in, int K, const DeviceTensor& w, const DeviceTensor& w_scales,
-                            void* out, int N) -> Status {
+  // inputs are, into bf16_out [T, N] (qkv) or else the f32 `out`. fp8-block
+  // goes through cuBLASLt's block-scaled GEMM where it has an algorithm for
+  // the shape (the activation scales laid out by group for it). Otherwise the
+  // grouped GEMM with one group writes f32 rows (cast to bf16_out after): at
+  // decode sizes its few tiles are split along K (fp8_gemm_k_splits) so the
+  // whole GPU streams the weights, adding into `out` zeroed first.
+  auto fp8_projection = [&](const DeviceTensor& in, int K, const DeviceTensor& w,
+                            const DeviceTensor& w_scales, void* out, bf16* bf16_out, int N) -> Status {
+    const DType out_dtype = bf16_out != nullptr ? DType::kBF16 : DType::kF32;
+    if (!s.mx_experts && s.cublas_fp8_projections && s.gemm->has_fp8_block(T, N, K, out_dtype)) {
+      MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(),
+                                         s.x_scales.data_as<float>(), T, K, nullptr, nullptr, true},
+                                        s.stream));
+      return s.gemm->matmul_fp8_block(s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(),
+                                      w.data_as<uint8_t>(), w_scales.data_as<float>(),
+                                      bf16_out != nullptr ? bf16_out : out, out_dtype, T, N, K, s.stream);
+    }
     const int tile = dense_tile_rows(T), tiles = (T + tile - 1) / tile + 1;
     const int k_splits = tile == k::kPrefillGemmTileRows ? 1 : k::fp8_gemm_k_splits(N, K, (T + tile - 1) / tile);
     if (k_splits > 1) MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(out, 0, sizeof(float) * T * N, s.stream));
@@ -273,21 +285,23 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                                         w.data_as<uint8_t>(), w_scales.data_as<uint8_t>(),
                                         s.dense_offsets.data_as<int32_t>(), s.dense_tile_offsets.data_as<int32_t>(),
                                         out, N, K, 1, tiles, false, k_splits}, s.stream));
-      return Status::ok();
+    } else {
+      MOE_LAUNCH(k::quantize_fp8_groups(
+          {in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), T, K}, s.stream));
+      MOE_LAUNCH((tile == k::kPrefillGemmTileRows ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
+          {s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), nullptr, w.data_as<uint8_t>(),
+           w_scales.data_as<float>(), s.dense_offsets.data_as<int32_t>(),
+           s.dense_tile_offsets.data_as<int32_t>(), out, N, K, 1, tiles, false, k_splits, T},
+          s.stream));
     }
-    MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), T, K},
-                                      s.stream));
-    MOE_LAUNCH((tile == k::kPrefillGemmTileRows ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
-        {s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), nullptr, w.data_as<uint8_t>(),
-         w_scales.data_as<float>(), s.dense_offsets.data_as<int32_t>(),
-         s.dense_tile_offsets.data_as<int32_t>(), out, N, K, 1, tiles, false, k_splits, T},
-        s.stream));
+    if (bf16_out != nullptr)
+      MOE_LAUNCH(k::cast_to_bf16({static_cast<const float*>(out), bf16_out, int64_t{T} * N}, s.stream));
     return Status::ok();
   };
   // Attention.
   if (b.fp8_attention) {
-    MOE_RETURN_IF_ERROR(fp8_projection(s.normed, H, b.qkv_proj, b.qkv_scales, s.qkv_f32.data(), qkv_width));
-    MOE_LAUNCH(k::cast_to_bf16({s.qkv_f32.data_as<float>(), s.qkv.data_as<bf16>(), int64_t{T} * qkv_width}, s.stream));
+    MOE_RETURN_IF_ERROR(fp8_projection(s.normed, H, b.qkv_proj, b.qkv_scales, s.qkv_f32.data(),
+                                       s.qkv.data_as<bf16>(), qkv_width));
   } else {
     if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.qkv_proj.data_as<bf16>(), s.qkv.data(),
@@ -318,7 +332,8 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_LAUNCH(k::paged_attention(attention, s.stream));
   }
   if (b.fp8_attention) {
-    MOE_RETURN_IF_ERROR(fp8_projection(s.attended, static_cast<int>(c.q_size()), b.o_proj, b.o_scales, s.delta.data(), H));
+    MOE_RETURN_IF_ERROR(fp8_projection(s.attended, static_cast<int>(c.q_size()), b.o_proj, b.o_scales,
+                                       s.delta.data(), nullptr, H));
   } else {
     if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.attended, static_cast<int>(c.q_size())));
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(),

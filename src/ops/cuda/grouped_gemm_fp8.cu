@@ -307,7 +307,9 @@ __global__ void quantize_fp8_groups_kernel(QuantizeFp8Params p) {
         p.out[base + lane * 4 + j] =
             static_cast<uint8_t>(__nv_cvt_float_to_fp8(v[j] / scale, __NV_SATFINITE, __NV_E4M3));
     }
-    if (lane == 0 && p.scales != nullptr) p.scales[static_cast<int64_t>(row) * groups + group] = scale;
+    if (lane == 0 && p.scales != nullptr)
+      p.scales[p.scales_by_group ? static_cast<int64_t>(group) * p.rows + row
+                                 : static_cast<int64_t>(row) * groups + group] = scale;
     if (p.dequantized != nullptr) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {

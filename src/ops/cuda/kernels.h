@@ -183,6 +183,9 @@ struct QuantizeFp8Params {
   // Optional, on the device: only the first min(rows, *live_rows) rows are
   // quantized (rows a grouped GEMM wrote, counted on the device).
   const int32_t* live_rows = nullptr;
+  // Scales laid out [ceil(cols / 128), rows] instead (a group's rows
+  // contiguous: cuBLASLt's 1 x 128 block scaling, Gemm::matmul_fp8_block).
+  bool scales_by_group = false;
 };
 cudaError_t quantize_fp8_groups(const QuantizeFp8Params& p, cudaStream_t stream);
 
