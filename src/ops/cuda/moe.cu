@@ -73,10 +73,14 @@ __global__ void route_topk_kernel(RouteTopkParams p) {
 }
 
 // One block: counts, prefix sums and the scatter of (token, slot) pairs.
+// The prefix sums run in warp 0, 32 experts per pass (a serial loop in one
+// thread, reading each count and writing both offsets to global memory, had
+// taken most of the kernel's 6-9 us at decode sizes; ncu on an H200).
 __global__ void moe_permute_kernel(MoePermuteParams p) {
   extern __shared__ int32_t shared[];
-  int32_t* counts = shared;                  // [num_experts]
-  int32_t* cursor = shared + p.num_experts;  // [num_experts]
+  int32_t* counts = shared;                     // [num_experts]
+  int32_t* cursor = shared + p.num_experts;     // [num_experts]
+  int32_t* first = shared + 2 * p.num_experts;  // [num_experts]: each expert's first row
   const int pairs = p.num_tokens * p.k;
   for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) counts[e] = 0, cursor[e] = 0;
   __syncthreads();
@@ -86,16 +90,31 @@ __global__ void moe_permute_kernel(MoePermuteParams p) {
     if (e >= 0 && e < p.num_experts) atomicAdd(&counts[e], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t rows = 0, tiles = 0;
-    for (int e = 0; e < p.num_experts; ++e) {
-      p.expert_offsets[e] = rows;
-      p.tile_offsets[e] = tiles;
-      rows += counts[e];
-      tiles += (counts[e] + p.tile_rows - 1) / p.tile_rows;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int32_t rows = 0, tiles = 0;  // before this pass's experts
+    for (int base = 0; base < p.num_experts; base += 32) {
+      const int e = base + lane;
+      const int32_t count = e < p.num_experts ? counts[e] : 0;
+      int32_t row_sum = count, tile_sum = (count + p.tile_rows - 1) / p.tile_rows;  // inclusive scans
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const int32_t r = __shfl_up_sync(0xffffffffu, row_sum, offset),
+                      t = __shfl_up_sync(0xffffffffu, tile_sum, offset);
+        if (lane >= offset) row_sum += r, tile_sum += t;
+      }
+      if (e < p.num_experts) {
+        const int32_t tile_count = (count + p.tile_rows - 1) / p.tile_rows;
+        first[e] = rows + row_sum - count;
+        p.expert_offsets[e] = rows + row_sum - count;
+        p.tile_offsets[e] = tiles + tile_sum - tile_count;
+      }
+      rows += __shfl_sync(0xffffffffu, row_sum, 31);
+      tiles += __shfl_sync(0xffffffffu, tile_sum, 31);
     }
-    p.expert_offsets[p.num_experts] = rows;
-    p.tile_offsets[p.num_experts] = tiles;
+    if (lane == 0) {
+      p.expert_offsets[p.num_experts] = rows;
+      p.tile_offsets[p.num_experts] = tiles;
+    }
   }
   __syncthreads();
   for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
@@ -104,7 +123,7 @@ __global__ void moe_permute_kernel(MoePermuteParams p) {
       p.row_of[i] = -1;
       continue;
     }
-    const int row = p.expert_offsets[e] + atomicAdd(&cursor[e], 1);
+    const int row = first[e] + atomicAdd(&cursor[e], 1);
     p.sorted_token[row] = i / p.k;
     p.row_of[i] = row;
   }
@@ -326,7 +345,7 @@ cudaError_t route_topk(const RouteTopkParams& p, cudaStream_t stream) {
 }
 
 cudaError_t moe_permute(const MoePermuteParams& p, cudaStream_t stream) {
-  moe_permute_kernel<<<1, 1024, 2 * p.num_experts * sizeof(int32_t), stream>>>(p);
+  moe_permute_kernel<<<1, 1024, 3 * p.num_experts * sizeof(int32_t), stream>>>(p);
   return cudaGetLastError();
 }
 
