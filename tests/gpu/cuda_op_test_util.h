@@ -1,0 +1,157 @@
+// Shared by the CUDA op tests (ops_cuda_test.cc, fp8_cuda_test.cc; one
+// binary): random bf16 inputs, device outputs with guard bytes, error
+// measures, and the CudaOps fixture. Tolerances: inputs are rounded to bf16
+// on both sides, so differences come from f32 summation order (1e-5) and from
+// the bf16 rounding of outputs (2^-8 relative, ~4e-3); where the GPU rounds an
+// intermediate to bf16 that the CPU keeps in f32 (MoE activations), 2e-2.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/cuda/device_buffer.h"
+#include "core/dtype.h"
+#include "core/tensor.h"
+#include "core/thread_pool.h"
+#include "ops/cuda/kernels.h"
+
+namespace moe::ops::cuda_test {
+
+namespace k = moe::ops::cuda;
+using bf16 = __nv_bfloat16;
+constexpr int kGuard = 64;
+constexpr uint8_t kSentinel = 0xA5;
+
+inline bool have_gpu() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+// Random values already on the bf16 grid, in f32 and bf16 copies.
+struct Host {
+  Tensor f32, bf16;
+};
+inline Host random_bf16(Shape shape, std::mt19937& rng, float scale = 1.0f) {
+  Host h{Tensor(DType::kF32, shape), Tensor(DType::kBF16, shape)};
+  std::uniform_real_distribution<float> u(-scale, scale);
+  for (int64_t i = 0; i < h.f32.num_elements(); ++i) {
+    const uint16_t b = float_to_bf16(u(rng));
+    h.bf16.data_as<uint16_t>()[i] = b;
+    h.f32.data_as<float>()[i] = bf16_to_float(b);
+  }
+  return h;
+}
+
+// A device output with guard bytes after it.
+struct Output {
+  DeviceBuffer buffer;
+  size_t bytes = 0;
+  static Output make(size_t bytes) {
+    Output o;
+    o.bytes = bytes;
+    o.buffer = std::move(DeviceBuffer::allocate(bytes + kGuard).value());
+    cudaMemset(o.buffer.data(), kSentinel, bytes + kGuard);
+    return o;
+  }
+  template <typename T>
+  T* get() const {
+    return buffer.data_as<T>();
+  }
+  std::vector<uint8_t> download() const {
+    std::vector<uint8_t> host(bytes + kGuard);
+    EXPECT_EQ(cudaMemcpy(host.data(), buffer.data(), host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int i = 0; i < kGuard; ++i)
+      EXPECT_EQ(host[bytes + i], kSentinel) << "guard byte " << i << " overwritten";
+    host.resize(bytes);
+    return host;
+  }
+};
+
+inline DeviceTensor upload(const Tensor& t) {
+  return std::move(DeviceTensor::upload(t.view()).value());
+}
+template <typename T>
+DeviceTensor upload_vector(const std::vector<T>& v, DType dtype) {
+  return upload(
+      Tensor::copy_of(TensorView(const_cast<T*>(v.data()), dtype, {static_cast<int64_t>(v.size())})));
+}
+
+// max |a - b| / max |b| over all elements; NaN fails.
+inline double scaled_error(const std::vector<float>& got, const float* ref, size_t n) {
+  double max_diff = 0, max_ref = 1e-30;
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_FALSE(std::isnan(got[i])) << "NaN at " << i;
+    max_diff = std::max(max_diff, std::fabs(double(got[i]) - ref[i]));
+    max_ref = std::max(max_ref, std::fabs(double(ref[i])));
+  }
+  return max_diff / max_ref;
+}
+
+inline std::vector<float> as_floats(const std::vector<uint8_t>& bytes, DType dtype) {
+  const size_t n = bytes.size() / (dtype == DType::kBF16 ? 2 : 4);
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = load_as_float(dtype, bytes.data(), static_cast<int64_t>(i));
+  return out;
+}
+
+// A down GEMM run with bf16_out must write its f32 rows rounded once (to
+// nearest even), bit for bit; then the un-permute of those rows (bf16_rows)
+// must match the reference as the f32 one does. `rerun` writes the bf16 rows
+// into `bf16_rows` (as many rows as `f32_rows` holds).
+template <typename Rerun>
+void expect_bf16_rows(const std::vector<uint8_t>& f32_rows, const Output& bf16_rows, Rerun rerun,
+                      const k::MoeUnpermuteParams& unpermute, const float* ref, double tolerance) {
+  ASSERT_EQ(rerun(), cudaSuccess);
+  const Output out =
+      Output::make(static_cast<size_t>(unpermute.num_tokens) * unpermute.hidden * sizeof(float));
+  k::MoeUnpermuteParams p = unpermute;
+  p.rows = bf16_rows.get<void>(), p.bf16_rows = true, p.out = out.get<float>();
+  ASSERT_EQ(k::moe_unpermute(p, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint8_t> got = bf16_rows.download();
+  const size_t count = f32_rows.size() / 4;
+  ASSERT_EQ(got.size(), count * 2);
+  size_t mismatches = 0, first = count;
+  for (size_t i = 0; i < count; ++i) {
+    float f;
+    uint16_t b;
+    std::memcpy(&f, f32_rows.data() + 4 * i, 4);
+    std::memcpy(&b, got.data() + 2 * i, 2);
+    if (float_to_bf16(f) != b && ++mismatches == 1) first = i;
+  }
+  EXPECT_EQ(mismatches, 0u) << "bf16 rows differ from the rounded f32 rows, first at element " << first;
+  EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref,
+                         static_cast<size_t>(unpermute.num_tokens) * unpermute.hidden),
+            tolerance);
+}
+
+class CudaOps : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  }
+  std::mt19937 rng_{2026};
+  ThreadPool pool_;
+};
+
+// Pins the prefill grouped GEMMs' cluster size (MOE_PREFILL_GEMM_CLUSTER: 1
+// or 2) for one scope; nullptr leaves the default.
+struct PrefillCluster {
+  explicit PrefillCluster(const char* ctas) : set(ctas != nullptr) {
+    if (set) setenv("MOE_PREFILL_GEMM_CLUSTER", ctas, 1);
+  }
+  ~PrefillCluster() {
+    if (set) unsetenv("MOE_PREFILL_GEMM_CLUSTER");
+  }
+  PrefillCluster(const PrefillCluster&) = delete;
+  PrefillCluster& operator=(const PrefillCluster&) = delete;
+  bool set;
+};
+
+}  // namespace moe::ops::cuda_test

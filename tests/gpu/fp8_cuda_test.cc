@@ -1,0 +1,483 @@
+// The FP8 (fp8-block) and MXFP8 grouped GEMMs, their activation quantizers
+// and the fp8-block dense GEMM through cuBLASLt, against the CPU's quantized
+// reference (helpers and tolerances: cuda_op_test_util.h; part of
+// ops_cuda_test).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/kernels.h"
+#include "ops/moe.h"
+#include "ops/quant.h"
+#include "tests/gpu/cuda_op_test_util.h"
+
+namespace moe::ops {
+namespace {
+
+using namespace cuda_test;  // the shared helpers and the CudaOps fixture
+
+// FP8 block scaling: quantized x and act (quantize_fp8_groups), E4M3 experts
+// with 128 x 128 weight scales, against the CPU's quantized MoE (which
+// quantizes the activations the same way). Qwen3-235B's expert shapes with 8
+// experts: quantizing all 128 on the host takes minutes.
+TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
+  if (!k::hopper_kernels_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs an sm_90 device";
+  struct Case {
+    int tokens, hidden, inter, experts, topk;
+  };
+  for (const Case& c : {Case{16, 4096, 1536, 8, 4}, Case{300, 256, 128, 16, 4}, Case{37, 384, 192, 6, 2},
+                        Case{640, 512, 384, 8, 4}}) {
+    Host x = random_bf16({c.tokens, c.hidden}, rng_);
+    Host logits = random_bf16({c.tokens, c.experts}, rng_, 3.0f);
+    // Quantized expert weights (fp8-block; w13's gate and up halves have their own block rows).
+    auto quantized = [&](int64_t rows, int64_t cols, int64_t period, float scale) {
+      struct Q {
+        Tensor values, scales;
+        QuantizedTensor view;
+      };
+      Q q;
+      const Shape per = quant_scale_shape(QuantFormat::kFp8Block, rows, cols, period);
+      q.values = Tensor(DType::kF8E4M3, {int64_t{c.experts}, rows, cols});
+      q.scales = Tensor(DType::kF32, {int64_t{c.experts}, per[0], per[1]});
+      q.view =
+          QuantizedTensor{QuantFormat::kFp8Block, q.values.view(), q.scales.view(), TensorView(), period};
+      for (int e = 0; e < c.experts; ++e) {
+        Host w = random_bf16({rows, cols}, rng_, scale);
+        quantize_matrix(w.f32.data_as<float>(), q.view.slice0(e));
+      }
+      return q;
+    };
+    auto q13 = quantized(2 * c.inter, c.hidden, c.inter, 1.0f / std::sqrt(static_cast<float>(c.hidden)));
+    auto q2 = quantized(c.hidden, c.inter, 0, 1.0f / std::sqrt(static_cast<float>(c.inter)));
+    Tensor ids(DType::kI32, {c.tokens, c.topk}), weights(DType::kF32, {c.tokens, c.topk}),
+        ref(DType::kF32, {c.tokens, c.hidden});
+    cpu::route_topk(pool_, logits.f32, c.topk, true, ids, weights);
+    cpu::moe_experts(pool_, x.f32, ids, weights, q13.view, q2.view, ref);
+
+    const int pairs = c.tokens * c.topk;
+    DeviceTensor d_x = upload(x.bf16), d_ids = upload(ids), d_weights = upload(weights);
+    DeviceTensor d_w13 = upload(q13.values), d_s13 = upload(q13.scales), d_w2 = upload(q2.values),
+                 d_s2 = upload(q2.scales);
+    const int hidden_groups = (c.hidden + 127) / 128, inter_groups = (c.inter + 127) / 128;
+    Output x_q = Output::make(static_cast<size_t>(c.tokens) * c.hidden),
+           x_s = Output::make(c.tokens * hidden_groups * 4);
+    using Gemm = cudaError_t (*)(const k::Fp8GroupedGemmParams&, cudaStream_t);
+    struct Kernel {
+      const char* name;
+      Gemm gemm;
+      int tile_rows;
+      const char* cluster;
+    };
+    for (const auto& [name, gemm, tile_rows, cluster] :
+         {Kernel{"fp8", k::fp8_grouped_gemm, k::kGroupedGemmTileRows, nullptr},
+          Kernel{"fp8 prefill", k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, "1"},
+          Kernel{"fp8 prefill", k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, "2"}}) {
+      const PrefillCluster pin(cluster);
+      SCOPED_TRACE(std::string("cluster ") + (cluster != nullptr ? cluster : "default"));
+      Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
+      Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
+      Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
+      Output act_q = Output::make(static_cast<size_t>(pairs) * c.inter),
+             act_s = Output::make(pairs * inter_groups * 4);
+      Output rows = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(float));
+      Output out = Output::make(static_cast<size_t>(c.tokens) * c.hidden * sizeof(float));
+      const int max_tiles = (pairs + tile_rows - 1) / tile_rows + c.experts;
+      ASSERT_EQ(k::quantize_fp8_groups(
+                    {d_x.data_as<bf16>(), x_q.get<uint8_t>(), x_s.get<float>(), c.tokens, c.hidden}, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(k::moe_permute(
+                    {d_ids.data_as<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
+                     sorted.get<int32_t>(), row_of.get<int32_t>(), c.tokens, c.topk, c.experts, tile_rows},
+                    nullptr),
+                cudaSuccess);
+      // The prefill kernel reads gate_up's rows and scales permuted (gather_rows).
+      const bool gathered = tile_rows == k::kPrefillGemmTileRows;
+      Output xg_q = Output::make(static_cast<size_t>(pairs) * c.hidden),
+             xg_s = Output::make(pairs * hidden_groups * 4);
+      if (gathered) {
+        ASSERT_EQ(k::gather_rows({x_q.get<void>(), xg_q.get<void>(), sorted.get<int32_t>(), pairs, c.hidden},
+                                 nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(k::gather_rows(
+                      {x_s.get<void>(), xg_s.get<void>(), sorted.get<int32_t>(), pairs, hidden_groups * 4},
+                      nullptr),
+                  cudaSuccess);
+      }
+      ASSERT_EQ(gemm({gathered ? xg_q.get<uint8_t>() : x_q.get<uint8_t>(),
+                      gathered ? xg_s.get<float>() : x_s.get<float>(),
+                      gathered ? nullptr : sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
+                      d_s13.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), act.get<void>(),
+                      c.inter, c.hidden, c.experts, max_tiles, true, 1, pairs},
+                     nullptr),
+                cudaSuccess);
+      ASSERT_EQ(k::quantize_fp8_groups(
+                    {act.get<bf16>(), act_q.get<uint8_t>(), act_s.get<float>(), pairs, c.inter}, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(gemm({act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
+                      d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(),
+                      c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs},
+                     nullptr),
+                cudaSuccess);
+      const k::MoeUnpermuteParams unpermute{rows.get<float>(),
+                                            row_of.get<int32_t>(),
+                                            d_weights.data_as<float>(),
+                                            out.get<float>(),
+                                            c.tokens,
+                                            c.topk,
+                                            c.hidden};
+      ASSERT_EQ(k::moe_unpermute(unpermute, nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
+      x_q.download();
+      act_q.download();
+      EXPECT_LT(
+          scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()),
+          3e-2)
+          << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden
+          << ", inter " << c.inter;
+      SCOPED_TRACE(std::string(name) + ", bf16 rows");
+      const Output rows_bf16 = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(bf16));
+      expect_bf16_rows(
+          rows.download(), rows_bf16,
+          [&] {
+            return gemm(
+                {act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
+                 d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows_bf16.get<void>(),
+                 c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs, true},
+                nullptr);
+          },
+          unpermute, ref.data_as<float>(), 3e-2);
+    }
+  }
+}
+
+// A dense projection through the FP8 grouped GEMMs as one group (the CUDA
+// model's FP8 attention projections): at decode sizes the few tiles are split
+// along K (k_splits from fp8_gemm_k_splits, adding into a zeroed output),
+// which must give what one item per tile gives and what the CPU's quantized
+// linear gives, for fp8-block and MXFP8 weights.
+TEST_F(CudaOps, Fp8DenseProjectionSplitAlongKMatchesTheCpu) {
+  if (!k::hopper_kernels_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs an sm_90 device";
+  struct Case {
+    int tokens, N, K;
+  };
+  for (const QuantFormat format : {QuantFormat::kFp8Block, QuantFormat::kMxfp8}) {
+    const bool mx = format == QuantFormat::kMxfp8;
+    // N 1000 ends in a part chunk of 16-byte atomics, N 998 takes scalar ones;
+    // 256 x 9216 (qkv at batch 256) has more tiles than an H200 has SMs.
+    for (const Case& c : {Case{64, 2048, 4096}, Case{37, 1024, 8192}, Case{8, 4096, 1024},
+                          Case{20, 1000, 2048}, Case{9, 998, 1024}, Case{256, 9216, 4096}}) {
+      Host x = random_bf16({c.tokens, c.K}, rng_);
+      Host w = random_bf16({c.N, c.K}, rng_, 1.0f / std::sqrt(static_cast<float>(c.K)));
+      const Shape scale_shape = quant_scale_shape(format, c.N, c.K);
+      Tensor values(DType::kF8E4M3, {c.N, c.K}), scales(mx ? DType::kE8M0 : DType::kF32, scale_shape);
+      const QuantizedTensor q{format, values.view(), scales.view(), TensorView(), 0};
+      quantize_matrix(w.f32.data_as<float>(), q);
+      Tensor ref(DType::kF32, {c.tokens, c.N});
+      cpu::quantized_linear(pool_, x.f32.view(), q, ref.view());
+
+      const int tile = k::kGroupedGemmTileRows, row_tiles = (c.tokens + tile - 1) / tile;
+      const int splits = k::fp8_gemm_k_splits(c.N, c.K, row_tiles);
+      DeviceTensor d_x = upload(x.bf16), d_w = upload(values), d_s = upload(scales);
+      DeviceTensor offsets = upload_vector(std::vector<int32_t>{0, c.tokens}, DType::kI32);
+      DeviceTensor tiles = upload_vector(std::vector<int32_t>{0, row_tiles}, DType::kI32);
+      const int scale_bytes = mx ? c.tokens * c.K / 32 : c.tokens * (c.K / 128) * 4;
+      Output x_q = Output::make(static_cast<size_t>(c.tokens) * c.K), x_s = Output::make(scale_bytes);
+      if (mx) {
+        ASSERT_EQ(k::quantize_mxfp8(
+                      {d_x.data_as<bf16>(), x_q.get<uint8_t>(), x_s.get<uint8_t>(), c.tokens, c.K}, nullptr),
+                  cudaSuccess);
+      } else {
+        ASSERT_EQ(k::quantize_fp8_groups(
+                      {d_x.data_as<bf16>(), x_q.get<uint8_t>(), x_s.get<float>(), c.tokens, c.K}, nullptr),
+                  cudaSuccess);
+      }
+      std::vector<std::vector<float>> outs;
+      for (const int k_splits : {1, splits}) {
+        Output out = Output::make(static_cast<size_t>(c.tokens) * c.N * sizeof(float));
+        ASSERT_EQ(cudaMemset(out.get<void>(), 0, static_cast<size_t>(c.tokens) * c.N * sizeof(float)),
+                  cudaSuccess);
+        const cudaError_t launched =
+            mx ? k::mxfp8_grouped_gemm(
+                     {x_q.get<uint8_t>(), x_s.get<uint8_t>(), nullptr, d_w.data_as<uint8_t>(),
+                      d_s.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                      out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, k_splits},
+                     nullptr)
+               : k::fp8_grouped_gemm(
+                     {x_q.get<uint8_t>(), x_s.get<float>(), nullptr, d_w.data_as<uint8_t>(),
+                      d_s.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                      out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, k_splits},
+                     nullptr);
+        ASSERT_EQ(launched, cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        outs.push_back(as_floats(out.download(), DType::kF32));
+        EXPECT_LT(scaled_error(outs.back(), ref.data_as<float>(), ref.num_elements()), 2e-2)
+            << quant_format_name(format) << ", " << c.tokens << " x " << c.N << " x " << c.K << ", k_splits "
+            << k_splits;
+      }
+      EXPECT_LT(scaled_error(outs[1], outs[0].data(), static_cast<int64_t>(outs[0].size())), 1e-5)
+          << "split along K (" << splits << ") against one item per tile";
+      // Split shares add up in f32: bf16 rows with k_splits > 1 are refused.
+      Output bf16_out = Output::make(static_cast<size_t>(c.tokens) * c.N * sizeof(bf16));
+      EXPECT_EQ(mx ? k::mxfp8_grouped_gemm(
+                         {x_q.get<uint8_t>(), x_s.get<uint8_t>(), nullptr, d_w.data_as<uint8_t>(),
+                          d_s.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                          bf16_out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, splits, true},
+                         nullptr)
+                   : k::fp8_grouped_gemm(
+                         {x_q.get<uint8_t>(), x_s.get<float>(), nullptr, d_w.data_as<uint8_t>(),
+                          d_s.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                          bf16_out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, splits, 0, true},
+                         nullptr),
+                cudaErrorInvalidValue);
+      if (row_tiles == 1) {
+        EXPECT_GT(splits, 1) << c.N << " x " << c.K << " has too few tiles to fill the GPU unsplit";
+      }
+    }
+  }
+}
+
+// fp8-block projections through cuBLASLt's block-scaled GEMM
+// (Gemm::matmul_fp8_block): the activation scales laid out by group are the
+// row layout's transpose bit for bit, and the GEMM gives the CPU's quantized
+// linear in bf16 and f32. On Hopper with cuBLASLt >= 12.9 it must offer an
+// algorithm for token counts that are multiples of 8 (the decode graphs'
+// buckets, Qwen3-235B's qkv and o_proj); other counts are checked where it
+// offers one.
+TEST_F(CudaOps, Fp8BlockCublasLtMatchesTheCpu) {
+  if (!k::hopper_kernels_available()) GTEST_SKIP() << "the block-scaled FP8 GEMM needs an sm_90 device";
+  auto created = k::Gemm::create();
+  ASSERT_TRUE(created.has_value()) << created.status().message();
+  k::Gemm& gemm = *created;
+  struct Case {
+    int tokens, N, K;
+  };
+  for (const Case& c : {Case{64, 9216, 4096}, Case{256, 4096, 8192}, Case{8, 1024, 512},
+                        Case{600, 1536, 2048}, Case{37, 1024, 4096}, Case{1, 2048, 1024}}) {
+    SCOPED_TRACE(std::to_string(c.tokens) + " x " + std::to_string(c.N) + " x " + std::to_string(c.K));
+    Host x = random_bf16({c.tokens, c.K}, rng_);
+    Host w = random_bf16({c.N, c.K}, rng_, 1.0f / std::sqrt(static_cast<float>(c.K)));
+    Tensor values(DType::kF8E4M3, {c.N, c.K}),
+        scales(DType::kF32, quant_scale_shape(QuantFormat::kFp8Block, c.N, c.K));
+    const QuantizedTensor q{QuantFormat::kFp8Block, values.view(), scales.view(), TensorView(), 0};
+    quantize_matrix(w.f32.data_as<float>(), q);
+    Tensor ref(DType::kF32, {c.tokens, c.N});
+    cpu::quantized_linear(pool_, x.f32.view(), q, ref.view());
+    DeviceTensor d_x = upload(x.bf16), d_w = upload(values), d_s = upload(scales);
+    const int groups = c.K / 128;
+    Output x_q = Output::make(static_cast<size_t>(c.tokens) * c.K),
+           by_row = Output::make(c.tokens * groups * 4);
+    Output x_q2 = Output::make(static_cast<size_t>(c.tokens) * c.K),
+           by_group = Output::make(c.tokens * groups * 4);
+    ASSERT_EQ(k::quantize_fp8_groups(
+                  {d_x.data_as<bf16>(), x_q.get<uint8_t>(), by_row.get<float>(), c.tokens, c.K}, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(k::quantize_fp8_groups({d_x.data_as<bf16>(), x_q2.get<uint8_t>(), by_group.get<float>(),
+                                      c.tokens, c.K, nullptr, nullptr, true},
+                                     nullptr),
+              cudaSuccess);
+    ASSERT_EQ(x_q.download(), x_q2.download());
+    const std::vector<float> rows = as_floats(by_row.download(), DType::kF32);
+    const std::vector<float> cols = as_floats(by_group.download(), DType::kF32);
+    for (int t = 0; t < c.tokens; ++t)
+      for (int g = 0; g < groups; ++g)
+        ASSERT_EQ(rows[t * groups + g], cols[g * c.tokens + t]) << "token " << t << ", group " << g;
+    for (const DType dtype : {DType::kBF16, DType::kF32}) {
+      const bool offered = gemm.has_fp8_block(c.tokens, c.N, c.K, dtype);
+      if (c.tokens % 8 == 0) {
+        EXPECT_TRUE(offered) << "cuBLASLt offers no fp8-block algorithm";
+      }
+      if (!offered) {
+        std::printf("[ info ] cuBLASLt: no fp8-block algorithm for %d x %d x %d\n", c.tokens, c.N, c.K);
+        continue;
+      }
+      const size_t bytes = static_cast<size_t>(c.tokens) * c.N * (dtype == DType::kBF16 ? 2 : 4);
+      Output out = Output::make(bytes);
+      const Status status =
+          gemm.matmul_fp8_block(x_q2.get<uint8_t>(), by_group.get<float>(), d_w.data_as<uint8_t>(),
+                                d_s.data_as<float>(), out.get<void>(), dtype, c.tokens, c.N, c.K, nullptr);
+      ASSERT_TRUE(status.is_ok()) << status.message();
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_LT(scaled_error(as_floats(out.download(), dtype), ref.data_as<float>(), ref.num_elements()),
+                2e-2)
+          << (dtype == DType::kBF16 ? "bf16" : "f32") << " output";
+    }
+  }
+}
+
+// The MXFP8 activation quantizer writes the bytes the CPU quantizer writes
+// for the same matrix (E4M3 values, E8M0 scales per 1 x 32, the OCP rule),
+// zero groups and a partial last group included.
+// fp8-block activations with the row count on the device (live_rows, as a
+// data-parallel rank quantizes what its exchange brought): the live rows equal
+// the host-counted run bit for bit, the rows past the count stay untouched.
+TEST_F(CudaOps, QuantizeFp8GroupsStopsAtTheDeviceRowCount) {
+  const int rows = 300, cols = 1536, live = 137, groups = cols / 128;
+  Host x = random_bf16({rows, cols}, rng_, 3.0f);
+  DeviceTensor d_x = upload(x.bf16);
+  DeviceTensor d_live = upload_vector(std::vector<int32_t>{live}, DType::kI32);
+  Output all = Output::make(static_cast<size_t>(rows) * cols), all_scales = Output::make(rows * groups * 4);
+  Output some = Output::make(static_cast<size_t>(rows) * cols), some_scales = Output::make(rows * groups * 4);
+  ASSERT_EQ(k::quantize_fp8_groups(
+                {d_x.data_as<bf16>(), all.get<uint8_t>(), all_scales.get<float>(), rows, cols}, nullptr),
+            cudaSuccess);
+  k::QuantizeFp8Params p{d_x.data_as<bf16>(), some.get<uint8_t>(), some_scales.get<float>(), rows, cols};
+  p.live_rows = d_live.data_as<int32_t>();
+  ASSERT_EQ(k::quantize_fp8_groups(p, nullptr), cudaSuccess);
+  const auto want = all.download(), got = some.download();
+  const auto want_scales = all_scales.download(), got_scales = some_scales.download();
+  const size_t live_bytes = static_cast<size_t>(live) * cols,
+               live_scale_bytes = static_cast<size_t>(live) * groups * 4;
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), live_bytes), 0) << "the live rows";
+  EXPECT_EQ(std::memcmp(got_scales.data(), want_scales.data(), live_scale_bytes), 0) << "their scales";
+  EXPECT_TRUE(std::all_of(got.begin() + static_cast<int64_t>(live_bytes), got.end(), [](uint8_t b) {
+    return b == kSentinel;
+  })) << "rows past the count written";
+  EXPECT_TRUE(std::all_of(got_scales.begin() + static_cast<int64_t>(live_scale_bytes), got_scales.end(),
+                          [](uint8_t b) { return b == kSentinel; }))
+      << "scales past the count written";
+}
+
+TEST_F(CudaOps, QuantizeMxfp8MatchesTheCpuQuantizer) {
+  const int rows = 37, cols = 328;  // 10 full groups and one of 8
+  Host x = random_bf16({rows, cols}, rng_, 3.0f);
+  for (int c = 32; c < 64; ++c)
+    x.f32.data_as<float>()[c] = 0.0f, x.bf16.data_as<uint16_t>()[c] = 0;  // an all-zero group
+  for (int c = 0; c < cols; ++c) {  // a row of tiny values: scales far below 1
+    x.f32.data_as<float>()[cols + c] = bf16_to_float(float_to_bf16(1e-30f * (1 + c % 5)));
+    x.bf16.data_as<uint16_t>()[cols + c] = float_to_bf16(x.f32.data_as<float>()[cols + c]);
+  }
+  const int groups = (cols + 31) / 32;
+  Tensor values(DType::kF8E4M3, {rows, cols}), scales(DType::kE8M0, {rows, groups});
+  quantize_matrix(x.f32.data_as<float>(),
+                  QuantizedTensor{QuantFormat::kMxfp8, values.view(), scales.view(), TensorView(), 0});
+  DeviceTensor d_x = upload(x.bf16);
+  Output out = Output::make(static_cast<size_t>(rows) * cols),
+         out_scales = Output::make(static_cast<size_t>(rows) * groups);
+  ASSERT_EQ(k::quantize_mxfp8(
+                {d_x.data_as<bf16>(), out.get<uint8_t>(), out_scales.get<uint8_t>(), rows, cols}, nullptr),
+            cudaSuccess);
+  const std::vector<uint8_t> got = out.download(), got_scales = out_scales.download();
+  EXPECT_EQ(std::memcmp(got_scales.data(), scales.data(), got_scales.size()), 0) << "E8M0 scales";
+  EXPECT_EQ(std::memcmp(got.data(), values.data(), got.size()), 0) << "E4M3 values";
+}
+
+// MXFP8 experts (weights and activations per 1 x 32, E8M0 scales) through one
+// MXFP8 grouped GEMM kernel against the CPU's quantized MoE.
+using Mxfp8Gemm = cudaError_t (*)(const k::Mxfp8GroupedGemmParams&, cudaStream_t);
+void expect_mxfp8_moe_matches_cpu(Mxfp8Gemm gemm, const char* name, std::mt19937& rng, ThreadPool& pool) {
+  struct Case {
+    int tokens, hidden, inter, experts, topk;
+  };
+  for (const Case& c : {Case{16, 4096, 1536, 8, 4}, Case{300, 256, 128, 16, 4}, Case{37, 384, 640, 6, 2}}) {
+    Host x = random_bf16({c.tokens, c.hidden}, rng);
+    Host logits = random_bf16({c.tokens, c.experts}, rng, 3.0f);
+    auto quantized = [&](int64_t rows, int64_t cols, float scale) {
+      struct Q {
+        Tensor values, scales;
+        QuantizedTensor view;
+      };
+      Q q;
+      q.values = Tensor(DType::kF8E4M3, {int64_t{c.experts}, rows, cols});
+      q.scales = Tensor(DType::kE8M0, {int64_t{c.experts}, rows, cols / 32});
+      q.view = QuantizedTensor{QuantFormat::kMxfp8, q.values.view(), q.scales.view(), TensorView(), 0};
+      for (int e = 0; e < c.experts; ++e) {
+        Host w = random_bf16({rows, cols}, rng, scale);
+        quantize_matrix(w.f32.data_as<float>(), q.view.slice0(e));
+      }
+      return q;
+    };
+    auto q13 = quantized(2 * c.inter, c.hidden, 1.0f / std::sqrt(static_cast<float>(c.hidden)));
+    auto q2 = quantized(c.hidden, c.inter, 1.0f / std::sqrt(static_cast<float>(c.inter)));
+    Tensor ids(DType::kI32, {c.tokens, c.topk}), weights(DType::kF32, {c.tokens, c.topk}),
+        ref(DType::kF32, {c.tokens, c.hidden});
+    cpu::route_topk(pool, logits.f32, c.topk, true, ids, weights);
+    cpu::moe_experts(pool, x.f32, ids, weights, q13.view, q2.view, ref);
+
+    const int pairs = c.tokens * c.topk;
+    DeviceTensor d_x = upload(x.bf16), d_ids = upload(ids), d_weights = upload(weights);
+    DeviceTensor d_w13 = upload(q13.values), d_s13 = upload(q13.scales), d_w2 = upload(q2.values),
+                 d_s2 = upload(q2.scales);
+    Output x_q = Output::make(static_cast<size_t>(c.tokens) * c.hidden),
+           x_s = Output::make(c.tokens * c.hidden / 32);
+    Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
+    Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
+    Output act = Output::make(static_cast<size_t>(pairs) * c.inter * sizeof(bf16));
+    Output act_q = Output::make(static_cast<size_t>(pairs) * c.inter),
+           act_s = Output::make(pairs * c.inter / 32);
+    Output rows = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(float));
+    Output out = Output::make(static_cast<size_t>(c.tokens) * c.hidden * sizeof(float));
+    const int max_tiles = (pairs + k::kGroupedGemmTileRows - 1) / k::kGroupedGemmTileRows + c.experts;
+    ASSERT_EQ(k::quantize_mxfp8(
+                  {d_x.data_as<bf16>(), x_q.get<uint8_t>(), x_s.get<uint8_t>(), c.tokens, c.hidden}, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(k::moe_permute({d_ids.data_as<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
+                              sorted.get<int32_t>(), row_of.get<int32_t>(), c.tokens, c.topk, c.experts,
+                              k::kGroupedGemmTileRows},
+                             nullptr),
+              cudaSuccess);
+    ASSERT_EQ(gemm({x_q.get<uint8_t>(), x_s.get<uint8_t>(), sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
+                    d_s13.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), act.get<void>(),
+                    c.inter, c.hidden, c.experts, max_tiles, true},
+                   nullptr),
+              cudaSuccess)
+        << name;
+    ASSERT_EQ(k::quantize_mxfp8({act.get<bf16>(), act_q.get<uint8_t>(), act_s.get<uint8_t>(), pairs, c.inter},
+                                nullptr),
+              cudaSuccess);
+    ASSERT_EQ(gemm({act_q.get<uint8_t>(), act_s.get<uint8_t>(), nullptr, d_w2.data_as<uint8_t>(),
+                    d_s2.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(),
+                    c.hidden, c.inter, c.experts, max_tiles, false},
+                   nullptr),
+              cudaSuccess)
+        << name;
+    const k::MoeUnpermuteParams unpermute{rows.get<float>(),
+                                          row_of.get<int32_t>(),
+                                          d_weights.data_as<float>(),
+                                          out.get<float>(),
+                                          c.tokens,
+                                          c.topk,
+                                          c.hidden};
+    ASSERT_EQ(k::moe_unpermute(unpermute, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
+    x_q.download();
+    act_q.download();
+    EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()),
+              3e-2)
+        << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden
+        << ", inter " << c.inter;
+    SCOPED_TRACE(std::string(name) + ", bf16 rows");
+    const Output rows_bf16 = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(bf16));
+    expect_bf16_rows(
+        rows.download(), rows_bf16,
+        [&] {
+          return gemm({act_q.get<uint8_t>(), act_s.get<uint8_t>(), nullptr, d_w2.data_as<uint8_t>(),
+                       d_s2.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
+                       rows_bf16.get<void>(), c.hidden, c.inter, c.experts, max_tiles, false, 1, true},
+                      nullptr);
+        },
+        unpermute, ref.data_as<float>(), 3e-2);
+  }
+}
+
+// Hopper has no MXFP8 MMA; the kernel promotes every 32-wide slice itself.
+TEST_F(CudaOps, Mxfp8GroupedGemmMatchesTheCpuQuantizedMoe) {
+  if (!k::hopper_kernels_available()) GTEST_SKIP() << "the MXFP8 grouped GEMM needs an sm_90 device";
+  expect_mxfp8_moe_matches_cpu(k::mxfp8_grouped_gemm, "mxfp8 wgmma", rng_, pool_);
+}
+
+// Blackwell's block-scaled tcgen05 MMA (grouped_gemm_sm100.cu). Compiled, never
+// run: no compute capability 10.0 device has executed this test yet.
+TEST_F(CudaOps, Mxfp8GroupedGemmSm100MatchesTheCpuQuantizedMoe) {
+  if (!k::sm100_kernels_available())
+    GTEST_SKIP() << "the tcgen05 MXFP8 grouped GEMM needs a compute capability 10.0 device (sm_100a code)";
+  expect_mxfp8_moe_matches_cpu(k::mxfp8_grouped_gemm_sm100, "mxfp8 tcgen05", rng_, pool_);
+}
+
+}  // namespace
+}  // namespace moe::ops
