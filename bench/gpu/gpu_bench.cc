@@ -22,6 +22,7 @@
 #include "core/cuda/device_buffer.h"
 #include "model/config.h"
 #include "model/cuda/cuda_model.h"
+#include "ops/cuda/gemm.h"
 #include "ops/cuda/kernels.h"
 
 namespace moe {
@@ -198,7 +199,7 @@ void bench_grouped_gemm(double copy_gbs) {
     check(cudaGetLastError(), "grouped gemm (wgmma)");
     const double floor_ms = weight_bytes / (copy_gbs * 1e6);
     char shape[96], extra[224];
-    std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
+    std::snprintf(shape, sizeof shape, "E%d H4096 I1536, %d tok/expert", E, per_expert);
     std::snprintf(extra, sizeof extra,
                   "%.0f GB/s of weights, %s (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%, "
                   "f32 rows %.3f ms; WMMA kernel: %.3f ms)",
@@ -311,7 +312,7 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
       check(cudaGetLastError(), mx ? "mxfp8 grouped gemm" : "fp8 grouped gemm");
       const double floor_ms = weight_bytes / (copy_gbs * 1e6);
       char shape[96], extra[192];
-      std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
+      std::snprintf(shape, sizeof shape, "E%d H4096 I1536, %d tok/expert", E, per_expert);
       std::snprintf(
           extra, sizeof extra,
           "%.0f GB/s of FP8 weights + scales (graph: layer %.3f ms, %.1f%%; GEMMs alone %.3f ms, %.1f%%, f32 "
@@ -331,9 +332,12 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
 // the model's does.
 void bench_prefill_grouped_gemm() {
   if (!k::hopper_kernels_available()) return;
-  // MOE_BENCH_PREFILL_ROWS: rows per expert other than 375 (a multiple of 8).
+  // MOE_BENCH_PREFILL_ROWS: rows per expert other than 375 (a multiple of 8);
+  // MOE_BENCH_PREFILL_EXPERTS: experts other than 128 (1: a dense GEMM).
   const char* rows_env = std::getenv("MOE_BENCH_PREFILL_ROWS");
-  const int E = 128, H = 4096, I = 1536, topk = 8, per_expert = rows_env != nullptr ? std::atoi(rows_env) : 375;
+  const char* experts_env = std::getenv("MOE_BENCH_PREFILL_EXPERTS");
+  const int E = experts_env != nullptr ? std::atoi(experts_env) : 128, H = 4096, I = 1536, topk = 8,
+            per_expert = rows_env != nullptr ? std::atoi(rows_env) : 375;
   const int T = per_expert * E / topk, pairs = T * topk;
   const double flops = 2.0 * pairs * 3.0 * H * I;
   // The L2 traffic of the 128-row kernels: every item reads its A rows and weight rows over K.
@@ -353,7 +357,7 @@ void bench_prefill_grouped_gemm() {
     return (pairs + tile_rows - 1) / tile_rows + E;
   };
   char shape[64];
-  std::snprintf(shape, sizeof shape, "E128 H4096 I1536, %d tok/expert", per_expert);
+  std::snprintf(shape, sizeof shape, "E%d H4096 I1536, %d tok/expert", E, per_expert);
   auto describe = [&](double ms, double f32_ms, double gather_ms, double decode_ms) {
     char extra[224];
     std::snprintf(extra, sizeof extra,
@@ -431,6 +435,35 @@ void bench_prefill_grouped_gemm() {
     const double ms = time_gemms(k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows);
     const double f32_ms = time_gemms(k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, false);
     report("moe_gemms_prefill_fp8", shape, ms, flops / 1580e9, describe(ms, f32_ms, gather_ms, decode_ms));
+
+    // Peer: cuBLASLt's block-scaled FP8 GEMM (the same 1 x 128 activation and
+    // 128 x 128 weight scales) on the same FLOPs as two dense GEMMs, expert
+    // 0's weights standing for all: [pairs, H] x [2I, H]^T to bf16, then
+    // [pairs, I] x [H, I]^T to bf16.
+    auto gemm = k::Gemm::create();
+    check(gemm.status());
+    if (gemm->has_fp8_block(pairs, 2 * I, H, DType::kBF16) && gemm->has_fp8_block(pairs, H, I, DType::kBF16)) {
+      DeviceTensor x_wide = random_bf16({pairs, H}, 37), xw_q = alloc(DType::kF8E4M3, {pairs, H});
+      DeviceTensor xw_s = alloc(DType::kF32, {H / 128, pairs}), act_s_by_group = alloc(DType::kF32, {I / 128, pairs});
+      DeviceTensor gate_up_out = alloc(DType::kBF16, {pairs, 2 * I}), down_out = alloc(DType::kBF16, {pairs, H});
+      k::QuantizeFp8Params qx{x_wide.data_as<bf16>(), xw_q.data_as<uint8_t>(), xw_s.data_as<float>(), pairs, H};
+      qx.scales_by_group = true;
+      k::QuantizeFp8Params qa{act.data_as<bf16>(), act_q.data_as<uint8_t>(), act_s_by_group.data_as<float>(), pairs, I};
+      qa.scales_by_group = true;
+      check(k::quantize_fp8_groups(qx, nullptr), "q");
+      check(k::quantize_fp8_groups(qa, nullptr), "q");
+      const double peer_ms = time_ms([&] {
+        check(gemm->matmul_fp8_block(xw_q.data_as<uint8_t>(), xw_s.data_as<float>(), w13.data_as<uint8_t>(),
+                                     s13.data_as<float>(), gate_up_out.data(), DType::kBF16, pairs, 2 * I, H, nullptr));
+        check(gemm->matmul_fp8_block(act_q.data_as<uint8_t>(), act_s_by_group.data_as<float>(),
+                                     w2.data_as<uint8_t>(), s2.data_as<float>(), down_out.data(), DType::kBF16, pairs,
+                                     H, I, nullptr));
+      });
+      char extra[128];
+      std::snprintf(extra, sizeof extra, "%.1f TFLOP/s; ours / cuBLASLt = %.2fx", flops / (peer_ms * 1e9),
+                    peer_ms / ms);
+      report("cublaslt_fp8_block", shape, peer_ms, flops / 1580e9, extra);
+    }
   }
 }
 
