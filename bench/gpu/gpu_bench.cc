@@ -442,22 +442,28 @@ void bench_prefill_grouped_gemm() {
     // [pairs, I] x [H, I]^T to bf16.
     auto gemm = k::Gemm::create();
     check(gemm.status());
-    if (gemm->has_fp8_block(pairs, 2 * I, H, DType::kBF16) && gemm->has_fp8_block(pairs, H, I, DType::kBF16)) {
+    if (gemm->has_fp8_block(pairs, 2 * I, H, DType::kBF16) &&
+        gemm->has_fp8_block(pairs, H, I, DType::kBF16)) {
       DeviceTensor x_wide = random_bf16({pairs, H}, 37), xw_q = alloc(DType::kF8E4M3, {pairs, H});
-      DeviceTensor xw_s = alloc(DType::kF32, {H / 128, pairs}), act_s_by_group = alloc(DType::kF32, {I / 128, pairs});
-      DeviceTensor gate_up_out = alloc(DType::kBF16, {pairs, 2 * I}), down_out = alloc(DType::kBF16, {pairs, H});
-      k::QuantizeFp8Params qx{x_wide.data_as<bf16>(), xw_q.data_as<uint8_t>(), xw_s.data_as<float>(), pairs, H};
+      DeviceTensor xw_s = alloc(DType::kF32, {H / 128, pairs}),
+                   act_s_by_group = alloc(DType::kF32, {I / 128, pairs});
+      DeviceTensor gate_up_out = alloc(DType::kBF16, {pairs, 2 * I}),
+                   down_out = alloc(DType::kBF16, {pairs, H});
+      k::QuantizeFp8Params qx{x_wide.data_as<bf16>(), xw_q.data_as<uint8_t>(), xw_s.data_as<float>(), pairs,
+                              H};
       qx.scales_by_group = true;
-      k::QuantizeFp8Params qa{act.data_as<bf16>(), act_q.data_as<uint8_t>(), act_s_by_group.data_as<float>(), pairs, I};
+      k::QuantizeFp8Params qa{act.data_as<bf16>(), act_q.data_as<uint8_t>(), act_s_by_group.data_as<float>(),
+                              pairs, I};
       qa.scales_by_group = true;
       check(k::quantize_fp8_groups(qx, nullptr), "q");
       check(k::quantize_fp8_groups(qa, nullptr), "q");
       const double peer_ms = time_ms([&] {
         check(gemm->matmul_fp8_block(xw_q.data_as<uint8_t>(), xw_s.data_as<float>(), w13.data_as<uint8_t>(),
-                                     s13.data_as<float>(), gate_up_out.data(), DType::kBF16, pairs, 2 * I, H, nullptr));
+                                     s13.data_as<float>(), gate_up_out.data(), DType::kBF16, pairs, 2 * I, H,
+                                     nullptr));
         check(gemm->matmul_fp8_block(act_q.data_as<uint8_t>(), act_s_by_group.data_as<float>(),
-                                     w2.data_as<uint8_t>(), s2.data_as<float>(), down_out.data(), DType::kBF16, pairs,
-                                     H, I, nullptr));
+                                     w2.data_as<uint8_t>(), s2.data_as<float>(), down_out.data(),
+                                     DType::kBF16, pairs, H, I, nullptr));
       });
       char extra[128];
       std::snprintf(extra, sizeof extra, "%.1f TFLOP/s; ours / cuBLASLt = %.2fx", flops / (peer_ms * 1e9),
