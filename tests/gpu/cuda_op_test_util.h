@@ -131,6 +131,27 @@ void expect_bf16_rows(const std::vector<uint8_t>& f32_rows, const Output& bf16_r
             tolerance);
 }
 
+// The end of every grouped-GEMM test: the down GEMM's f32 `rows` ([pairs,
+// hidden], permuted) un-permuted with the routing weights into `out` must
+// match `ref` ([tokens, hidden]); then `rerun_bf16(bf16_rows)` writes the same
+// rows as bf16 (the GEMM's bf16_out) and expect_bf16_rows checks them.
+template <typename RerunBf16>
+void expect_unpermuted(const Output& rows, const Output& out, const int32_t* row_of, const float* weights,
+                       int tokens, int topk, int hidden, const float* ref, double tolerance,
+                       RerunBf16 rerun_bf16) {
+  const k::MoeUnpermuteParams unpermute{
+      rows.get<float>(), row_of, weights, out.get<float>(), tokens, topk, hidden};
+  ASSERT_EQ(k::moe_unpermute(unpermute, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint8_t> f32_rows = rows.download();
+  EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref, static_cast<size_t>(tokens) * hidden),
+            tolerance);
+  SCOPED_TRACE("bf16 rows");
+  const Output bf16_rows = Output::make(f32_rows.size() / 2);
+  expect_bf16_rows(
+      f32_rows, bf16_rows, [&] { return rerun_bf16(bf16_rows.get<void>()); }, unpermute, ref, tolerance);
+}
+
 class CudaOps : public testing::Test {
  protected:
   void SetUp() override {

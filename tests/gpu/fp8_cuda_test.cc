@@ -124,34 +124,19 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
                       c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs},
                      nullptr),
                 cudaSuccess);
-      const k::MoeUnpermuteParams unpermute{rows.get<float>(),
-                                            row_of.get<int32_t>(),
-                                            d_weights.data_as<float>(),
-                                            out.get<float>(),
-                                            c.tokens,
-                                            c.topk,
-                                            c.hidden};
-      ASSERT_EQ(k::moe_unpermute(unpermute, nullptr), cudaSuccess);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
       x_q.download();
       act_q.download();
-      EXPECT_LT(
-          scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()),
-          3e-2)
-          << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden
-          << ", inter " << c.inter;
-      SCOPED_TRACE(std::string(name) + ", bf16 rows");
-      const Output rows_bf16 = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(bf16));
-      expect_bf16_rows(
-          rows.download(), rows_bf16,
-          [&] {
-            return gemm(
-                {act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
-                 d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows_bf16.get<void>(),
-                 c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs, true},
-                nullptr);
-          },
-          unpermute, ref.data_as<float>(), 3e-2);
+      SCOPED_TRACE(std::string(name) + ": " + std::to_string(c.tokens) + " tokens, " +
+                   std::to_string(c.experts) + " experts, hidden " + std::to_string(c.hidden) + ", inter " +
+                   std::to_string(c.inter));
+      expect_unpermuted(rows, out, row_of.get<int32_t>(), d_weights.data_as<float>(), c.tokens, c.topk,
+                        c.hidden, ref.data_as<float>(), 3e-2, [&](void* bf16_rows) {
+                          return gemm(
+                              {act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
+                               d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), bf16_rows,
+                               c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs, true},
+                              nullptr);
+                        });
     }
   }
 }
@@ -436,32 +421,19 @@ void expect_mxfp8_moe_matches_cpu(Mxfp8Gemm gemm, const char* name, std::mt19937
                    nullptr),
               cudaSuccess)
         << name;
-    const k::MoeUnpermuteParams unpermute{rows.get<float>(),
-                                          row_of.get<int32_t>(),
-                                          d_weights.data_as<float>(),
-                                          out.get<float>(),
-                                          c.tokens,
-                                          c.topk,
-                                          c.hidden};
-    ASSERT_EQ(k::moe_unpermute(unpermute, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
     x_q.download();
     act_q.download();
-    EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()),
-              3e-2)
-        << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden
-        << ", inter " << c.inter;
-    SCOPED_TRACE(std::string(name) + ", bf16 rows");
-    const Output rows_bf16 = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(bf16));
-    expect_bf16_rows(
-        rows.download(), rows_bf16,
-        [&] {
-          return gemm({act_q.get<uint8_t>(), act_s.get<uint8_t>(), nullptr, d_w2.data_as<uint8_t>(),
-                       d_s2.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
-                       rows_bf16.get<void>(), c.hidden, c.inter, c.experts, max_tiles, false, 1, true},
-                      nullptr);
-        },
-        unpermute, ref.data_as<float>(), 3e-2);
+    SCOPED_TRACE(std::string(name) + ": " + std::to_string(c.tokens) + " tokens, " +
+                 std::to_string(c.experts) + " experts, hidden " + std::to_string(c.hidden) + ", inter " +
+                 std::to_string(c.inter));
+    expect_unpermuted(rows, out, row_of.get<int32_t>(), d_weights.data_as<float>(), c.tokens, c.topk,
+                      c.hidden, ref.data_as<float>(), 3e-2, [&](void* bf16_rows) {
+                        return gemm(
+                            {act_q.get<uint8_t>(), act_s.get<uint8_t>(), nullptr, d_w2.data_as<uint8_t>(),
+                             d_s2.data_as<uint8_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(), bf16_rows,
+                             c.hidden, c.inter, c.experts, max_tiles, false, 1, true},
+                            nullptr);
+                      });
   }
 }
 

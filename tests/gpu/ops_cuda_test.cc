@@ -238,30 +238,16 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
                nullptr),
           cudaSuccess)
           << name;
-      const k::MoeUnpermuteParams unpermute{rows.get<float>(),
-                                            row_of.get<int32_t>(),
-                                            d_weights.get<float>(),
-                                            out.get<float>(),
-                                            c.tokens,
-                                            c.topk,
-                                            c.hidden};
-      ASSERT_EQ(k::moe_unpermute(unpermute, nullptr), cudaSuccess);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << name;
       act.download();
-      const std::vector<uint8_t> f32_rows = rows.download();
-      EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref.data_as<float>(), ref.num_elements()), 2e-2)
-          << name << ": " << c.tokens << " tokens, " << c.experts << " experts, hidden " << c.hidden;
-      SCOPED_TRACE(std::string(name) + ", bf16 rows");
-      const Output rows_bf16 = Output::make(static_cast<size_t>(pairs) * c.hidden * sizeof(bf16));
-      expect_bf16_rows(
-          f32_rows, rows_bf16,
-          [&] {
-            return gemm(
-                {act.get<bf16>(), nullptr, d_w2.data_as<bf16>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
-                 rows_bf16.get<void>(), c.hidden, c.inter, c.experts, max_tiles, false, pairs, true},
-                nullptr);
-          },
-          unpermute, ref.data_as<float>(), 2e-2);
+      SCOPED_TRACE(std::string(name) + ": " + std::to_string(c.tokens) + " tokens, " +
+                   std::to_string(c.experts) + " experts, hidden " + std::to_string(c.hidden));
+      expect_unpermuted(rows, out, row_of.get<int32_t>(), d_weights.get<float>(), c.tokens, c.topk, c.hidden,
+                        ref.data_as<float>(), 2e-2, [&](void* bf16_rows) {
+                          return gemm({act.get<bf16>(), nullptr, d_w2.data_as<bf16>(), offsets.get<int32_t>(),
+                                       tiles.get<int32_t>(), bf16_rows, c.hidden, c.inter, c.experts,
+                                       max_tiles, false, pairs, true},
+                                      nullptr);
+                        });
     }
   }
 }
