@@ -70,17 +70,24 @@ std::pair<std::string, std::string> ReasoningSplitter::finish() {
 
 CompletionRun::CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exchange, GenerationBackend& engine)
     : config_(std::move(config)), exchange_(std::move(exchange)), engine_(engine) {
-  choices_.resize(static_cast<size_t>(config_.params.n));
-  for (auto& c : choices_)
-    if (config_.tokenizer) c.detokenizer.emplace(*config_.tokenizer, config_.params.skip_special_tokens);
+  const auto n = static_cast<size_t>(config_.params.n);
+  choices_.resize(config_.prompts.size() * n);
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    choices_[i].prompt = i / n;
+    if (config_.tokenizer)
+      choices_[i].detokenizer.emplace(*config_.tokenizer, config_.params.skip_special_tokens);
+  }
   for (const auto& s : config_.params.stop) max_stop_len_ = std::max(max_stop_len_, s.size());
 }
 
 std::optional<ApiError> CompletionRun::start(const engine::EngineRequest& base) {
   std::lock_guard lock(mutex_);
   for (size_t i = 0; i < choices_.size(); ++i) {
+    const RunPrompt& prompt = config_.prompts[choices_[i].prompt];
     engine::EngineRequest request = base;
-    if (request.sampling.seed) request.sampling.seed = *request.sampling.seed + i;
+    request.prompt = prompt.ids;
+    request.max_tokens = prompt.max_tokens;
+    if (request.sampling.seed) request.sampling.seed = *request.sampling.seed + i % config_.params.n;
     auto self = shared_from_this();
     auto id = engine_.submit(
         std::move(request), [self, i](const engine::EngineOutput& out) { self->on_output(i, out); }, config_.request_id);
@@ -217,10 +224,12 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
   // Token ids are visible (return_token_ids, or no tokenizer): a chunk per token.
   const bool new_tokens = (config_.params.return_token_ids || !config_.tokenizer) && c.token_ids.size() > c.tokens_emitted;
   c.tokens_emitted = c.token_ids.size();
-  if (delta.empty() && !final_chunk && !new_logprobs && !new_tokens && (c.sent_role || !config_.chat)) return;
+  const std::string& echo = config_.prompts[c.prompt].echo_text;
+  if (delta.empty() && !final_chunk && !new_logprobs && !new_tokens && (c.sent_role || !config_.chat) &&
+      (c.sent_role || echo.empty()))
+    return;
   json chunk = chunk_head();
   json choice = {{"index", index}};
-  const size_t offset = c.emitted;
   c.emitted = std::max(c.emitted, safe);
   if (config_.chat) {
     json d = json::object();
@@ -238,9 +247,15 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
     }
     choice["delta"] = d;
   } else {
-    choice["text"] = delta;
+    choice["text"] = c.sent_role ? delta : echo + delta;  // the echo goes out with the first chunk
+    c.sent_role = true;
   }
-  choice["logprobs"] = new_logprobs ? logprobs_json(c, c.logprobs_emitted, offset) : json(nullptr);
+  // Completions: text_offset continues over the tokens already sent, after the echo (as the full response's).
+  choice["logprobs"] =
+      new_logprobs ? logprobs_json(c, c.logprobs_emitted, echo.size() + c.logprobs_text) : json(nullptr);
+  if (!config_.chat)
+    for (size_t i = c.logprobs_emitted; i < c.logprobs.size(); ++i)
+      c.logprobs_text += token_text(c.logprobs[i].token).size();
   c.logprobs_emitted = c.logprobs.size();
   if (config_.params.return_token_ids) choice["token_ids"] = c.token_ids;
   choice["finish_reason"] = final_chunk ? json(c.finish_reason) : json(nullptr);
@@ -250,10 +265,15 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
 }
 
 json CompletionRun::usage() const {
-  int64_t completion = 0;
-  int cached = 0;
-  for (const auto& c : choices_) completion += static_cast<int64_t>(c.token_ids.size()), cached = std::max(cached, c.num_cached_tokens);
-  const auto prompt = static_cast<int64_t>(config_.prompt_ids.size());
+  // Each prompt counts once (its n choices share it), with its best-cached choice.
+  int64_t completion = 0, prompt = 0, cached = 0;
+  std::vector<int> prompt_cached(config_.prompts.size(), 0);
+  for (const auto& c : choices_) {
+    completion += static_cast<int64_t>(c.token_ids.size());
+    prompt_cached[c.prompt] = std::max(prompt_cached[c.prompt], c.num_cached_tokens);
+  }
+  for (size_t p = 0; p < config_.prompts.size(); ++p)
+    prompt += static_cast<int64_t>(config_.prompts[p].ids.size()), cached += prompt_cached[p];
   json u = {{"prompt_tokens", prompt},
             {"completion_tokens", completion},
             {"total_tokens", prompt + completion},
@@ -316,13 +336,13 @@ void CompletionRun::complete() {
       }
       choice["message"] = message;
     } else {
-      choice["text"] = config_.echo_text + c.text;
+      choice["text"] = config_.prompts[c.prompt].echo_text + c.text;
     }
-    choice["logprobs"] = logprobs_json(c, 0, config_.echo_text.size());
+    choice["logprobs"] = logprobs_json(c, 0, config_.prompts[c.prompt].echo_text.size());
     choice["finish_reason"] = c.finish_reason;
     if (config_.params.return_token_ids) {
       choice["token_ids"] = c.token_ids;
-      choice["prompt_token_ids"] = config_.prompt_ids;
+      choice["prompt_token_ids"] = config_.prompts[c.prompt].ids;
     }
     choices.push_back(std::move(choice));
   }

@@ -37,14 +37,20 @@ class ReasoningSplitter {
   std::string pending_;
 };
 
+// One prompt of a run (a completions batch has several; chat has one).
+struct RunPrompt {
+  std::vector<int32_t> ids;
+  std::string echo_text;  // completions with echo: prepended to each of its choices
+  int max_tokens = 0;     // each of its choices' budget
+};
+
 struct RunConfig {
   bool chat = false;
   std::string id;     // "chatcmpl-..." / "cmpl-..."
   std::string model;
   int64_t created = 0;
   GenerationParams params;
-  std::vector<int32_t> prompt_ids;
-  std::string echo_text;  // completions with echo: prepended to each choice
+  std::vector<RunPrompt> prompts;  // choice k is choice k % n of prompt k / n
   bool reasoning_qwen3 = false;
   const tokenizer::Tokenizer* tokenizer = nullptr;
   HeaderList headers;  // added to the response (X-Request-Id)
@@ -55,14 +61,17 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
  public:
   CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exchange, GenerationBackend& engine);
 
-  // Submits one engine request per choice (`base` with per-choice seeds). On
-  // failure nothing stays queued and the error is returned for the caller to send.
+  // Submits one engine request per choice: `base` with the choice's prompt and
+  // budget, and seed + i for choice i of its prompt (so a batch gives what its
+  // prompts give alone). On failure nothing stays queued and the error is
+  // returned for the caller to send.
   std::optional<ApiError> start(const engine::EngineRequest& base);
   // Cancels every choice still running (the client went away).
   void cancel();
 
  private:
   struct Choice {
+    size_t prompt = 0;  // into config_.prompts
     uint64_t engine_id = 0;
     std::optional<tokenizer::IncrementalDetokenizer> detokenizer;
     std::string text;          // detokenized so far (cut at a stop string)
@@ -71,10 +80,11 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
     std::vector<int32_t> token_ids;
     std::vector<engine::TokenLogprobs> logprobs;
     size_t logprobs_emitted = 0;
+    size_t logprobs_text = 0;  // bytes of the tokens' text behind those logprobs (text_offset)
     size_t tokens_emitted = 0;
     std::string finish_reason;
     bool done = false;
-    bool sent_role = false;
+    bool sent_role = false;  // chat: the role; completions: the echo
     int num_cached_tokens = 0;
     int num_draft_tokens = 0, num_accepted_draft_tokens = 0;  // speculative decoding
     ReasoningSplitter splitter;

@@ -11,11 +11,6 @@ namespace moe::server {
 
 using nlohmann::json;
 
-struct OpenAiApi::Prepared {
-  std::vector<int32_t> prompt_ids;
-  std::string echo_text;
-};
-
 namespace {
 
 HttpResponse json_response(int status, const json& body) { return {status, "application/json", body.dump(), {}}; }
@@ -92,7 +87,7 @@ HttpResponse OpenAiApi::handle_models() const {
   return json_response(200, {{"object", "list"}, {"data", json::array({model})}});
 }
 
-std::optional<ApiError> OpenAiApi::prepare_chat(const ChatRequest& chat, Prepared& out) const {
+std::optional<ApiError> OpenAiApi::prepare_chat(const ChatRequest& chat, RunPrompt& out) const {
   if (!tokenizer_) return bad_request("this model has no tokenizer: use /v1/completions with token ids");
   if (!chat_template_)
     return bad_request(chat_template_error_.empty() ? "this model has no chat template"
@@ -102,23 +97,24 @@ std::optional<ApiError> OpenAiApi::prepare_chat(const ChatRequest& chat, Prepare
                                               special.eos, chat.chat_template_kwargs);
   auto text = chat_template_->render(context);
   if (!text) return bad_request("the chat template failed on these messages: " + text.status().message(), "messages");
-  out.prompt_ids = tokenizer_->encode(*text, /*parse_special=*/true);
+  out.ids = tokenizer_->encode(*text, /*parse_special=*/true);
   return std::nullopt;
 }
 
-std::optional<ApiError> OpenAiApi::prepare_completion(const CompletionRequest& req, Prepared& out) const {
-  if (req.prompt_text) {
+std::optional<ApiError> OpenAiApi::prepare_completion(const PromptInput& prompt, bool echo, bool skip_special,
+                                                      RunPrompt& out) const {
+  if (prompt.text) {
     if (!tokenizer_) return bad_request("this model has no tokenizer: send the prompt as token ids", "prompt");
-    out.prompt_ids = tokenizer_->encode(*req.prompt_text, true);
-    if (req.echo) out.echo_text = *req.prompt_text;
+    out.ids = tokenizer_->encode(*prompt.text, true);
+    if (echo) out.echo_text = *prompt.text;
   } else {
-    out.prompt_ids = req.prompt_ids;
-    if (req.echo && tokenizer_) out.echo_text = tokenizer_->decode(req.prompt_ids, req.params.skip_special_tokens);
+    out.ids = prompt.ids;
+    if (echo && tokenizer_) out.echo_text = tokenizer_->decode(prompt.ids, skip_special);
   }
-  for (int32_t id : out.prompt_ids)
+  for (int32_t id : out.ids)
     if (id >= engine_.vocab_size())
       return bad_request(fmt::format("token id {} is outside the vocabulary [0, {})", id, engine_.vocab_size()), "prompt");
-  if (out.prompt_ids.empty()) return bad_request("the prompt encodes to no tokens", "prompt");
+  if (out.ids.empty()) return bad_request("the prompt encodes to no tokens", "prompt");
   return std::nullopt;
 }
 
@@ -131,31 +127,42 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   };
   const RequestLimits& limits = options_.limits;
   GenerationParams params;
-  Prepared prepared;
+  std::vector<RunPrompt> prompts;
   if (chat) {
     auto parsed = parse_chat_request(request.body, limits);
     if (auto* e = std::get_if<ApiError>(&parsed)) return reply_error(*e);
     const auto& r = std::get<ChatRequest>(parsed);
     params = r.params;
-    if (auto e = prepare_chat(r, prepared)) return reply_error(*e);
+    if (auto e = prepare_chat(r, prompts.emplace_back())) return reply_error(*e);
   } else {
     auto parsed = parse_completion_request(request.body, limits);
     if (auto* e = std::get_if<ApiError>(&parsed)) return reply_error(*e);
     const auto& r = std::get<CompletionRequest>(parsed);
     params = r.params;
-    if (auto e = prepare_completion(r, prepared)) return reply_error(*e);
+    for (const auto& p : r.prompts)
+      if (auto e = prepare_completion(p, r.echo, params.skip_special_tokens, prompts.emplace_back()))
+        return reply_error(*e);
   }
   if (params.model && *params.model != options_.model_name)
-    return reply_error({404, fmt::format("The model `{}` does not exist.", *params.model), "NotFoundError", "model",
-                        "model_not_found", {}});
-  const auto num_prompt = static_cast<int64_t>(prepared.prompt_ids.size());
+    return reply_error({404,
+                        fmt::format("The model `{}` does not exist.", *params.model),
+                        "NotFoundError",
+                        "model",
+                        "model_not_found",
+                        {}});
   const char* param = chat ? "messages" : "prompt";
-  if (num_prompt >= limits.max_model_len || (params.max_tokens && num_prompt + *params.max_tokens > limits.max_model_len))
-    return reply_error(context_length_error(limits.max_model_len, num_prompt,
-                                            params.max_tokens.value_or(1), param));
-  engine::EngineRequest base;
-  base.prompt = prepared.prompt_ids;
-  base.max_tokens = params.max_tokens.value_or(static_cast<int>(limits.max_model_len - num_prompt));
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    const auto num_prompt = static_cast<int64_t>(prompts[p].ids.size());
+    if (num_prompt >= limits.max_model_len ||
+        (params.max_tokens && num_prompt + *params.max_tokens > limits.max_model_len)) {
+      ApiError e =
+          context_length_error(limits.max_model_len, num_prompt, params.max_tokens.value_or(1), param);
+      if (prompts.size() > 1) e.message += fmt::format(" (prompt {} of the batch)", p);
+      return reply_error(e);
+    }
+    prompts[p].max_tokens = params.max_tokens.value_or(static_cast<int>(limits.max_model_len - num_prompt));
+  }
+  engine::EngineRequest base;  // the prompt and budget are each choice's (CompletionRun::start)
   base.sampling = params.sampling;
   base.ignore_eos = params.ignore_eos;
   base.stop_token_ids = params.stop_token_ids;
@@ -168,8 +175,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   config.model = options_.model_name;
   config.created = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   config.params = params;
-  config.prompt_ids = prepared.prompt_ids;
-  config.echo_text = prepared.echo_text;
+  config.prompts = std::move(prompts);
   config.reasoning_qwen3 = chat && options_.reasoning_parser_qwen3;
   config.tokenizer = tokenizer_;
   config.headers = id_header;
@@ -187,9 +193,9 @@ HttpResponse OpenAiApi::handle_tokenize(const HttpRequest& request) const {
   if (j.contains("messages")) {
     auto parsed = parse_chat_request(request.body, options_.limits);
     if (auto* e = std::get_if<ApiError>(&parsed)) return e->to_response();
-    Prepared p;
+    RunPrompt p;
     if (auto e = prepare_chat(std::get<ChatRequest>(parsed), p)) return e->to_response();
-    ids = p.prompt_ids;
+    ids = p.ids;
   } else if (j.contains("prompt") && j["prompt"].is_string()) {
     const auto flag = j.find("add_special_tokens");
     if (flag != j.end() && !flag->is_boolean())

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "engine/engine.h"
+#include "server/completion_run.h"
 #include "server/generation_backend.h"
 #include "server/http_server.h"
 #include "server/openai_protocol.h"
@@ -46,11 +47,11 @@ class OpenAiApi {
   const ApiOptions& options() const { return options_; }
 
  private:
-  struct Prepared;
   void handle_completion(const HttpRequest& request, const std::shared_ptr<HttpExchange>& exchange, bool chat,
                          const std::string& request_id);
-  std::optional<ApiError> prepare_chat(const ChatRequest& chat, Prepared& out) const;
-  std::optional<ApiError> prepare_completion(const CompletionRequest& req, Prepared& out) const;
+  std::optional<ApiError> prepare_chat(const ChatRequest& chat, RunPrompt& out) const;
+  std::optional<ApiError> prepare_completion(const PromptInput& prompt, bool echo, bool skip_special,
+                                             RunPrompt& out) const;
   HttpResponse handle_tokenize(const HttpRequest& request) const;
   HttpResponse handle_detokenize(const HttpRequest& request) const;
   HttpResponse handle_models() const;

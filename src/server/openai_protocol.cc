@@ -1,5 +1,6 @@
 #include "server/openai_protocol.h"
 
+#include <algorithm>
 #include <limits>
 
 namespace moe::server {
@@ -141,23 +142,43 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
   if (lp) r.params.logprobs = static_cast<int>(*lp);
   auto it = j->find("prompt");
   if (it == j->end() || it->is_null()) return bad_request("'prompt' is required", "prompt");
-  const Json* prompt = &*it;
-  if (prompt->is_array() && prompt->size() == 1 && ((*prompt)[0].is_string() || (*prompt)[0].is_array()))
-    prompt = &(*prompt)[0];  // a batch of one
-  if (prompt->is_string()) {
-    r.prompt_text = prompt->get<std::string>();
-  } else if (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_number()) {
-    for (const auto& t : *prompt) {
+  // A string or an array of token ids is one prompt; an array of those (all
+  // strings or all id arrays) is a batch.
+  auto read_ids = [](const Json& ids, PromptInput& out) -> std::optional<ApiError> {
+    for (const auto& t : ids) {
       if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > std::numeric_limits<int32_t>::max())
         return bad_request("'prompt' token ids must be non-negative integers", "prompt");
-      r.prompt_ids.push_back(t.get<int32_t>());
+      out.ids.push_back(t.get<int32_t>());
     }
-  } else if (prompt->is_array() && prompt->size() > 1) {
-    return bad_request("batched prompts are not supported: send one prompt per request", "prompt");
+    return std::nullopt;
+  };
+  const Json& prompt = *it;
+  if (prompt.is_string()) {
+    r.prompts.push_back({prompt.get<std::string>(), {}});
+  } else if (prompt.is_array() && !prompt.empty() && prompt[0].is_number()) {
+    MOE_API_TRY(read_ids(prompt, r.prompts.emplace_back()));
+  } else if (prompt.is_array() && !prompt.empty() && (prompt[0].is_string() || prompt[0].is_array())) {
+    const bool text = prompt[0].is_string();
+    for (const auto& p : prompt) {
+      if (text ? !p.is_string() : !p.is_array() || p.empty())
+        return bad_request("a batch of prompts must be all strings or all non-empty arrays of token ids",
+                           "prompt");
+      if (text) {
+        r.prompts.push_back({p.get<std::string>(), {}});
+      } else {
+        MOE_API_TRY(read_ids(p, r.prompts.emplace_back()));
+      }
+    }
   } else {
-    return bad_request("'prompt' must be a string or an array of token ids", "prompt");
+    return bad_request("'prompt' must be a string, an array of token ids, or an array of either", "prompt");
   }
-  if (r.prompt_text && r.prompt_text->empty()) return bad_request("'prompt' must not be empty", "prompt");
+  for (const auto& p : r.prompts)
+    if (p.text && p.text->empty()) return bad_request("'prompt' must not be empty", "prompt");
+  const int max_choices = std::max(limits.max_choices, limits.max_n);
+  if (r.prompts.size() * static_cast<size_t>(r.params.n) > static_cast<size_t>(max_choices))
+    return bad_request(fmt::format("{} prompts x n = {} asks for more than {} choices in one request",
+                                   r.prompts.size(), r.params.n, max_choices),
+                       "prompt");
   return r;
 }
 

@@ -34,6 +34,7 @@ inline ApiError bad_request(std::string message, std::string param = {}, std::st
 
 struct RequestLimits {
   int max_n = 16;
+  int max_choices = 256;  // prompts x n in one completions batch (or max_n, if larger)
   int max_logprobs = 20;
   int max_stop_strings = 16;
   int max_model_len = 4096;
@@ -58,10 +59,17 @@ struct GenerationParams {
   std::optional<std::string> model;
 };
 
+// One prompt of /v1/completions: text, or token ids.
+struct PromptInput {
+  std::optional<std::string> text;
+  std::vector<int32_t> ids;  // when the prompt is an array of ids
+};
+
 struct CompletionRequest {
   GenerationParams params;
-  std::optional<std::string> prompt_text;
-  std::vector<int32_t> prompt_ids;  // when the prompt is an array of ids
+  // One prompt, or a batch (an array of strings or of token-id arrays):
+  // choice prompt * n + i is choice i of that prompt, as OpenAI orders them.
+  std::vector<PromptInput> prompts;
   bool echo = false;
 };
 

@@ -1,6 +1,7 @@
 // The OpenAI API through the official `openai` npm client against a live
 // server on the golden model moe_basic (tests/data/golden, token-id prompts):
 // greedy outputs equal transformers' goldens, streaming and not, usage chunks,
+// batches of prompts,
 // errors as the client's APIError classes, 64 concurrent streams equal to the
 // same requests run alone, and a client disconnect that cancels the request
 // and returns KV usage to its baseline.
@@ -99,6 +100,47 @@ test('n choices, seeds, logprobs and stop_token_ids', async () => {
                                               stop_token_ids: [stopAt], return_token_ids: true });
   assert.equal(s.choices[0].finish_reason, 'stop');
   assert.deepEqual(s.choices[0].token_ids, p.greedy.slice(0, p.greedy.indexOf(stopAt) + 1));
+});
+
+test('a batch of prompts gives each prompt\'s goldens, choices ordered prompt by prompt', async () => {
+  const prompts = golden.prompts.slice(0, 4);
+  const r = await client.completions.create({ model, prompt: prompts.map((p) => p.ids), max_tokens: 12,
+                                              temperature: 0, ignore_eos: true, return_token_ids: true });
+  assert.equal(r.choices.length, prompts.length);
+  r.choices.forEach((c, i) => {
+    assert.equal(c.index, i);
+    assert.deepEqual(c.token_ids, prompts[i].greedy.slice(0, 12), `prompt ${i}`);
+    assert.deepEqual(c.prompt_token_ids, prompts[i].ids);
+  });
+  assert.equal(r.usage.prompt_tokens, prompts.reduce((n, p) => n + p.ids.length, 0));
+  assert.equal(r.usage.completion_tokens, 12 * prompts.length);
+  // n = 2 with a seed: choice 2 p + j is choice j of prompt p sent alone.
+  const sampled = { max_tokens: 6, temperature: 1, seed: 11, n: 2, return_token_ids: true, ignore_eos: true };
+  const batch = await client.completions.create({ model, prompt: prompts.map((p) => p.ids), ...sampled });
+  assert.equal(batch.choices.length, 2 * prompts.length);
+  for (const [i, p] of prompts.entries()) {
+    const alone = await client.completions.create({ model, prompt: p.ids, ...sampled });
+    assert.deepEqual(batch.choices.slice(2 * i, 2 * i + 2).map((c) => c.token_ids),
+                     alone.choices.map((c) => c.token_ids), `prompt ${i}`);
+  }
+  // Streaming: every chunk names its choice; each choice's ids equal the batch's.
+  const stream = await client.completions.create({ model, prompt: prompts.map((p) => p.ids), stream: true,
+                                                   stream_options: { include_usage: true }, ...sampled });
+  const ids = new Map();
+  let usage = null;
+  for await (const chunk of stream) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) if (c.token_ids) ids.set(c.index, c.token_ids);
+  }
+  assert.deepEqual([...ids.keys()].sort((a, b) => a - b), [...Array(2 * prompts.length).keys()]);
+  batch.choices.forEach((c, i) => assert.deepEqual(ids.get(i), c.token_ids, `choice ${i}`));
+  assert.equal(usage.completion_tokens, 6 * 2 * prompts.length);
+  // One prompt of the batch too long: a 400 that says which.
+  await assert.rejects(client.completions.create({ model, prompt: [[1, 2], Array(250).fill(7)], max_tokens: 10 }),
+                       (e) => e instanceof OpenAI.BadRequestError && e.code === 'context_length_exceeded' &&
+                              /prompt 1 of the batch/.test(e.message));
+  await assert.rejects(client.completions.create({ model, prompt: [[1, 2], 'text'], max_tokens: 2 }),
+                       (e) => e instanceof OpenAI.BadRequestError && e.param === 'prompt');
 });
 
 test('64 concurrent streams each equal the same request alone', async () => {

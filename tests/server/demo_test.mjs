@@ -1,7 +1,8 @@
 // The bundled demo model (models/moeserve-demo, tools/train_tiny.py) served
 // with no --model, through the official `openai` client: chat rendered with
 // the model's real ChatML template and text prompts give transformers' greedy
-// ids (golden.json), streaming equals non-streaming, stop strings, logprobs,
+// ids (golden.json), batches of text prompts with echo, streaming equals
+// non-streaming, stop strings, logprobs,
 // the API key, and 503 + Retry-After when the queue is full.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
@@ -42,6 +43,32 @@ test('text prompts: tokenization and greedy ids equal transformers', async () =>
     const detok = await (await fetch(`${server.url}/detokenize`, { method: 'POST', body: JSON.stringify({ tokens: t.greedy }) })).json();
     assert.equal(detok.prompt, t.greedy_text);
   }
+});
+
+test('a batch of text prompts with echo: each choice is the prompt then its greedy text, streaming or not', async () => {
+  const texts = golden.texts.slice(0, 3);
+  const params = { model, prompt: texts.map((t) => t.text), temperature: 0, max_tokens: golden.n_greedy,
+                   ignore_eos: true, echo: true, logprobs: 1 };
+  const r = await client.completions.create(params);
+  assert.equal(r.choices.length, texts.length);
+  const alone = await Promise.all(texts.map((t) => client.completions.create({ ...params, prompt: t.text, echo: false })));
+  texts.forEach((t, i) => {
+    assert.equal(r.choices[i].text, t.text + alone[i].choices[0].text, `prompt ${i}`);
+    assert.equal(r.choices[i].logprobs.text_offset[0], t.text.length);  // offsets count the echo
+  });
+  const stream = await client.completions.create({ ...params, stream: true });
+  const streamed = texts.map(() => '');
+  const offsets = texts.map(() => []);
+  for await (const chunk of stream) {
+    for (const c of chunk.choices) {
+      streamed[c.index] += c.text;
+      if (c.logprobs) offsets[c.index].push(...c.logprobs.text_offset);
+    }
+  }
+  texts.forEach((t, i) => {
+    assert.equal(streamed[i], r.choices[i].text, `streamed prompt ${i}`);
+    assert.deepEqual(offsets[i], r.choices[i].logprobs.text_offset, `streamed offsets ${i}`);
+  });
 });
 
 test('streamed chat equals the same chat not streamed, with usage', async () => {

@@ -22,7 +22,9 @@ TEST(Protocol, ParsesCompletionFieldsAndDefaults) {
       {});
   ASSERT_TRUE(std::holds_alternative<CompletionRequest>(r)) << std::get<ApiError>(r).message;
   const auto& c = std::get<CompletionRequest>(r);
-  EXPECT_EQ(c.prompt_ids, (std::vector<int32_t>{1, 2, 3}));
+  ASSERT_EQ(c.prompts.size(), 1u);
+  EXPECT_EQ(c.prompts[0].ids, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_FALSE(c.prompts[0].text);
   EXPECT_EQ(c.params.max_tokens, 7);
   EXPECT_FLOAT_EQ(c.params.sampling.temperature, 0.5f);
   EXPECT_EQ(c.params.sampling.top_k, 0);
@@ -48,6 +50,42 @@ TEST(Protocol, MaxCompletionTokensWinsAndChatContentPartsJoin) {
   EXPECT_EQ(c.params.logprobs, 2);
   EXPECT_EQ(c.messages[0]["content"], "ab");
   EXPECT_EQ(c.chat_template_kwargs["enable_thinking"], false);
+}
+
+TEST(Protocol, CompletionPromptsComeOneOrAsABatch) {
+  RequestLimits limits;
+  limits.max_choices = 6, limits.max_n = 2;
+  auto prompts = [&](const char* body) {
+    auto r = parse_completion_request(body, limits);
+    if (auto* e = std::get_if<ApiError>(&r)) {
+      EXPECT_EQ(e->param, "prompt") << body;
+      return std::vector<PromptInput>{};
+    }
+    return std::get<CompletionRequest>(r).prompts;
+  };
+  auto one = prompts(R"({"prompt":"hello"})");
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_EQ(one[0].text, "hello");
+  auto texts = prompts(R"({"prompt":["a","bc","d"]})");
+  ASSERT_EQ(texts.size(), 3u);
+  EXPECT_EQ(texts[1].text, "bc");
+  auto ids = prompts(R"({"prompt":[[1,2],[3]]})");
+  ASSERT_EQ(ids.size(), 2u);
+  EXPECT_EQ(ids[0].ids, (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(ids[1].ids, (std::vector<int32_t>{3}));
+  EXPECT_FALSE(ids[1].text);
+  EXPECT_EQ(prompts(R"({"prompt":["x"]})").size(), 1u);                // a batch of one
+  EXPECT_EQ(prompts(R"({"prompt":["a","b","c"],"n":2})").size(), 3u);  // 6 choices: at the limit
+  limits.max_n = 8;  // a larger --max-n raises the limit for one prompt and for batches
+  EXPECT_EQ(prompts(R"({"prompt":["a","b","c","d"],"n":2})").size(), 4u);
+  limits.max_n = 2;
+  // Rejected, each naming 'prompt': empty, mixed, nested empty, a bad id, too many choices.
+  for (const char* bad : {R"({"prompt":[]})", R"({"prompt":""})", R"({"prompt":["a",""]})",
+                          R"({"prompt":["a",[1]]})", R"({"prompt":[[1],[]]})", R"({"prompt":[[1],[-2]]})",
+                          R"({"prompt":[[1],"a"]})", R"({"prompt":[["a"]]})", R"({"prompt":{"text":"a"}})",
+                          R"({"prompt":["a","b","c","d"],"n":2})", R"({"prompt":[1,[2]]})"}) {
+    EXPECT_TRUE(prompts(bad).empty()) << bad;
+  }
 }
 
 TEST(Protocol, ErrorsNameTheParameter) {
