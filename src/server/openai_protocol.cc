@@ -45,7 +45,47 @@ std::optional<ApiError> read_float(const Json& j, const char* key, double lo, do
     if (auto api_error_ = (expr)) return *api_error_; \
   } while (0)
 
+// Fields this server does not implement: accepted at their neutral value
+// (what clients send by default), a 400 naming the field otherwise, so that a
+// request is never served as if they had been applied.
+std::optional<ApiError> reject_unsupported(const Json& j) {
+  auto unsupported = [](const char* key, const char* neutral) {
+    return bad_request(
+        fmt::format("'{}' is not supported by this server (send {} or leave it out)", key, neutral), key);
+  };
+  for (const auto& [key, neutral] : {std::pair{"presence_penalty", 0.0}, std::pair{"frequency_penalty", 0.0},
+                                     std::pair{"repetition_penalty", 1.0}, std::pair{"min_tokens", 0.0},
+                                     std::pair{"length_penalty", 1.0}}) {
+    auto it = j.find(key);
+    if (it == j.end() || it->is_null()) continue;
+    if (!it->is_number()) return bad_request(fmt::format("'{}' must be a number", key), key);
+    if (it->get<double>() != neutral) return unsupported(key, fmt::format("{}", neutral).c_str());
+  }
+  if (auto it = j.find("logit_bias"); it != j.end() && !it->is_null() && !(it->is_object() && it->empty()))
+    return unsupported("logit_bias", "{}");
+  if (auto it = j.find("suffix");
+      it != j.end() && !it->is_null() && !(it->is_string() && it->get<std::string>().empty()))
+    return unsupported("suffix", "\"\"");
+  if (auto it = j.find("response_format"); it != j.end() && !it->is_null()) {
+    if (!it->is_object() || !it->contains("type") || (*it)["type"] != "text")
+      return unsupported("response_format", "{\"type\": \"text\"}");
+  }
+  if (auto it = j.find("tool_choice"); it != j.end() && !it->is_null()) {
+    if (!it->is_string() || (*it != "none" && *it != "auto"))
+      return bad_request(
+          "'tool_choice' may be \"none\" or \"auto\": tool calls come back as the model writes them, in "
+          "the content (no tool-call parser)",
+          "tool_choice");
+  }
+  for (const char* key : {"guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                          "structured_outputs", "prompt_logprobs", "bad_words", "allowed_token_ids"}) {
+    if (auto it = j.find(key); it != j.end() && !it->is_null()) return unsupported(key, "null");
+  }
+  return std::nullopt;
+}
+
 std::optional<ApiError> read_common(const Json& j, const RequestLimits& limits, GenerationParams& p) {
+  MOE_API_TRY(reject_unsupported(j));
   p.sampling = limits.default_sampling;
   if (auto it = j.find("model"); it != j.end() && !it->is_null()) {
     if (!it->is_string()) return bad_request("'model' must be a string", "model");
@@ -69,6 +109,11 @@ std::optional<ApiError> read_common(const Json& j, const RequestLimits& limits, 
   v.reset();
   MOE_API_TRY(read_int(j, "n", 1, limits.max_n, v));
   if (v) p.n = static_cast<int>(*v);
+  v.reset();
+  MOE_API_TRY(read_int(j, "best_of", 1, std::numeric_limits<int32_t>::max(), v));
+  if (v && *v > p.n)
+    return bad_request("'best_of' above 'n' is not supported by this server (send n or leave it out)",
+                       "best_of");
   MOE_API_TRY(read_bool(j, "ignore_eos", p.ignore_eos));
   MOE_API_TRY(read_bool(j, "skip_special_tokens", p.skip_special_tokens));
   MOE_API_TRY(read_bool(j, "stream", p.stream));

@@ -80,6 +80,12 @@ const cases = [
   ['bad chunked body', [Buffer.from('POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n')], 400],
   ['unknown route', [Buffer.from('GET /v1/nothing HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n')], 404],
   ['GET on a POST route', [Buffer.from('GET /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n')], 405],
+  ['presence_penalty (not implemented)', completion({ ...ok, presence_penalty: 0.5 }), 400, 'presence_penalty'],
+  ['logit_bias (not implemented)', completion({ ...ok, logit_bias: { 11: 5 } }), 400, 'logit_bias'],
+  ['response_format json (not implemented)', chat({ model, messages: [{ role: 'user', content: 'x' }], max_tokens: 2,
+                                                    response_format: { type: 'json_object' } }), 400, 'response_format'],
+  ['neutral penalties and logit_bias are accepted', completion({ ...ok, presence_penalty: 0, frequency_penalty: 0,
+                                                                 logit_bias: {} }), 200],
   ['detokenize ids past the vocabulary', httpPost('/detokenize', { tokens: [1, 1e9] }), 400, 'tokens'],
   ['tokenize without a prompt', httpPost('/tokenize', { nothing: 1 }), 400, 'prompt'],
 ];

@@ -88,6 +88,41 @@ TEST(Protocol, CompletionPromptsComeOneOrAsABatch) {
   }
 }
 
+TEST(Protocol, UnsupportedFieldsPassOnlyAtTheirNeutralValue) {
+  auto param_of = [](const std::string& fields, bool chat = false) {
+    const std::string body = chat ? R"({"messages":[{"role":"user","content":"x"}])" + fields + "}"
+                                  : R"({"prompt":"x")" + fields + "}";
+    if (chat) {
+      auto r = parse_chat_request(body, {});
+      return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r).param : std::string("(accepted)");
+    }
+    auto r = parse_completion_request(body, {});
+    return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r).param : std::string("(accepted)");
+  };
+  // What clients send by default is accepted.
+  for (
+      const char* neutral :
+      {R"(,"presence_penalty":0,"frequency_penalty":0.0,"repetition_penalty":1,"logit_bias":{},"min_tokens":0)",
+       R"(,"logit_bias":null,"suffix":"","best_of":1,"user":"u")", R"(,"n":2,"best_of":2)",
+       R"(,"presence_penalty":null,"guided_json":null)"})
+    EXPECT_EQ(param_of(neutral), "(accepted)") << neutral;
+  EXPECT_EQ(param_of(R"(,"response_format":{"type":"text"},"tool_choice":"auto")", true), "(accepted)");
+  EXPECT_EQ(param_of(R"(,"tool_choice":"none")", true), "(accepted)");
+  // Anything else is a 400 that names the field.
+  EXPECT_EQ(param_of(R"(,"presence_penalty":0.5)"), "presence_penalty");
+  EXPECT_EQ(param_of(R"(,"frequency_penalty":-1)"), "frequency_penalty");
+  EXPECT_EQ(param_of(R"(,"frequency_penalty":"0")"), "frequency_penalty");
+  EXPECT_EQ(param_of(R"(,"repetition_penalty":1.1)"), "repetition_penalty");
+  EXPECT_EQ(param_of(R"(,"min_tokens":4)"), "min_tokens");
+  EXPECT_EQ(param_of(R"(,"logit_bias":{"50256":-100})"), "logit_bias");
+  EXPECT_EQ(param_of(R"(,"suffix":"end")"), "suffix");
+  EXPECT_EQ(param_of(R"(,"best_of":3)"), "best_of");
+  EXPECT_EQ(param_of(R"(,"guided_choice":["a","b"])"), "guided_choice");
+  EXPECT_EQ(param_of(R"(,"response_format":{"type":"json_object"})", true), "response_format");
+  EXPECT_EQ(param_of(R"(,"tool_choice":"required")", true), "tool_choice");
+  EXPECT_EQ(param_of(R"(,"tool_choice":{"type":"function","function":{"name":"f"}})", true), "tool_choice");
+}
+
 TEST(Protocol, ErrorsNameTheParameter) {
   RequestLimits limits;
   limits.max_n = 4;
