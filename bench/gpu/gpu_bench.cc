@@ -395,6 +395,23 @@ void bench_prefill_grouped_gemm() {
     const double ms = time_gemms(k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows);
     const double f32_ms = time_gemms(k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows, false);
     report("moe_gemms_prefill", shape, ms, flops / 790e9, describe(ms, f32_ms, gather_ms, decode_ms));
+
+    // Peer (issue 8's): cuBLASLt's dense bf16 GEMM on the same FLOPs, expert
+    // 0's weights standing for all: [pairs, H] x [2I, H]^T, then [pairs, I] x
+    // [H, I]^T, both to bf16.
+    auto dense = k::Gemm::create();
+    check(dense.status());
+    DeviceTensor gate_up_out = alloc(DType::kBF16, {pairs, 2 * I});
+    const double peer_ms = time_ms([&] {
+      check(dense->matmul(x_rows.data_as<bf16>(), w13.data_as<bf16>(), gate_up_out.data(), DType::kBF16,
+                          pairs, 2 * I, H, nullptr));
+      check(dense->matmul(act.data_as<bf16>(), w2.data_as<bf16>(), rows.data(), DType::kBF16, pairs, H, I,
+                          nullptr));
+    });
+    char extra[128];
+    std::snprintf(extra, sizeof extra, "%.1f TFLOP/s; ours / cuBLASLt = %.2fx", flops / (peer_ms * 1e9),
+                  peer_ms / ms);
+    report("cublaslt_bf16", shape, peer_ms, flops / 790e9, extra);
   }
   {
     DeviceTensor w13 = fp8_weights(int64_t{E} * 2 * I, H, 35), w2 = fp8_weights(int64_t{E} * H, I, 36);
