@@ -430,8 +430,11 @@ void add_disagg_commands(CLI::App& app) {
   cmd->add_option("--max-connections", args->max_connections, "Open connections before 503 + close");
   cmd->add_option("--max-n", args->max_n, "Largest n")->check(CLI::Range(1, 1024));
   cmd->add_option("--max-logprobs", args->max_logprobs, "Largest logprobs")->check(CLI::Range(0, 1000));
-  cmd->add_option("--reasoning-parser", args->reasoning_parser,
-                  "qwen3: split <think> into reasoning_content");
+  cmd->add_option("--reasoning-parser", args->reasoning_parser, "qwen3: split <think> into reasoning_content")
+      ->check(CLI::IsMember({"qwen3"}));
+  cmd->add_option("--tool-call-parser", args->tool_call_parser,
+                  "hermes: <tool_call> blocks of chat requests with tools become tool_calls")
+      ->check(CLI::IsMember({"hermes"}));
   add_cluster_options(cmd, *args);
   cmd->callback([args, prefill, decode] {
     sigset_t signals;

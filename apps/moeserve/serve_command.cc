@@ -93,6 +93,7 @@ server::ApiOptions api_options(const ServeArgs& args, const engine::SchedulerOpt
   o.limits.max_logprobs = args.max_logprobs;
   o.limits.default_sampling = generation_defaults(args.model);
   o.reasoning_parser_qwen3 = args.reasoning_parser == "qwen3";
+  o.tool_call_parser_hermes = args.tool_call_parser == "hermes";
   o.request_timeout_s = args.request_timeout_s;
   return o;
 }
@@ -113,11 +114,15 @@ static void log_startup(const ServeArgs& args, const engine::SchedulerOptions& s
                  int num_threads) {
   const auto num_layers = static_cast<size_t>(layout.num_layers);
   const int64_t kv_tokens = static_cast<int64_t>(sched.num_pages) * sched.page_size;
-  log_info("config: model={} served as '{}', device={}, threads={}, max_num_seqs={}, max_model_len={}, "
-           "max_num_batched_tokens={}, page_size={}, kv_dtype={}, prefix_caching={}, reasoning_parser={}",
-           args.model, args.served_model_name, args.device.device, num_threads, sched.max_num_seqs, sched.max_model_len,
-           sched.max_num_batched_tokens, sched.page_size, args.kv_dtype, sched.enable_prefix_caching ? "on" : "off",
-           args.reasoning_parser.empty() ? "none" : args.reasoning_parser);
+  log_info(
+      "config: model={} served as '{}', device={}, threads={}, max_num_seqs={}, max_model_len={}, "
+      "max_num_batched_tokens={}, page_size={}, kv_dtype={}, prefix_caching={}, reasoning_parser={}, "
+      "tool_call_parser={}",
+      args.model, args.served_model_name, args.device.device, num_threads, sched.max_num_seqs,
+      sched.max_model_len, sched.max_num_batched_tokens, sched.page_size, args.kv_dtype,
+      sched.enable_prefix_caching ? "on" : "off",
+      args.reasoning_parser.empty() ? "none" : args.reasoning_parser,
+      args.tool_call_parser.empty() ? "none" : args.tool_call_parser);
   const engine::SamplingParams defaults = generation_defaults(args.model);
   log_info("sampling defaults (generation_config.json): temperature={} top_p={} top_k={} min_p={}", defaults.temperature,
            defaults.top_p, defaults.top_k, defaults.min_p);
@@ -300,6 +305,9 @@ Status check_serve_args(ServeArgs& args) {
   if (args.page_size < 1 || args.page_size > 1024) return invalid_argument("--page-size must be in [1, 1024]");
   if (!args.reasoning_parser.empty() && args.reasoning_parser != "qwen3")
     return invalid_argument("--reasoning-parser: only qwen3 is supported, got '{}'", args.reasoning_parser);
+  if (!args.tool_call_parser.empty() && args.tool_call_parser != "hermes")
+    return invalid_argument("--tool-call-parser: only hermes (Qwen2.5, Qwen3) is supported, got '{}'",
+                            args.tool_call_parser);
   if (args.device.cuda()) args.kv_dtype = "bf16";  // the GPU's KV pages are bf16
   if (args.kv_dtype != "f32" && args.kv_dtype != "bf16") return invalid_argument("--kv-dtype must be f32 or bf16");
   if (args.served_model_name.empty()) args.served_model_name = std::filesystem::path(args.model).filename().string();
@@ -630,6 +638,8 @@ void add_engine_options(CLI::App* cmd, ServeArgs& a) {
   cmd->add_option("--threads", args->threads, "CPU threads for the model (0 = all cores)");
   cmd->add_option("--http-threads", args->http_threads, "HTTP I/O threads")->check(CLI::Range(1, 64));
   cmd->add_option("--reasoning-parser", args->reasoning_parser, "qwen3: split <think> into reasoning_content");
+  cmd->add_option("--tool-call-parser", args->tool_call_parser,
+                  "hermes: <tool_call> blocks of chat requests with tools become tool_calls");
   cmd->add_option("--max-body-bytes", args->max_body_bytes, "Largest request body (413 above)");
   cmd->add_option("--read-timeout", args->read_timeout_s, "Seconds to receive a request (idle, headers and body)");
   cmd->add_option("--request-timeout", args->request_timeout_s, "Deadline of each generation in seconds (0 = none)");

@@ -49,6 +49,7 @@ struct ServeArgs {
   int threads = 0;
   int http_threads = 2;
   std::string reasoning_parser;
+  std::string tool_call_parser;
   size_t max_body_bytes = size_t{1} << 20;
   double read_timeout_s = 15;
   double request_timeout_s = 600;

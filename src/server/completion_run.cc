@@ -13,13 +13,6 @@ namespace {
 constexpr std::string_view kThinkOpen = "<think>";
 constexpr std::string_view kThinkClose = "</think>";
 
-// Length of the longest suffix of `text` that is a proper prefix of `tag`.
-size_t partial_tag(std::string_view text, std::string_view tag) {
-  for (size_t n = std::min(text.size(), tag.size() - 1); n > 0; --n)
-    if (text.substr(text.size() - n) == tag.substr(0, n)) return n;
-  return 0;
-}
-
 int http_status_of(const Status& s) {
   switch (s.code()) {
     case StatusCode::kInvalidArgument: case StatusCode::kOutOfRange: return 400;
@@ -177,6 +170,14 @@ void CompletionRun::on_output(size_t index, const engine::EngineOutput& out) {
   if (num_done_ == choices_.size()) complete();
 }
 
+json CompletionRun::tool_call_json(size_t index, size_t k, const ToolCall& call, bool streamed) const {
+  json j = {{"id", fmt::format("call_{}_{}_{}", config_.request_id, index, k)},
+            {"type", "function"},
+            {"function", {{"name", call.name}, {"arguments", call.arguments}}}};
+  if (streamed) j["index"] = k;
+  return j;
+}
+
 json CompletionRun::chunk_head() const {
   return {{"id", config_.id},
           {"object", config_.chat ? "chat.completion.chunk" : "text_completion"},
@@ -234,17 +235,25 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
   if (config_.chat) {
     json d = json::object();
     if (!c.sent_role) d["role"] = "assistant", c.sent_role = true;
+    std::string content = delta;
     if (config_.reasoning_qwen3) {
-      auto [reasoning, content] = c.splitter.feed(delta);
+      auto [reasoning, text] = c.splitter.feed(delta);
       if (final_chunk) {
         auto [r2, c2] = c.splitter.finish();
-        reasoning += r2, content += c2;
+        reasoning += r2, text += c2;
       }
       if (!reasoning.empty()) d["reasoning_content"] = reasoning, d["reasoning"] = reasoning;
-      if (!content.empty() || d.empty()) d["content"] = content;
-    } else {
-      d["content"] = delta;
+      content = std::move(text);
     }
+    if (config_.parse_tool_calls) {
+      ToolCallParser::Piece piece = c.tool_parser.feed(content);
+      if (final_chunk) piece.content += c.tool_parser.finish().content;
+      content = std::move(piece.content);
+      for (const auto& call : piece.calls)
+        d["tool_calls"].push_back(tool_call_json(index, c.num_tool_calls++, call, true));
+    }
+    if (!(config_.reasoning_qwen3 || config_.parse_tool_calls) || !content.empty() || d.empty())
+      d["content"] = content;
     choice["delta"] = d;
   } else {
     choice["text"] = c.sent_role ? delta : echo + delta;  // the echo goes out with the first chunk
@@ -258,7 +267,7 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
       c.logprobs_text += token_text(c.logprobs[i].token).size();
   c.logprobs_emitted = c.logprobs.size();
   if (config_.params.return_token_ids) choice["token_ids"] = c.token_ids;
-  choice["finish_reason"] = final_chunk ? json(c.finish_reason) : json(nullptr);
+  choice["finish_reason"] = final_chunk ? json(finish_reason(c)) : json(nullptr);
   chunk["choices"] = json::array({choice});
   if (config_.params.include_usage) chunk["usage"] = nullptr;
   exchange_->send_event(chunk.dump(-1, ' ', false, json::error_handler_t::replace));
@@ -324,22 +333,29 @@ void CompletionRun::complete() {
     json choice = {{"index", i}};
     if (config_.chat) {
       json message = {{"role", "assistant"}};
+      std::string content = c.text;
       if (config_.reasoning_qwen3) {
         auto [r1, c1] = c.splitter.feed(c.text);
         auto [r2, c2] = c.splitter.finish();
         const std::string reasoning = r1 + r2;
-        message["content"] = c1 + c2;
+        content = c1 + c2;
         message["reasoning_content"] = reasoning.empty() ? json(nullptr) : json(reasoning);
         message["reasoning"] = message["reasoning_content"];
-      } else {
-        message["content"] = c.text;
       }
+      if (config_.parse_tool_calls) {
+        ToolCallParser parser;
+        ToolCallParser::Piece piece = parser.feed(content);
+        content = piece.content + parser.finish().content;
+        for (const auto& call : piece.calls)
+          message["tool_calls"].push_back(tool_call_json(i, c.num_tool_calls++, call, false));
+      }
+      message["content"] = content.empty() && c.num_tool_calls > 0 ? json(nullptr) : json(content);
       choice["message"] = message;
     } else {
       choice["text"] = config_.prompts[c.prompt].echo_text + c.text;
     }
     choice["logprobs"] = logprobs_json(c, 0, config_.prompts[c.prompt].echo_text.size());
-    choice["finish_reason"] = c.finish_reason;
+    choice["finish_reason"] = finish_reason(c);
     if (config_.params.return_token_ids) {
       choice["token_ids"] = c.token_ids;
       choice["prompt_token_ids"] = config_.prompts[c.prompt].ids;

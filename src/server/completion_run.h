@@ -8,16 +8,16 @@
 
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
 #include "server/generation_backend.h"
 #include "server/http_server.h"
 #include "server/openai_protocol.h"
+#include "server/tool_calls.h"
 #include "tokenizer/detokenizer.h"
 #include "tokenizer/tokenizer.h"
 
@@ -52,6 +52,8 @@ struct RunConfig {
   GenerationParams params;
   std::vector<RunPrompt> prompts;  // choice k is choice k % n of prompt k / n
   bool reasoning_qwen3 = false;
+  bool parse_tool_calls =
+      false;  // chat with tools and --tool-call-parser hermes: tool_calls out of the content
   const tokenizer::Tokenizer* tokenizer = nullptr;
   HeaderList headers;  // added to the response (X-Request-Id)
   std::string request_id;  // propagated to the backend
@@ -89,7 +91,15 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
     int num_draft_tokens = 0, num_accepted_draft_tokens = 0;  // speculative decoding
     ReasoningSplitter splitter;
     std::string reasoning, content;  // non-streaming chat with the reasoning parser
+    ToolCallParser tool_parser;      // streaming chat with parse_tool_calls
+    size_t num_tool_calls = 0;       // sent so far
   };
+  // One call of choice `index` as OpenAI writes it (streamed: with its index).
+  nlohmann::json tool_call_json(size_t index, size_t k, const ToolCall& call, bool streamed) const;
+  // "tool_calls" where the model stopped after calling tools.
+  static std::string finish_reason(const Choice& c) {
+    return c.num_tool_calls > 0 && c.finish_reason == "stop" ? "tool_calls" : c.finish_reason;
+  }
   void on_output(size_t index, const engine::EngineOutput& out);
   void add_token(Choice& c, const engine::EngineOutput& out);
   bool find_stop(Choice& c);

@@ -128,11 +128,14 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   const RequestLimits& limits = options_.limits;
   GenerationParams params;
   std::vector<RunPrompt> prompts;
+  bool parse_tool_calls = false;
   if (chat) {
     auto parsed = parse_chat_request(request.body, limits);
     if (auto* e = std::get_if<ApiError>(&parsed)) return reply_error(*e);
     const auto& r = std::get<ChatRequest>(parsed);
     params = r.params;
+    parse_tool_calls =
+        options_.tool_call_parser_hermes && r.tools.is_array() && !r.tools.empty() && r.tool_choice != "none";
     if (auto e = prepare_chat(r, prompts.emplace_back())) return reply_error(*e);
   } else {
     auto parsed = parse_completion_request(request.body, limits);
@@ -177,6 +180,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   config.params = params;
   config.prompts = std::move(prompts);
   config.reasoning_qwen3 = chat && options_.reasoning_parser_qwen3;
+  config.parse_tool_calls = parse_tool_calls;
   config.tokenizer = tokenizer_;
   config.headers = id_header;
   config.request_id = request_id;

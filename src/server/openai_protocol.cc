@@ -248,6 +248,8 @@ std::variant<ChatRequest, ApiError> parse_chat_request(const std::string& body, 
     if (!it->is_array()) return bad_request("'tools' must be an array", "tools");
     r.tools = *it;
   }
+  if (auto it = j->find("tool_choice"); it != j->end() && it->is_string())
+    r.tool_choice = it->get<std::string>();
   auto it = j->find("messages");
   if (it == j->end() || !it->is_array() || it->empty())
     return bad_request("'messages' must be a non-empty array", "messages");

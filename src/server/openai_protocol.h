@@ -77,6 +77,7 @@ struct ChatRequest {
   GenerationParams params;
   nlohmann::ordered_json messages;  // validated: [{role, content as a string}]
   nlohmann::ordered_json tools;     // null when absent
+  std::string tool_choice = "auto";  // or "none" (others are refused)
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool add_generation_prompt = true;
 };

@@ -10,6 +10,8 @@
 #include "server/disagg_protocol.h"
 #include "server/metrics_text.h"
 #include "server/openai_protocol.h"
+#include "server/tool_calls.h"
+#include "tokenizer/tokenizer.h"
 
 namespace moe::server {
 namespace {
@@ -167,6 +169,125 @@ TEST(Reasoning, SplitsThinkBlocksFedInAnyPieces) {
   auto [r2, c2] = unfinished.finish();
   EXPECT_EQ(r1 + r2, "still going");
   EXPECT_EQ(c1 + c2, "");
+}
+
+TEST(ToolCalls, HermesBlocksBecomeCallsFedInAnyPieces) {
+  const std::string text =
+      "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", "
+      "\"days\": 2}}\n"
+      "</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": \"{\\\"tz\\\": "
+      "\\\"CET\\\"}\"}\n</tool_call>"
+      "<tool_call>not json</tool_call> a < b <tool_c";
+  for (size_t piece = 1; piece <= text.size(); ++piece) {
+    ToolCallParser parser;
+    std::string content;
+    std::vector<ToolCall> calls;
+    for (size_t i = 0; i < text.size(); i += piece) {
+      auto out = parser.feed(text.substr(i, piece));
+      content += out.content;
+      calls.insert(calls.end(), out.calls.begin(), out.calls.end());
+    }
+    content += parser.finish().content;
+    ASSERT_EQ(calls.size(), 2u) << piece;
+    EXPECT_EQ(calls[0].name, "get_weather");
+    EXPECT_EQ(calls[0].arguments, R"({"city":"Paris","days":2})");
+    EXPECT_EQ(calls[1].name, "get_time");
+    EXPECT_EQ(calls[1].arguments, R"({"tz": "CET"})");  // a string stays as the model wrote it
+    // Text around the calls, the block that is not a call, and a tag cut off by the end stay content.
+    EXPECT_EQ(content, "Let me check.\n\n<tool_call>not json</tool_call> a < b <tool_c") << piece;
+  }
+  ToolCallParser open;
+  EXPECT_EQ(open.feed("<tool_call>{\"name\": \"f\"").content, "");
+  EXPECT_EQ(open.finish().content, "<tool_call>{\"name\": \"f\"");  // unterminated: content
+  ToolCallParser bare;
+  auto out = bare.feed("<tool_call>{\"name\": \"f\"}</tool_call>");
+  ASSERT_EQ(out.calls.size(), 1u);
+  EXPECT_EQ(out.calls[0].arguments, "{}");
+  EXPECT_TRUE(bare.feed("<tool_call>{\"arguments\": {}}</tool_call>").calls.empty());  // no name: content
+}
+
+// A CompletionRun driven by a scripted backend: the demo tokenizer's ids of
+// an assistant turn that calls a tool come back as OpenAI tool_calls.
+class ScriptedBackend final : public GenerationBackend {
+ public:
+  Expected<uint64_t> submit(engine::EngineRequest, engine::OutputCallback on_output,
+                            const std::string&) override {
+    callbacks.push_back(std::move(on_output));
+    return callbacks.size();
+  }
+  void cancel(uint64_t) override {}
+  int64_t vocab_size() const override { return 1 << 20; }
+  bool healthy() const override { return true; }
+  std::string metrics_text(const std::string&) const override { return {}; }
+  void play(size_t request, const std::vector<int32_t>& ids) {
+    for (int32_t id : ids) callbacks[request](engine::EngineOutput{.token = id});
+    callbacks[request](engine::EngineOutput{.finish = engine::FinishReason::kStop});
+  }
+  std::vector<engine::OutputCallback> callbacks;
+};
+
+class CapturedExchange final : public HttpExchange {
+ public:
+  void respond(HttpResponse r) override { body = r.body; }
+  void start_events(int, HeaderList) override {}
+  void send_event(std::string data) override { events.push_back(std::move(data)); }
+  void end_events() override {}
+  void on_close(std::function<void()>) override {}
+  std::string body;
+  std::vector<std::string> events;
+};
+
+TEST(ToolCalls, ChatResponsesCarryThemStreamingOrNot) {
+  auto tok = tokenizer::Tokenizer::load(std::string(MOE_SOURCE_DIR) + "/models/moeserve-demo");
+  ASSERT_TRUE(tok.has_value()) << tok.status().to_string();
+  const std::string turn =
+      "Sure.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+  const std::vector<int32_t> ids = tok->encode(turn, false);
+  for (bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streaming" : "one response");
+    RunConfig config;
+    config.chat = true, config.id = "chatcmpl-x", config.model = "m", config.request_id = "r1";
+    config.params.stream = stream;
+    config.prompts = {RunPrompt{{1, 2, 3}, "", 64}};
+    config.tokenizer = &*tok;
+    config.parse_tool_calls = true;
+    ScriptedBackend backend;
+    auto exchange = std::make_shared<CapturedExchange>();
+    auto run = std::make_shared<CompletionRun>(config, exchange, backend);
+    ASSERT_FALSE(run->start(engine::EngineRequest{}).has_value());
+    backend.play(0, ids);
+    nlohmann::json message, call, finish;
+    if (!stream) {
+      const auto body = nlohmann::json::parse(exchange->body);
+      message = body["choices"][0]["message"];
+      finish = body["choices"][0]["finish_reason"];
+      ASSERT_EQ(message["tool_calls"].size(), 1u);
+      call = message["tool_calls"][0];
+    } else {
+      std::string content;
+      for (const auto& e : exchange->events) {
+        if (e == "[DONE]") continue;
+        const auto chunk = nlohmann::json::parse(e);
+        const auto& delta = chunk["choices"][0]["delta"];
+        if (delta.contains("content")) content += delta["content"].get<std::string>();
+        if (delta.contains("tool_calls")) {
+          ASSERT_TRUE(call.is_null()) << "one call, in one chunk";
+          call = delta["tool_calls"][0];
+          EXPECT_EQ(call["index"], 0);
+        }
+        if (!chunk["choices"][0]["finish_reason"].is_null()) finish = chunk["choices"][0]["finish_reason"];
+      }
+      message["content"] = content;
+      ASSERT_FALSE(call.is_null());
+    }
+    EXPECT_EQ(message["content"], "Sure.");
+    EXPECT_EQ(finish, "tool_calls");
+    EXPECT_EQ(call["type"], "function");
+    EXPECT_EQ(call["id"], "call_r1_0_0");
+    EXPECT_EQ(call["function"]["name"], "get_weather");
+    EXPECT_EQ(nlohmann::json::parse(call["function"]["arguments"].get<std::string>()),
+              nlohmann::json::parse(R"({"city": "Paris"})"));
+  }
 }
 
 TEST(MetricsText, HistogramsAreCumulativeWithVllmNames) {
