@@ -433,8 +433,8 @@ void add_disagg_commands(CLI::App& app) {
   cmd->add_option("--reasoning-parser", args->reasoning_parser, "qwen3: split <think> into reasoning_content")
       ->check(CLI::IsMember({"qwen3"}));
   cmd->add_option("--tool-call-parser", args->tool_call_parser,
-                  "hermes: <tool_call> blocks of chat requests with tools become tool_calls")
-      ->check(CLI::IsMember({"hermes"}));
+                  "hermes or qwen3_coder: <tool_call> blocks of chat requests with tools become tool_calls")
+      ->check(CLI::IsMember({"hermes", "qwen3_coder"}));
   add_cluster_options(cmd, *args);
   cmd->callback([args, prefill, decode] {
     sigset_t signals;

@@ -93,7 +93,8 @@ server::ApiOptions api_options(const ServeArgs& args, const engine::SchedulerOpt
   o.limits.max_logprobs = args.max_logprobs;
   o.limits.default_sampling = generation_defaults(args.model);
   o.reasoning_parser_qwen3 = args.reasoning_parser == "qwen3";
-  o.tool_call_parser_hermes = args.tool_call_parser == "hermes";
+  if (args.tool_call_parser == "hermes") o.tool_call_parser = server::ToolCallFormat::kHermes;
+  if (args.tool_call_parser == "qwen3_coder") o.tool_call_parser = server::ToolCallFormat::kQwen3Coder;
   o.request_timeout_s = args.request_timeout_s;
   return o;
 }
@@ -305,9 +306,11 @@ Status check_serve_args(ServeArgs& args) {
   if (args.page_size < 1 || args.page_size > 1024) return invalid_argument("--page-size must be in [1, 1024]");
   if (!args.reasoning_parser.empty() && args.reasoning_parser != "qwen3")
     return invalid_argument("--reasoning-parser: only qwen3 is supported, got '{}'", args.reasoning_parser);
-  if (!args.tool_call_parser.empty() && args.tool_call_parser != "hermes")
-    return invalid_argument("--tool-call-parser: only hermes (Qwen2.5, Qwen3) is supported, got '{}'",
-                            args.tool_call_parser);
+  if (!args.tool_call_parser.empty() && args.tool_call_parser != "hermes" &&
+      args.tool_call_parser != "qwen3_coder")
+    return invalid_argument(
+        "--tool-call-parser: hermes (Qwen2.5, Qwen3) or qwen3_coder (Qwen3-Coder, Qwen3.5), got '{}'",
+        args.tool_call_parser);
   if (args.device.cuda()) args.kv_dtype = "bf16";  // the GPU's KV pages are bf16
   if (args.kv_dtype != "f32" && args.kv_dtype != "bf16") return invalid_argument("--kv-dtype must be f32 or bf16");
   if (args.served_model_name.empty()) args.served_model_name = std::filesystem::path(args.model).filename().string();
@@ -639,7 +642,7 @@ void add_engine_options(CLI::App* cmd, ServeArgs& a) {
   cmd->add_option("--http-threads", args->http_threads, "HTTP I/O threads")->check(CLI::Range(1, 64));
   cmd->add_option("--reasoning-parser", args->reasoning_parser, "qwen3: split <think> into reasoning_content");
   cmd->add_option("--tool-call-parser", args->tool_call_parser,
-                  "hermes: <tool_call> blocks of chat requests with tools become tool_calls");
+                  "hermes or qwen3_coder: <tool_call> blocks of chat requests with tools become tool_calls");
   cmd->add_option("--max-body-bytes", args->max_body_bytes, "Largest request body (413 above)");
   cmd->add_option("--read-timeout", args->read_timeout_s, "Seconds to receive a request (idle, headers and body)");
   cmd->add_option("--request-timeout", args->request_timeout_s, "Deadline of each generation in seconds (0 = none)");

@@ -67,6 +67,8 @@ CompletionRun::CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exc
   choices_.resize(config_.prompts.size() * n);
   for (size_t i = 0; i < choices_.size(); ++i) {
     choices_[i].prompt = i / n;
+    if (config_.parse_tool_calls)
+      choices_[i].tool_parser = ToolCallParser(config_.tool_call_format, config_.tools);
     if (config_.tokenizer)
       choices_[i].detokenizer.emplace(*config_.tokenizer, config_.params.skip_special_tokens);
   }
@@ -343,7 +345,7 @@ void CompletionRun::complete() {
         message["reasoning"] = message["reasoning_content"];
       }
       if (config_.parse_tool_calls) {
-        ToolCallParser parser;
+        ToolCallParser parser(config_.tool_call_format, config_.tools);
         ToolCallParser::Piece piece = parser.feed(content);
         content = piece.content + parser.finish().content;
         for (const auto& call : piece.calls)

@@ -52,8 +52,10 @@ struct RunConfig {
   GenerationParams params;
   std::vector<RunPrompt> prompts;  // choice k is choice k % n of prompt k / n
   bool reasoning_qwen3 = false;
-  bool parse_tool_calls =
-      false;  // chat with tools and --tool-call-parser hermes: tool_calls out of the content
+  // Chat with tools and a --tool-call-parser: tool_calls out of the content.
+  bool parse_tool_calls = false;
+  ToolCallFormat tool_call_format = ToolCallFormat::kHermes;
+  nlohmann::ordered_json tools;  // the request's, for argument types
   const tokenizer::Tokenizer* tokenizer = nullptr;
   HeaderList headers;  // added to the response (X-Request-Id)
   std::string request_id;  // propagated to the backend

@@ -129,13 +129,15 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   GenerationParams params;
   std::vector<RunPrompt> prompts;
   bool parse_tool_calls = false;
+  nlohmann::ordered_json tools;
   if (chat) {
     auto parsed = parse_chat_request(request.body, limits);
     if (auto* e = std::get_if<ApiError>(&parsed)) return reply_error(*e);
     const auto& r = std::get<ChatRequest>(parsed);
     params = r.params;
     parse_tool_calls =
-        options_.tool_call_parser_hermes && r.tools.is_array() && !r.tools.empty() && r.tool_choice != "none";
+        options_.tool_call_parser && r.tools.is_array() && !r.tools.empty() && r.tool_choice != "none";
+    if (parse_tool_calls) tools = r.tools;
     if (auto e = prepare_chat(r, prompts.emplace_back())) return reply_error(*e);
   } else {
     auto parsed = parse_completion_request(request.body, limits);
@@ -181,6 +183,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   config.prompts = std::move(prompts);
   config.reasoning_qwen3 = chat && options_.reasoning_parser_qwen3;
   config.parse_tool_calls = parse_tool_calls;
+  if (parse_tool_calls) config.tool_call_format = *options_.tool_call_parser, config.tools = std::move(tools);
   config.tokenizer = tokenizer_;
   config.headers = id_header;
   config.request_id = request_id;

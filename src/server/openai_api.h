@@ -34,7 +34,7 @@ struct ApiOptions {
   std::string api_key;  // empty: no authentication
   RequestLimits limits;
   bool reasoning_parser_qwen3 = false;
-  bool tool_call_parser_hermes = false;  // tool_calls out of chat content (server/tool_calls.h)
+  std::optional<ToolCallFormat> tool_call_parser;  // tool_calls out of chat content (server/tool_calls.h)
   double request_timeout_s = 600;  // engine deadline of each request; 0: none
 };
 

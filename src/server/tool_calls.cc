@@ -9,8 +9,10 @@ namespace {
 constexpr std::string_view kOpen = "<tool_call>";
 constexpr std::string_view kClose = "</tool_call>";
 
-// The call a block's body describes, if it is one.
-std::optional<ToolCall> parse_call(std::string_view body) {
+using Json = nlohmann::ordered_json;
+
+// hermes: the call a block's body describes, if it is one.
+std::optional<ToolCall> parse_json_call(std::string_view body) {
   const auto j = nlohmann::ordered_json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return std::nullopt;
   const auto name = j.find("name");
@@ -21,6 +23,77 @@ std::optional<ToolCall> parse_call(std::string_view body) {
   if (const auto args = j.find("arguments"); args != j.end() && !args->is_null())
     call.arguments = args->is_string() ? args->get<std::string>() : args->dump();
   return call;
+}
+
+std::string_view trim_newlines(std::string_view v) {
+  if (v.starts_with('\n')) v.remove_prefix(1);
+  if (v.ends_with('\n')) v.remove_suffix(1);
+  return v;
+}
+
+// The JSON schema type of parameter `key` of function `name` in `tools`, or "".
+std::string schema_type(const Json& tools, const std::string& name, const std::string& key) {
+  if (!tools.is_array()) return {};
+  for (const auto& tool : tools) {
+    const Json* f = tool.is_object() && tool.contains("function") ? &tool["function"] : &tool;
+    if (!f->is_object() || !f->contains("name") || (*f)["name"] != name) continue;
+    const auto params = f->find("parameters");
+    if (params == f->end() || !params->is_object() || !params->contains("properties")) return {};
+    const auto& props = (*params)["properties"];
+    if (!props.is_object() || !props.contains(key) || !props[key].is_object()) return {};
+    const auto type = props[key].find("type");
+    return type != props[key].end() && type->is_string() ? type->get<std::string>() : std::string();
+  }
+  return {};
+}
+
+// A parameter's text as a JSON value of its schema type.
+Json typed_value(std::string_view text, const std::string& type) {
+  if (type == "string") return std::string(text);
+  const Json parsed = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded()) return std::string(text);
+  if (type.empty()) return parsed;
+  const bool fits = (type == "integer" && parsed.is_number_integer()) ||
+                    (type == "number" && parsed.is_number()) || (type == "boolean" && parsed.is_boolean()) ||
+                    (type == "object" && parsed.is_object()) || (type == "array" && parsed.is_array()) ||
+                    (type == "null" && parsed.is_null());
+  return fits ? parsed : Json(std::string(text));
+}
+
+// qwen3_coder: <function=NAME> (<parameter=KEY>VALUE</parameter>)* </function>.
+std::optional<ToolCall> parse_xml_call(std::string_view body, const Json& tools) {
+  constexpr std::string_view kFunction = "<function=", kFunctionEnd = "</function>";
+  constexpr std::string_view kParameter = "<parameter=", kParameterEnd = "</parameter>";
+  auto skip_space = [](std::string_view& v) {
+    while (!v.empty() && (v.front() == ' ' || v.front() == '\n' || v.front() == '\t' || v.front() == '\r'))
+      v.remove_prefix(1);
+  };
+  skip_space(body);
+  if (!body.starts_with(kFunction)) return std::nullopt;
+  body.remove_prefix(kFunction.size());
+  const size_t name_end = body.find('>');
+  if (name_end == std::string_view::npos || name_end == 0) return std::nullopt;
+  const std::string name(body.substr(0, name_end));
+  body.remove_prefix(name_end + 1);
+  Json args = Json::object();
+  while (true) {
+    skip_space(body);
+    if (body.starts_with(kFunctionEnd)) break;
+    if (!body.starts_with(kParameter)) return std::nullopt;
+    body.remove_prefix(kParameter.size());
+    const size_t key_end = body.find('>');
+    const size_t value_end = body.find(kParameterEnd);
+    if (key_end == std::string_view::npos || value_end == std::string_view::npos || key_end > value_end)
+      return std::nullopt;
+    const std::string key(body.substr(0, key_end));
+    args[key] = typed_value(trim_newlines(body.substr(key_end + 1, value_end - key_end - 1)),
+                            schema_type(tools, name, key));
+    body.remove_prefix(value_end + kParameterEnd.size());
+  }
+  body.remove_prefix(kFunctionEnd.size());
+  skip_space(body);
+  if (!body.empty()) return std::nullopt;  // text after the function: not a call as the format has it
+  return ToolCall{name, args.dump()};
 }
 
 }  // namespace
@@ -44,7 +117,8 @@ ToolCallParser::Piece ToolCallParser::feed(const std::string& text) {
     const size_t close = pending_.find(kClose, kOpen.size());
     if (close == std::string::npos) return out;  // the block is still open
     const std::string_view body = std::string_view(pending_).substr(kOpen.size(), close - kOpen.size());
-    if (auto call = parse_call(body)) {
+    if (auto call =
+            format_ == ToolCallFormat::kHermes ? parse_json_call(body) : parse_xml_call(body, tools_)) {
       out.calls.push_back(std::move(*call));
     } else {
       out.content += pending_.substr(0, close + kClose.size());

@@ -1,18 +1,32 @@
-// Tool calls in the Hermes format that Qwen2.5 and Qwen3 are trained to
-// write (their chat templates describe it to the model):
+// Tool calls as Qwen models write them, inside <tool_call> blocks (their
+// chat templates describe the format to the model):
 //
-//   <tool_call>
-//   {"name": "get_weather", "arguments": {"city": "Paris"}}
-//   </tool_call>
+//   hermes (Qwen2.5, Qwen3): a JSON object per block
+//     <tool_call>
+//     {"name": "get_weather", "arguments": {"city": "Paris"}}
+//     </tool_call>
+//
+//   qwen3_coder (Qwen3-Coder, Qwen3.5): XML-like, one element per argument
+//     <tool_call>
+//     <function=get_weather>
+//     <parameter=city>
+//     Paris
+//     </parameter>
+//     </function>
+//     </tool_call>
+//   A parameter's text becomes a JSON value by the type the request's tool
+//   schema gives it (string, integer, number, boolean, object, array); without
+//   one, JSON if it parses as such, else a string.
 //
 // ToolCallParser takes the assistant's content text piece by piece (as it is
 // generated) and separates the calls from the rest. Text that only may be the
-// start of a tag is held back until it is decided. A block whose JSON does not
-// parse, or has no string "name", stays in the content as written, as does an
+// start of a tag is held back until it is decided. A block that does not parse
+// as a call (or names no function) stays in the content as written, as does an
 // unterminated block at the end.
 #pragma once
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -32,8 +46,15 @@ struct ToolCall {
   std::string arguments;  // JSON text ("{}" when the model wrote none)
 };
 
+enum class ToolCallFormat { kHermes, kQwen3Coder };
+
 class ToolCallParser {
  public:
+  // `tools`: the request's tools (an array of {"type": "function", "function":
+  // {"name", "parameters": JSON schema}}), for qwen3_coder's argument types.
+  explicit ToolCallParser(ToolCallFormat format = ToolCallFormat::kHermes,
+                          nlohmann::ordered_json tools = nlohmann::ordered_json())
+      : format_(format), tools_(std::move(tools)) {}
   struct Piece {
     std::string content;          // final content text
     std::vector<ToolCall> calls;  // calls completed by this piece
@@ -43,6 +64,8 @@ class ToolCallParser {
   Piece finish();
 
  private:
+  ToolCallFormat format_;
+  nlohmann::ordered_json tools_;
   std::string pending_;  // undecided text: a partial tag, or an open block
   bool in_call_ = false;
 };

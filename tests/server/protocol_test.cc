@@ -171,6 +171,20 @@ TEST(Reasoning, SplitsThinkBlocksFedInAnyPieces) {
   EXPECT_EQ(c1 + c2, "");
 }
 
+// `text` fed to `parser` in pieces of `piece` bytes: all its content and calls.
+std::pair<std::string, std::vector<ToolCall>> parse_in_pieces(ToolCallParser parser, const std::string& text,
+                                                              size_t piece) {
+  std::string content;
+  std::vector<ToolCall> calls;
+  for (size_t i = 0; i < text.size(); i += piece) {
+    auto out = parser.feed(text.substr(i, piece));
+    content += out.content;
+    calls.insert(calls.end(), out.calls.begin(), out.calls.end());
+  }
+  content += parser.finish().content;
+  return {content, calls};
+}
+
 TEST(ToolCalls, HermesBlocksBecomeCallsFedInAnyPieces) {
   const std::string text =
       "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", "
@@ -179,15 +193,7 @@ TEST(ToolCalls, HermesBlocksBecomeCallsFedInAnyPieces) {
       "\\\"CET\\\"}\"}\n</tool_call>"
       "<tool_call>not json</tool_call> a < b <tool_c";
   for (size_t piece = 1; piece <= text.size(); ++piece) {
-    ToolCallParser parser;
-    std::string content;
-    std::vector<ToolCall> calls;
-    for (size_t i = 0; i < text.size(); i += piece) {
-      auto out = parser.feed(text.substr(i, piece));
-      content += out.content;
-      calls.insert(calls.end(), out.calls.begin(), out.calls.end());
-    }
-    content += parser.finish().content;
+    auto [content, calls] = parse_in_pieces(ToolCallParser(), text, piece);
     ASSERT_EQ(calls.size(), 2u) << piece;
     EXPECT_EQ(calls[0].name, "get_weather");
     EXPECT_EQ(calls[0].arguments, R"({"city":"Paris","days":2})");
@@ -204,6 +210,41 @@ TEST(ToolCalls, HermesBlocksBecomeCallsFedInAnyPieces) {
   ASSERT_EQ(out.calls.size(), 1u);
   EXPECT_EQ(out.calls[0].arguments, "{}");
   EXPECT_TRUE(bare.feed("<tool_call>{\"arguments\": {}}</tool_call>").calls.empty());  // no name: content
+}
+
+TEST(ToolCalls, Qwen3CoderBlocksTakeTheirArgumentTypesFromTheToolSchema) {
+  const auto tools = nlohmann::ordered_json::parse(R"([{"type": "function", "function": {"name": "book",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "nights": {"type": "integer"},
+      "breakfast": {"type": "boolean"}, "guests": {"type": "array"}, "budget": {"type": "number"}}}}}])");
+  const std::string text =
+      "I will book "
+      "it.\n<tool_call>\n<function=book>\n<parameter=city>\n1984\n</parameter>\n<parameter=nights>\n3\n"
+      "</parameter>\n<parameter=breakfast>\ntrue\n</parameter>\n<parameter=guests>\n[\"Ann\", "
+      "\"Bo\"]\n</parameter>\n"
+      "<parameter=budget>\nabout 200\n</parameter>\n<parameter=note>\nline one\nline "
+      "two\n</parameter>\n</function>\n"
+      "</tool_call><tool_call>\n<function=book>\n<parameter=city>\nRome\n</function>\n</tool_call> done";
+  for (size_t piece = 1; piece <= text.size(); piece += (piece < 16 ? 1 : 7)) {
+    auto [content, calls] = parse_in_pieces(ToolCallParser(ToolCallFormat::kQwen3Coder, tools), text, piece);
+    ASSERT_EQ(calls.size(), 1u) << piece;
+    EXPECT_EQ(calls[0].name, "book");
+    // city is a string even though "1984" parses as a number; budget's text is
+    // no number, so it stays a string; note has no schema and no JSON: a string.
+    EXPECT_EQ(nlohmann::ordered_json::parse(calls[0].arguments),
+              nlohmann::ordered_json::parse(R"({"city": "1984", "nights": 3, "breakfast": true,
+                  "guests": ["Ann", "Bo"], "budget": "about 200", "note": "line one\nline two"})"));
+    // The second block's parameter is never closed: it stays content.
+    EXPECT_EQ(content,
+              "I will book "
+              "it.\n<tool_call>\n<function=book>\n<parameter=city>\nRome\n</function>\n</tool_call> done")
+        << piece;
+  }
+  ToolCallParser hermes_text(ToolCallFormat::kQwen3Coder);
+  EXPECT_TRUE(hermes_text.feed("<tool_call>{\"name\": \"f\"}</tool_call>").calls.empty());  // not this format
+  ToolCallParser no_params(ToolCallFormat::kQwen3Coder);
+  auto out = no_params.feed("<tool_call><function=now></function></tool_call>");
+  ASSERT_EQ(out.calls.size(), 1u);
+  EXPECT_EQ(out.calls[0].arguments, "{}");
 }
 
 // A CompletionRun driven by a scripted backend: the demo tokenizer's ids of
