@@ -48,7 +48,7 @@ constexpr int kABytes = kM * 128, kBBytes = kWeightRows * 128;
 // bytes (the stage's 128 columns) per activation row, then per weight row.
 template <bool kMx>
 constexpr int kScaleBytes = kMx ? 2048 : 1024;
-constexpr int kMxActivationScaleBytes = kM * 4;
+[[maybe_unused]] constexpr int kMxActivationScaleBytes = kM * 4;  // used by sm_90a device code only
 template <bool kMx>
 constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes<kMx>;
 template <bool kMx>
