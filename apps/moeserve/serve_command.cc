@@ -35,7 +35,7 @@ namespace moe::apps {
 struct GpuRanks;  // CUDA builds: the GPU ranks of an instance (gpu_ranks.h)
 
 // Sampling defaults from DIR/generation_config.json (temperature, top_p,
-// top_k, min_p), as vLLM applies them; OpenAI's defaults when absent.
+// top_k, min_p, repetition_penalty), as vLLM applies them; OpenAI's defaults when absent.
 engine::SamplingParams generation_defaults(const std::string& model_dir) {
   engine::SamplingParams s;
   std::ifstream in(std::filesystem::path(model_dir) / "generation_config.json");
@@ -46,6 +46,8 @@ engine::SamplingParams generation_defaults(const std::string& model_dir) {
   if (j.contains("top_p") && j["top_p"].is_number()) s.top_p = j["top_p"].get<float>();
   if (j.contains("top_k") && j["top_k"].is_number_integer()) s.top_k = std::max(0, j["top_k"].get<int>());
   if (j.contains("min_p") && j["min_p"].is_number()) s.min_p = j["min_p"].get<float>();
+  if (j.contains("repetition_penalty") && j["repetition_penalty"].is_number())
+    s.repetition_penalty = j["repetition_penalty"].get<float>();
   if (!engine::validate_sampling(s).is_ok()) return {};
   return s;
 }
@@ -125,8 +127,10 @@ static void log_startup(const ServeArgs& args, const engine::SchedulerOptions& s
       args.reasoning_parser.empty() ? "none" : args.reasoning_parser,
       args.tool_call_parser.empty() ? "none" : args.tool_call_parser);
   const engine::SamplingParams defaults = generation_defaults(args.model);
-  log_info("sampling defaults (generation_config.json): temperature={} top_p={} top_k={} min_p={}", defaults.temperature,
-           defaults.top_p, defaults.top_k, defaults.min_p);
+  log_info(
+      "sampling defaults (generation_config.json): temperature={} top_p={} top_k={} min_p={} "
+      "repetition_penalty={}",
+      defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p, defaults.repetition_penalty);
   log_info("KV cache: {} pages, {} tokens, {:.1f} MB; maximum concurrency at max_model_len {}: {:.1f}x", sched.num_pages,
            kv_tokens, static_cast<double>(layout.page_bytes() * num_layers * sched.num_pages) / 1e6,
            sched.max_model_len, static_cast<double>(kv_tokens) / sched.max_model_len);

@@ -82,7 +82,7 @@ Expected<uint64_t> Engine::submit(EngineRequest request, OutputCallback on_outpu
   if (total > options_.scheduler.max_model_len)
     return invalid_argument("prompt ({} tokens) + max_tokens ({}) is over max_model_len {}", request.prompt.size(),
                             request.max_tokens, options_.scheduler.max_model_len);
-  MOE_RETURN_IF_ERROR(validate_sampling(request.sampling));
+  MOE_RETURN_IF_ERROR(validate_sampling(request.sampling, vocab_size_));
   if (request.num_logprobs > vocab_size_) return invalid_argument("logprobs must be at most {}", vocab_size_);
   if (request.kv_export && !runner_->supports_layer_hook())
     return invalid_argument("this model runner cannot export KV layer by layer");
@@ -116,7 +116,7 @@ Expected<uint64_t> Engine::submit_prefilled(EngineRequest request, PrefilledProm
   if (prompt.first_token < 0 || prompt.first_token >= vocab_size_)
     return invalid_argument("first token {} is outside the vocabulary [0, {})", prompt.first_token, vocab_size_);
   if (request.max_tokens < 1) return invalid_argument("max_tokens must be at least 1, got {}", request.max_tokens);
-  MOE_RETURN_IF_ERROR(validate_sampling(request.sampling));
+  MOE_RETURN_IF_ERROR(validate_sampling(request.sampling, vocab_size_));
   if (request.kv_export) return invalid_argument("a prefilled request exports no KV");
   if (!prompt.last_hidden.empty() && static_cast<int64_t>(prompt.last_hidden.size()) != mtp_hidden_size())
     return invalid_argument("the prefilled MTP state has {} values; this engine's {}", prompt.last_hidden.size(),
@@ -302,18 +302,48 @@ void Engine::fail_all(const Status& status) {
 
 void Engine::sample(const StepPlan& plan, const Tensor& logits, std::vector<std::vector<int32_t>>& runs,
                     ChunkLogprobs& logprobs) {
+  Tensor copy;
+  const Tensor& adjusted = adjusted_logits(plan, logits, copy);
   int64_t row = 0;
   for (const ScheduledChunk& chunk : plan.chunks) {
     if (!chunk.sample) continue;
     Active& a = active_.at(chunk.id);
     CHECK(chunk.num_drafts == 0, "drafts without a drafter");
-    std::span<const float> row_logits(logits.data_as<float>() + row * vocab_size_, static_cast<size_t>(vocab_size_));
-    ++row;
-    const int32_t token = sample_token(row_logits, a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens));
+    auto row_of = [&](const Tensor& t) {
+      return std::span<const float>(t.data_as<float>() + row * vocab_size_, static_cast<size_t>(vocab_size_));
+    };
+    const int32_t token = sample_token(row_of(adjusted), a.request.sampling, a.seed,
+                                       static_cast<uint64_t>(a.num_output_tokens));
     runs.push_back({token});
     if (a.request.num_logprobs >= 0)
-      logprobs.emplace_back(chunk.id, compute_logprobs(row_logits, token, a.request.num_logprobs));
+      logprobs.emplace_back(chunk.id, compute_logprobs(row_of(logits), token, a.request.num_logprobs));
+    ++row;
   }
+}
+
+// A sampling chunk's row is its first (rows follow the chunks, num_drafts + 1
+// each); a request that adjusts its logits has no drafts (may_speculate).
+const Tensor& Engine::adjusted_logits(const StepPlan& plan, const Tensor& logits, Tensor& copy) const {
+  int64_t row = 0;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    if (!chunk.sample) continue;
+    const Active& a = active_.at(chunk.id);
+    const SamplingParams& sampling = a.request.sampling;
+    if (sampling.adjusts_logits()) {
+      CHECK(chunk.num_drafts == 0, "drafts for a request that adjusts its logits");
+      if (copy.empty()) copy = Tensor::copy_of(logits.view());
+      const std::vector<int32_t>& tokens = scheduler_.tokens_of(chunk.id);
+      const auto num_output = static_cast<size_t>(a.num_output_tokens);
+      std::vector<int32_t> stop_ids = a.request.stop_token_ids;
+      if (!a.request.ignore_eos)
+        stop_ids.insert(stop_ids.end(), options_.eos_token_ids.begin(), options_.eos_token_ids.end());
+      adjust_logits(
+          std::span<float>(copy.data_as<float>() + row * vocab_size_, static_cast<size_t>(vocab_size_)),
+          sampling, tokens, num_output, stop_ids);
+    }
+    row += chunk.num_drafts + 1;
+  }
+  return copy.empty() ? logits : copy;
 }
 
 // At most every 10 s while steps run, one line as vLLM logs: throughputs
@@ -379,7 +409,7 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
   for (const ScheduledChunk& chunk : plan.chunks) {
     if (!chunk.sample) continue;
     const Active& a = active_.at(chunk.id);
-    on_device &= a.request.num_logprobs < 0;
+    on_device &= a.request.num_logprobs < 0 && !a.request.sampling.adjusts_logits();
     rows.push_back({a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
   }
   Status status;
@@ -411,7 +441,8 @@ bool Engine::may_speculate(uint64_t id) const {
   auto it = active_.find(id);
   if (it == active_.end()) return false;
   const Active& a = it->second;
-  return a.request.num_logprobs < 0 && !a.request.kv_export && (a.first_token < 0 || a.has_mtp_state);
+  return a.request.num_logprobs < 0 && !a.request.sampling.adjusts_logits() && !a.request.kv_export &&
+         (a.first_token < 0 || a.has_mtp_state);
 }
 
 // Disaggregated prefill with a drafter: the chunks that complete an
@@ -447,7 +478,8 @@ Status Engine::run_speculative(const StepPlan& plan, const model::ForwardBatch& 
     if (!chunk.sample) continue;
     const Active& a = active_.at(chunk.id);
     rows.push_back({a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
-    greedy &= a.request.sampling.is_greedy() && a.request.num_logprobs < 0;
+    greedy &=
+        a.request.sampling.is_greedy() && a.request.num_logprobs < 0 && !a.request.sampling.adjusts_logits();
   }
   std::vector<int32_t> all_rows(static_cast<size_t>(batch.num_tokens()));
   std::iota(all_rows.begin(), all_rows.end(), 0);
@@ -462,7 +494,8 @@ Status Engine::run_speculative(const StepPlan& plan, const model::ForwardBatch& 
       auto logits = runner_->forward_with_hidden(batch, all_rows, hidden);
       status = logits.status();
       if (logits) {
-        runs = sample_runs(plan, batch, *logits, rows);
+        Tensor copy;
+        runs = sample_runs(plan, batch, adjusted_logits(plan, *logits, copy), rows);
         int64_t row = 0;
         size_t next = 0;
         for (const ScheduledChunk& chunk : plan.chunks) {

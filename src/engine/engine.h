@@ -193,6 +193,10 @@ class Engine {
   bool fail_on_error(const Status& status);
   void sample(const StepPlan& plan, const Tensor& logits, std::vector<std::vector<int32_t>>& runs,
               ChunkLogprobs& logprobs);
+  // The logits the step samples from: `logits` unless a request adjusts its
+  // row (SamplingParams::adjusts_logits), else `copy` with those rows
+  // adjusted. Logprobs are of the model's own logits (vLLM's default).
+  const Tensor& adjusted_logits(const StepPlan& plan, const Tensor& logits, Tensor& copy) const;
   void finish(uint64_t id, EngineOutput out);
   void fail_all(const Status& status);
   void update_gauges();

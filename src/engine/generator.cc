@@ -25,7 +25,12 @@ Status validate_requests(const std::vector<GenerationRequest>& requests, int64_t
     for (int32_t id : r.prompt)
       if (id < 0 || id >= vocab_size)
         return invalid_argument("request {}: token id {} is outside the vocabulary [0, {})", i, id, vocab_size);
-    MOE_RETURN_IF_ERROR(validate_sampling(r.sampling).with_context(fmt::format("request {}", i)));
+    MOE_RETURN_IF_ERROR(validate_sampling(r.sampling, vocab_size).with_context(fmt::format("request {}", i)));
+    if (r.sampling.adjusts_logits())
+      return invalid_argument(
+          "request {}: penalties, logit_bias and min_tokens are applied by the serving engine "
+          "(Engine), not by the offline generator",
+          i);
     const int64_t len = static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
     total_pages += pages_needed(len, page_size);
     longest = std::max(longest, len);

@@ -2,20 +2,61 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
+#include <unordered_map>
 #include <vector>
 
 #include "core/check.h"
 
 namespace moe::engine {
 
-Status validate_sampling(const SamplingParams& p) {
+Status validate_sampling(const SamplingParams& p, int64_t vocab_size) {
   if (!(p.temperature >= 0.0f) || !std::isfinite(p.temperature))
     return invalid_argument("temperature must be a finite number >= 0, got {}", p.temperature);
   if (!(p.top_p > 0.0f && p.top_p <= 1.0f)) return invalid_argument("top_p must be in (0, 1], got {}", p.top_p);
   if (!(p.min_p >= 0.0f && p.min_p <= 1.0f)) return invalid_argument("min_p must be in [0, 1], got {}", p.min_p);
   if (p.top_k < -1) return invalid_argument("top_k must be -1, 0 (off) or positive, got {}", p.top_k);
+  if (!(p.presence_penalty >= -2.0f && p.presence_penalty <= 2.0f))
+    return invalid_argument("presence_penalty must be in [-2, 2], got {}", p.presence_penalty);
+  if (!(p.frequency_penalty >= -2.0f && p.frequency_penalty <= 2.0f))
+    return invalid_argument("frequency_penalty must be in [-2, 2], got {}", p.frequency_penalty);
+  if (!(p.repetition_penalty > 0.0f && p.repetition_penalty <= 2.0f))
+    return invalid_argument("repetition_penalty must be in (0, 2], got {}", p.repetition_penalty);
+  if (p.min_tokens < 0) return invalid_argument("min_tokens must be >= 0, got {}", p.min_tokens);
+  for (const auto& [token, bias] : p.logit_bias) {
+    if (token < 0 || (vocab_size > 0 && token >= vocab_size))
+      return invalid_argument("logit_bias names token {}, outside the vocabulary [0, {})", token, vocab_size);
+    if (!(bias >= -100.0f && bias <= 100.0f))
+      return invalid_argument("logit_bias values must be in [-100, 100], got {} for token {}", bias, token);
+  }
   return Status::ok();
+}
+
+void adjust_logits(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> tokens,
+                   size_t num_output, std::span<const int32_t> stop_ids) {
+  CHECK(num_output <= tokens.size(), "{} output tokens of {}", num_output, tokens.size());
+  const auto vocab = static_cast<int32_t>(logits.size());
+  auto in_vocab = [&](int32_t t) { return t >= 0 && t < vocab; };
+  if (static_cast<int64_t>(num_output) < p.min_tokens)
+    for (int32_t t : stop_ids)
+      if (in_vocab(t)) logits[t] = -std::numeric_limits<float>::infinity();
+  for (const auto& [t, bias] : p.logit_bias)
+    if (in_vocab(t)) logits[t] += bias;
+  if (p.repetition_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f) return;
+  // Each token seen once: its output count (0 for a token of the prompt only).
+  std::unordered_map<int32_t, int> counts;
+  const size_t prompt_len = tokens.size() - num_output;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (!in_vocab(tokens[i])) continue;
+    int& count = counts[tokens[i]];
+    if (i >= prompt_len) ++count;
+  }
+  for (const auto& [t, count] : counts) {
+    float& v = logits[t];
+    if (p.repetition_penalty != 1.0f) v = v > 0.0f ? v / p.repetition_penalty : v * p.repetition_penalty;
+    if (count > 0) v -= static_cast<float>(count) * p.frequency_penalty + p.presence_penalty;
+  }
 }
 
 double uniform_draw(uint64_t seed, uint64_t step) {

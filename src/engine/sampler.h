@@ -1,5 +1,14 @@
 // Token sampling from a row of logits.
 //
+// A request may first adjust its logits (adjust_logits, before the argmax or
+// the draw), in vLLM's order: min_tokens bans the stop tokens while fewer
+// tokens were generated; logit_bias adds to chosen logits; the repetition
+// penalty r divides the positive logits of every token of the prompt or the
+// output by r and multiplies the others by r (as transformers'
+// RepetitionPenaltyLogitsProcessor); the frequency and presence penalties
+// subtract count x frequency + (count > 0) x presence, counting the output
+// tokens only (OpenAI's definition).
+//
 // temperature == 0 is greedy: the highest logit, the lowest token id on ties
 // (as torch.argmax). Otherwise, in this order (vLLM's): logits / temperature,
 // keep the top_k highest (top_k <= 0: all), softmax, keep the smallest set of
@@ -26,8 +35,18 @@ struct SamplingParams {
   float top_p = 1.0f;   // (0, 1]
   float min_p = 0.0f;   // [0, 1]
   std::optional<uint64_t> seed;  // unseeded requests get a random seed at admission
+  // Logits adjustments (the neutral values leave the logits alone).
+  float presence_penalty = 0.0f;                      // [-2, 2]
+  float frequency_penalty = 0.0f;                     // [-2, 2]
+  float repetition_penalty = 1.0f;                    // (0, 2]
+  int min_tokens = 0;                                 // >= 0
+  std::vector<std::pair<int32_t, float>> logit_bias;  // (token id, bias in [-100, 100])
 
   bool is_greedy() const { return temperature == 0.0f; }
+  bool adjusts_logits() const {
+    return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f ||
+           min_tokens > 0 || !logit_bias.empty();
+  }
 };
 
 // What one logits row needs to be sampled anywhere: the draw for (seed, step).
@@ -38,7 +57,15 @@ struct RowSampling {
 };
 
 // Checks ranges; the message names the parameter (it reaches API users).
-Status validate_sampling(const SamplingParams& params);
+// With vocab_size > 0, also that logit_bias names tokens of the vocabulary.
+Status validate_sampling(const SamplingParams& params, int64_t vocab_size = 0);
+
+// The adjustments above, in place, for a sequence whose prompt and output so
+// far are `tokens` (the output is the last num_output of them); `stop_ids`
+// are the tokens min_tokens bans (eos unless ignored, and the request's stop
+// token ids).
+void adjust_logits(std::span<float> logits, const SamplingParams& params, std::span<const int32_t> tokens,
+                   size_t num_output, std::span<const int32_t> stop_ids);
 
 // A uniform double in [0, 1) for draw `step` of generator `seed`.
 double uniform_draw(uint64_t seed, uint64_t step);

@@ -130,6 +130,10 @@ void CompletionRun::add_token(Choice& c, const engine::EngineOutput& out) {
 
 bool CompletionRun::find_stop(Choice& c) {
   if (config_.params.stop.empty()) return false;
+  if (static_cast<int64_t>(c.token_ids.size()) < config_.params.sampling.min_tokens) {
+    c.stop_checked = c.text.size();  // as vLLM: no stop string ends within the first min_tokens tokens
+    return false;
+  }
   size_t best = std::string::npos;
   for (const auto& s : config_.params.stop) {
     const size_t from = c.stop_checked >= s.size() ? c.stop_checked - s.size() + 1 : 0;

@@ -141,6 +141,16 @@ GenerationSpec read_spec(Reader& r) {
     r.fail("'seed' must be a non-negative integer");
   else if (seed)
     s.sampling.seed = seed->get<uint64_t>();
+  s.sampling.presence_penalty = static_cast<float>(r.number("presence_penalty", -2, 2, false, 0));
+  s.sampling.frequency_penalty = static_cast<float>(r.number("frequency_penalty", -2, 2, false, 0));
+  s.sampling.repetition_penalty = static_cast<float>(r.number("repetition_penalty", 1e-6, 2, false, 1));
+  s.sampling.min_tokens = static_cast<int>(r.integer("min_tokens", 0, kMaxPromptTokens, false, 0));
+  const std::vector<int32_t> bias_ids = r.ints("logit_bias_ids", 1 << 20, 0, kMaxTokenId, false);
+  const std::vector<float> bias_values = r.floats("logit_bias_values", 1 << 20);
+  if (r.status().is_ok() && bias_ids.size() != bias_values.size())
+    r.fail("'logit_bias_ids' and 'logit_bias_values' differ in length");
+  for (size_t i = 0; i < bias_ids.size() && i < bias_values.size(); ++i)
+    s.sampling.logit_bias.emplace_back(bias_ids[i], bias_values[i]);
   s.ignore_eos = r.boolean("ignore_eos");
   s.stop_token_ids = r.ints("stop_token_ids", 1024, 0, kMaxTokenId, false);
   s.num_logprobs = static_cast<int>(r.integer("num_logprobs", -1, 1 << 20, false, -1));
@@ -148,9 +158,24 @@ GenerationSpec read_spec(Reader& r) {
   return s;
 }
 
-const std::set<std::string> kSpecFields = {"request_id", "prompt",         "max_tokens",   "temperature",
-                                           "top_p",      "top_k",          "min_p",        "seed",
-                                           "ignore_eos", "stop_token_ids", "num_logprobs", "timeout_s"};
+const std::set<std::string> kSpecFields = {"request_id",
+                                           "prompt",
+                                           "max_tokens",
+                                           "temperature",
+                                           "top_p",
+                                           "top_k",
+                                           "min_p",
+                                           "seed",
+                                           "ignore_eos",
+                                           "stop_token_ids",
+                                           "num_logprobs",
+                                           "timeout_s",
+                                           "presence_penalty",
+                                           "min_tokens",
+                                           "logit_bias_ids",
+                                           "logit_bias_values",
+                                           "frequency_penalty",
+                                           "repetition_penalty"};
 
 std::set<std::string> with_spec(std::set<std::string> more) {
   more.insert(kSpecFields.begin(), kSpecFields.end());
@@ -193,6 +218,17 @@ json to_json(const GenerationSpec& s) {
             {"min_p", s.sampling.min_p},      {"seed", s.sampling.seed.value_or(0)},
             {"ignore_eos", s.ignore_eos},     {"stop_token_ids", s.stop_token_ids},
             {"num_logprobs", s.num_logprobs}, {"timeout_s", s.timeout_s}};
+  const engine::SamplingParams& sampling = s.sampling;
+  if (sampling.presence_penalty != 0) j["presence_penalty"] = sampling.presence_penalty;
+  if (sampling.frequency_penalty != 0) j["frequency_penalty"] = sampling.frequency_penalty;
+  if (sampling.repetition_penalty != 1) j["repetition_penalty"] = sampling.repetition_penalty;
+  if (sampling.min_tokens != 0) j["min_tokens"] = sampling.min_tokens;
+  if (!sampling.logit_bias.empty()) {
+    json ids = json::array(), values = json::array();
+    for (const auto& [id, bias] : sampling.logit_bias) ids.push_back(id), values.push_back(bias);
+    j["logit_bias_ids"] = ids;
+    j["logit_bias_values"] = values;
+  }
   return j;
 }
 

@@ -1,6 +1,7 @@
 #include "server/openai_protocol.h"
 
 #include <algorithm>
+#include <charconv>
 #include <limits>
 
 namespace moe::server {
@@ -53,16 +54,10 @@ std::optional<ApiError> reject_unsupported(const Json& j) {
     return bad_request(
         fmt::format("'{}' is not supported by this server (send {} or leave it out)", key, neutral), key);
   };
-  for (const auto& [key, neutral] : {std::pair{"presence_penalty", 0.0}, std::pair{"frequency_penalty", 0.0},
-                                     std::pair{"repetition_penalty", 1.0}, std::pair{"min_tokens", 0.0},
-                                     std::pair{"length_penalty", 1.0}}) {
-    auto it = j.find(key);
-    if (it == j.end() || it->is_null()) continue;
-    if (!it->is_number()) return bad_request(fmt::format("'{}' must be a number", key), key);
-    if (it->get<double>() != neutral) return unsupported(key, fmt::format("{}", neutral).c_str());
+  if (auto it = j.find("length_penalty"); it != j.end() && !it->is_null()) {  // beam search's
+    if (!it->is_number()) return bad_request("'length_penalty' must be a number", "length_penalty");
+    if (it->get<double>() != 1.0) return unsupported("length_penalty", "1");
   }
-  if (auto it = j.find("logit_bias"); it != j.end() && !it->is_null() && !(it->is_object() && it->empty()))
-    return unsupported("logit_bias", "{}");
   if (auto it = j.find("suffix");
       it != j.end() && !it->is_null() && !(it->is_string() && it->get<std::string>().empty()))
     return unsupported("suffix", "\"\"");
@@ -80,6 +75,33 @@ std::optional<ApiError> reject_unsupported(const Json& j) {
   for (const char* key : {"guided_json", "guided_regex", "guided_choice", "guided_grammar",
                           "structured_outputs", "prompt_logprobs", "bad_words", "allowed_token_ids"}) {
     if (auto it = j.find(key); it != j.end() && !it->is_null()) return unsupported(key, "null");
+  }
+  return std::nullopt;
+}
+
+// OpenAI's logit_bias: an object from token ids (as strings) to a bias in
+// [-100, 100]. Ids outside the vocabulary are refused at submission.
+std::optional<ApiError> read_logit_bias(const Json& j, const RequestLimits& limits,
+                                        std::vector<std::pair<int32_t, float>>& out) {
+  auto it = j.find("logit_bias");
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  const auto error = [] {
+    return bad_request("'logit_bias' must be an object from token ids to numbers between -100 and 100",
+                       "logit_bias");
+  };
+  if (!it->is_object()) return error();
+  if (static_cast<int>(it->size()) > limits.max_logit_bias)
+    return bad_request(fmt::format("'logit_bias' may hold at most {} tokens", limits.max_logit_bias),
+                       "logit_bias");
+  for (const auto& [key, value] : it->items()) {
+    int64_t id = -1;
+    const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
+    if (ec != std::errc() || end != key.data() + key.size() || id < 0 ||
+        id > std::numeric_limits<int32_t>::max() || !value.is_number())
+      return error();
+    const double bias = value.get<double>();
+    if (!(bias >= -100 && bias <= 100)) return error();
+    out.emplace_back(static_cast<int32_t>(id), static_cast<float>(bias));
   }
   return std::nullopt;
 }
@@ -103,6 +125,17 @@ std::optional<ApiError> read_common(const Json& j, const RequestLimits& limits, 
   v.reset();
   MOE_API_TRY(read_int(j, "top_k", -1, std::numeric_limits<int32_t>::max(), v));
   if (v) p.sampling.top_k = *v <= 0 ? 0 : static_cast<int>(*v);
+  MOE_API_TRY(read_float(j, "presence_penalty", -2, 2, p.sampling.presence_penalty));
+  MOE_API_TRY(read_float(j, "frequency_penalty", -2, 2, p.sampling.frequency_penalty));
+  MOE_API_TRY(read_float(j, "repetition_penalty", 1e-6, 2, p.sampling.repetition_penalty));
+  v.reset();
+  MOE_API_TRY(read_int(j, "min_tokens", 0, std::numeric_limits<int32_t>::max(), v));
+  if (v) p.sampling.min_tokens = static_cast<int>(*v);
+  if (p.max_tokens && p.sampling.min_tokens > *p.max_tokens)
+    return bad_request(fmt::format("'min_tokens' ({}) must not exceed 'max_tokens' ({})",
+                                   p.sampling.min_tokens, *p.max_tokens),
+                       "min_tokens");
+  MOE_API_TRY(read_logit_bias(j, limits, p.sampling.logit_bias));
   v.reset();
   MOE_API_TRY(read_int(j, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), v));
   if (v) p.sampling.seed = static_cast<uint64_t>(*v);

@@ -37,6 +37,7 @@ struct RequestLimits {
   int max_choices = 256;  // prompts x n in one completions batch (or max_n, if larger)
   int max_logprobs = 20;
   int max_stop_strings = 16;
+  int max_logit_bias = 1024;  // tokens in one request's logit_bias
   int max_model_len = 4096;
   // Sampling defaults for fields a request leaves out (the model's
   // generation_config.json, as vLLM's --generation-config auto).

@@ -2,14 +2,15 @@
 // from the definition of each filter, with a chi-square goodness-of-fit test.
 #include "engine/sampler.h"
 
-#include "tests/engine/sampling_oracle.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
+
+#include "tests/engine/sampling_oracle.h"
 
 namespace moe::engine {
 namespace {
@@ -79,7 +80,71 @@ TEST(Sampler, ValidationNamesTheParameter) {
   p = {};
   p.top_k = -5;
   EXPECT_NE(validate_sampling(p).message().find("top_k"), std::string::npos);
+  p = {};
+  p.repetition_penalty = 0;
+  EXPECT_NE(validate_sampling(p).message().find("repetition_penalty"), std::string::npos);
+  p = {};
+  p.frequency_penalty = 2.5f;
+  EXPECT_NE(validate_sampling(p).message().find("frequency_penalty"), std::string::npos);
+  p = {};
+  p.logit_bias = {{600, 1.0f}};
+  EXPECT_TRUE(validate_sampling(p).is_ok());  // no vocabulary to check against
+  EXPECT_NE(validate_sampling(p, 512).message().find("logit_bias"), std::string::npos);
+  p.logit_bias = {{6, 100.5f}};
+  EXPECT_NE(validate_sampling(p, 512).message().find("logit_bias"), std::string::npos);
   EXPECT_TRUE(validate_sampling(SamplingParams{}).is_ok());
+}
+
+// The adjustments' bookkeeping, each written out from its definition: the
+// frequency and presence penalties count output tokens only, the repetition
+// penalty reaches the prompt's tokens once however often they occur,
+// min_tokens bans the stop ids until that many tokens exist (ids outside the
+// vocabulary are skipped), and a draw after the adjustments follows the
+// adjusted distribution.
+TEST(Sampler, AdjustmentsFollowTheirDefinitions) {
+  const std::vector<float> base = testing_oracle::standard_logits();  // 8 tokens
+  const std::vector<int32_t> tokens = {1, 1, 5, 3, 3, 3, 6};          // prompt {1, 1, 5}, output {3, 3, 3, 6}
+  SamplingParams p;
+  p.repetition_penalty = 2.0f;
+  p.frequency_penalty = 0.25f;
+  p.presence_penalty = 0.5f;
+  p.logit_bias = {{0, 1.5f}, {6, -0.75f}};
+  p.min_tokens = 5;
+  std::vector<float> v = base;
+  adjust_logits(v, p, tokens, 4, std::vector<int32_t>{7, 99});
+  std::vector<float> want = base;
+  want[7] = -std::numeric_limits<float>::infinity();  // 4 output tokens < min_tokens 5
+  want[0] += 1.5f;
+  want[6] += -0.75f;
+  auto repeat = [](float x) { return x > 0 ? x / 2.0f : x * 2.0f; };
+  want[1] = repeat(want[1]);  // prompt only: no count
+  want[5] = repeat(want[5]);
+  want[3] = repeat(want[3]) - (3 * 0.25f + 0.5f);  // three times in the output
+  want[6] = repeat(want[6]) - (1 * 0.25f + 0.5f);
+  EXPECT_EQ(v, want);
+  v = base;
+  adjust_logits(v, p, tokens, 4, std::vector<int32_t>{});
+  EXPECT_TRUE(std::isfinite(v[7]));
+  p = {};
+  p.min_tokens = 4;
+  v = base;
+  adjust_logits(v, p, tokens, 4, std::vector<int32_t>{7});
+  EXPECT_EQ(v, base) << "min_tokens reached";
+  // Sampling then draws from the adjusted logits.
+  p = {};
+  p.temperature = 0.8f;
+  p.top_k = 6;
+  p.frequency_penalty = 1.0f;
+  p.logit_bias = {{2, 2.0f}};
+  std::vector<float> adjusted = base;
+  adjust_logits(adjusted, p, tokens, 4, {});
+  const auto probs = expected_distribution(adjusted, p);
+  constexpr int kDraws = 40000;
+  std::vector<int> counts(base.size());
+  for (int i = 0; i < kDraws; ++i) ++counts[sample_token(adjusted, p, 77, i)];
+  int dof = 0;
+  EXPECT_LT(chi_square(counts, probs, kDraws, &dof), testing_oracle::kChiSquare999) << dof;
+  EXPECT_GT(probs[2], expected_distribution(base, p)[2]);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The OpenAI API through the official `openai` npm client against a live
 // server on the golden model moe_basic (tests/data/golden, token-id prompts):
 // greedy outputs equal transformers' goldens, streaming and not, usage chunks,
-// batches of prompts,
+// batches of prompts, penalties / logit_bias / min_tokens against transformers'
+// logits processors,
 // errors as the client's APIError classes, 64 concurrent streams equal to the
 // same requests run alone, and a client disconnect that cancels the request
 // and returns KV usage to its baseline.
@@ -100,6 +101,34 @@ test('n choices, seeds, logprobs and stop_token_ids', async () => {
                                               stop_token_ids: [stopAt], return_token_ids: true });
   assert.equal(s.choices[0].finish_reason, 'stop');
   assert.deepEqual(s.choices[0].token_ids, p.greedy.slice(0, p.greedy.indexOf(stopAt) + 1));
+});
+
+test('penalties, logit_bias and min_tokens equal transformers\' logits processors', async () => {
+  const penalties = JSON.parse(fs.readFileSync(path.join(repoRoot, 'tests/data/golden/moe_basic/penalties.json')));
+  assert.ok(penalties.cases.length >= 20);
+  const results = await Promise.all(penalties.cases.map(async (c, i) => {
+    const params = { model, prompt: golden.prompts[c.prompt_index].ids, max_tokens: penalties.n_greedy,
+                     temperature: 0, return_token_ids: true, ...c.params };
+    if (i % 2 === 0) return (await client.completions.create(params)).choices[0];
+    const r = await streamIds(params);
+    return { token_ids: r.ids, finish_reason: r.finish };
+  }));
+  results.forEach((r, i) => {
+    const c = penalties.cases[i];
+    assert.deepEqual(r.token_ids, c.greedy, `${c.name} prompt ${c.prompt_index}`);
+    const stops = [penalties.eos_token_id, ...(c.params.stop_token_ids ?? [])];
+    assert.equal(r.finish_reason, stops.includes(c.greedy.at(-1)) ? 'stop' : 'length', c.name);
+  });
+  // Logprobs are the model's own (vLLM's default): logit_bias moves the
+  // choice, not the distribution reported.
+  const biased = penalties.cases.find((c) => c.name === 'logit_bias');
+  const p = golden.prompts[biased.prompt_index];
+  const r = await client.completions.create({ model, prompt: p.ids, max_tokens: 1, temperature: 0, logprobs: 1,
+                                              return_token_ids: true, logit_bias: biased.params.logit_bias });
+  assert.deepEqual(r.choices[0].token_ids, biased.greedy.slice(0, 1));
+  const top = r.choices[0].logprobs.top_logprobs[0];
+  assert.equal(Object.keys(top).length, 1);
+  assert.ok(Object.values(top)[0] > r.choices[0].logprobs.token_logprobs[0], 'the unbiased favourite tops the list');
 });
 
 test('a batch of prompts gives each prompt\'s goldens, choices ordered prompt by prompt', async () => {

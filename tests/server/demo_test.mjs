@@ -2,7 +2,7 @@
 // with no --model, through the official `openai` client: chat rendered with
 // the model's real ChatML template and text prompts give transformers' greedy
 // ids (golden.json), batches of text prompts with echo, streaming equals
-// non-streaming, stop strings, logprobs,
+// non-streaming, stop strings (and min_tokens holding them off), logprobs,
 // the API key, and 503 + Retry-After when the queue is full.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
@@ -102,6 +102,25 @@ test('stop strings cut the text, streaming or not', async () => {
   let text = '';
   for await (const chunk of stream) for (const ch of chunk.choices) text += ch.delta.content ?? '';
   assert.equal(text, 'The most important service ');
+});
+
+test('no stop string ends within the first min_tokens tokens (as vLLM)', async () => {
+  const c = golden.chats[0];  // "The most important service rendered by the press ..."
+  const ask = (extra) => client.chat.completions.create({ model, messages: c.messages, temperature: 0, max_tokens: 32,
+                                                         stop: ['The', 'press'], ...extra });
+  const early = await ask({});
+  assert.equal(early.choices[0].message.content, '');
+  assert.equal(early.choices[0].finish_reason, 'stop');
+  for (const stream of [false, true]) {
+    const r = await ask({ min_tokens: 4, stream });
+    let text = '';
+    if (stream) {
+      for await (const chunk of r) for (const ch of chunk.choices) text += ch.delta.content ?? '';
+    } else {
+      text = r.choices[0].message.content;
+    }
+    assert.equal(text, 'The most important service rendered by the ', `stream ${stream}`);
+  }
 });
 
 test('chat logprobs: one entry per token, the top alternative first', async () => {

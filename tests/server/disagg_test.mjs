@@ -4,7 +4,8 @@
 // the real `openai` client give the same text, token ids, finish reasons and
 // usage through `serve --disagg` with 1x1 and 2x2 instances; afterwards every
 // instance is back at its KV baseline. The golden model moe_basic through
-// `serve --disagg` gives transformers' greedy tokens.
+// `serve --disagg` gives transformers' greedy tokens, with and without
+// penalties / logit_bias / min_tokens.
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
@@ -142,6 +143,14 @@ test('serve --disagg on the golden model moe_basic gives transformers greedy tok
     const results = await Promise.all(golden.prompts.map((p) => client.completions.create({
       model: 'moe_basic', prompt: p.ids, max_tokens: 24, temperature: 0, ignore_eos: true, return_token_ids: true })));
     results.forEach((r, i) => assert.deepEqual(r.choices[0].token_ids, golden.prompts[i].greedy, `prompt ${i}`));
+    // The logits adjustments reach both instances: the prefill instance
+    // samples the first token, the decode instance the rest.
+    const penalties = JSON.parse(fs.readFileSync(path.join(dir, 'penalties.json')));
+    const adjusted = await Promise.all(penalties.cases.map((c) => client.completions.create({
+      model: 'moe_basic', prompt: golden.prompts[c.prompt_index].ids, max_tokens: penalties.n_greedy, temperature: 0,
+      return_token_ids: true, ...c.params })));
+    adjusted.forEach((r, i) => assert.deepEqual(r.choices[0].token_ids, penalties.cases[i].greedy,
+                                                `${penalties.cases[i].name} prompt ${penalties.cases[i].prompt_index}`));
   } finally {
     assert.equal(await cluster.stop(), 0);
   }

@@ -111,18 +111,57 @@ TEST(Protocol, UnsupportedFieldsPassOnlyAtTheirNeutralValue) {
   EXPECT_EQ(param_of(R"(,"response_format":{"type":"text"},"tool_choice":"auto")", true), "(accepted)");
   EXPECT_EQ(param_of(R"(,"tool_choice":"none")", true), "(accepted)");
   // Anything else is a 400 that names the field.
-  EXPECT_EQ(param_of(R"(,"presence_penalty":0.5)"), "presence_penalty");
-  EXPECT_EQ(param_of(R"(,"frequency_penalty":-1)"), "frequency_penalty");
-  EXPECT_EQ(param_of(R"(,"frequency_penalty":"0")"), "frequency_penalty");
-  EXPECT_EQ(param_of(R"(,"repetition_penalty":1.1)"), "repetition_penalty");
-  EXPECT_EQ(param_of(R"(,"min_tokens":4)"), "min_tokens");
-  EXPECT_EQ(param_of(R"(,"logit_bias":{"50256":-100})"), "logit_bias");
+  EXPECT_EQ(param_of(R"(,"length_penalty":0.5)"), "length_penalty");
   EXPECT_EQ(param_of(R"(,"suffix":"end")"), "suffix");
   EXPECT_EQ(param_of(R"(,"best_of":3)"), "best_of");
   EXPECT_EQ(param_of(R"(,"guided_choice":["a","b"])"), "guided_choice");
   EXPECT_EQ(param_of(R"(,"response_format":{"type":"json_object"})", true), "response_format");
   EXPECT_EQ(param_of(R"(,"tool_choice":"required")", true), "tool_choice");
   EXPECT_EQ(param_of(R"(,"tool_choice":{"type":"function","function":{"name":"f"}})", true), "tool_choice");
+}
+
+// Penalties, logit_bias and min_tokens reach the engine's sampling
+// parameters; values out of OpenAI's (vLLM's) ranges are a 400 naming them.
+TEST(Protocol, LogitsAdjustmentsAreReadAndRangeChecked) {
+  auto parse = [](const std::string& fields) {
+    return parse_completion_request(R"({"prompt":"x","max_tokens":8)" + fields + "}", {});
+  };
+  auto r =
+      parse(R"(,"presence_penalty":0.5,"frequency_penalty":-1.25,"repetition_penalty":1.1,"min_tokens":4,)"
+            R"("logit_bias":{"50256":-100,"7":2.5})");
+  ASSERT_TRUE(std::holds_alternative<CompletionRequest>(r)) << std::get<ApiError>(r).message;
+  const engine::SamplingParams& s = std::get<CompletionRequest>(r).params.sampling;
+  EXPECT_EQ(s.presence_penalty, 0.5f);
+  EXPECT_EQ(s.frequency_penalty, -1.25f);
+  EXPECT_EQ(s.repetition_penalty, 1.1f);
+  EXPECT_EQ(s.min_tokens, 4);
+  EXPECT_EQ(s.logit_bias, (std::vector<std::pair<int32_t, float>>{{50256, -100.0f}, {7, 2.5f}}));
+  EXPECT_TRUE(s.adjusts_logits());
+  auto neutral = parse(R"(,"presence_penalty":0,"frequency_penalty":0,"repetition_penalty":1,"min_tokens":0,)"
+                       R"("logit_bias":{})");
+  ASSERT_TRUE(std::holds_alternative<CompletionRequest>(neutral));
+  EXPECT_FALSE(std::get<CompletionRequest>(neutral).params.sampling.adjusts_logits());
+  auto param_of = [&](const std::string& fields) {
+    auto bad = parse(fields);
+    return std::holds_alternative<ApiError>(bad) ? std::get<ApiError>(bad).param : std::string("(accepted)");
+  };
+  for (const auto& [fields, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"(,"presence_penalty":2.5)", "presence_penalty"},
+           {R"(,"frequency_penalty":-2.01)", "frequency_penalty"},
+           {R"(,"frequency_penalty":"0")", "frequency_penalty"},
+           {R"(,"repetition_penalty":0)", "repetition_penalty"},
+           {R"(,"repetition_penalty":3)", "repetition_penalty"},
+           {R"(,"min_tokens":-1)", "min_tokens"},
+           {R"(,"min_tokens":9)", "min_tokens"},  // over max_tokens
+           {R"(,"logit_bias":[1,2])", "logit_bias"},
+           {R"(,"logit_bias":{"a":1})", "logit_bias"},
+           {R"(,"logit_bias":{"-3":1})", "logit_bias"},
+           {R"(,"logit_bias":{"12x":1})", "logit_bias"},
+           {R"(,"logit_bias":{"3":101})", "logit_bias"},
+           {R"(,"logit_bias":{"3":"1"})", "logit_bias"},
+           {R"(,"logit_bias":{"99999999999":1})", "logit_bias"}})
+    EXPECT_EQ(param_of(fields), param) << fields;
+  EXPECT_EQ(param_of(R"(,"min_tokens":8)"), "(accepted)");
 }
 
 TEST(Protocol, ErrorsNameTheParameter) {
@@ -347,6 +386,44 @@ TEST(MetricsText, HistogramsAreCumulativeWithVllmNames) {
             std::string::npos);
   EXPECT_NE(text.find("moeserve:time_to_first_token_seconds_count{model_name=\"demo\"} 3\n"), std::string::npos);
   EXPECT_NE(text.find("# TYPE moeserve:kv_cache_usage_perc gauge"), std::string::npos);
+}
+
+// A request's logits adjustments reach the prefill and decode instances
+// unchanged; neutral ones are left out of the message.
+TEST(DisaggProtocol, DecodeRequestCarriesTheLogitsAdjustments) {
+  disagg::DecodeRequest r;
+  r.spec.request_id = "r1";
+  r.spec.prompt = {5, 6, 7};
+  r.spec.max_tokens = 9;
+  r.spec.sampling.seed = 3;
+  r.spec.sampling.presence_penalty = 0.25f;
+  r.spec.sampling.frequency_penalty = -1.5f;
+  r.spec.sampling.repetition_penalty = 1.3f;
+  r.spec.sampling.min_tokens = 4;
+  r.spec.sampling.logit_bias = {{11, -100.0f}, {4, 0.125f}};
+  r.writer_url = "http://127.0.0.1:1";
+  r.writer_endpoint = "127.0.0.1:2";
+  auto back = disagg::parse_decode_request(disagg::to_json(r).dump());
+  ASSERT_TRUE(back.has_value()) << back.status().to_string();
+  const engine::SamplingParams& s = back->spec.sampling;
+  EXPECT_EQ(s.presence_penalty, 0.25f);
+  EXPECT_EQ(s.frequency_penalty, -1.5f);
+  EXPECT_EQ(s.repetition_penalty, 1.3f);
+  EXPECT_EQ(s.min_tokens, 4);
+  EXPECT_EQ(s.logit_bias, r.spec.sampling.logit_bias);
+  EXPECT_EQ(disagg::to_engine_request(back->spec).sampling.logit_bias, r.spec.sampling.logit_bias);
+  r.spec.sampling = {};
+  r.spec.sampling.seed = 3;
+  const auto plain = disagg::to_json(r);
+  EXPECT_FALSE(plain.dump().find("penalty") != std::string::npos ||
+               plain.dump().find("logit_bias") != std::string::npos);
+  back = disagg::parse_decode_request(plain.dump());
+  ASSERT_TRUE(back.has_value());
+  EXPECT_FALSE(back->spec.sampling.adjusts_logits());
+  nlohmann::json uneven = disagg::to_json(r);
+  uneven["logit_bias_ids"] = {1, 2};
+  uneven["logit_bias_values"] = {1.0};
+  EXPECT_FALSE(disagg::parse_decode_request(uneven.dump()).has_value());
 }
 
 // The MTP state of a commit is the target's f32 hidden state: it must arrive

@@ -29,6 +29,13 @@ echo
 curl -s localhost:18555/metrics | grep -E "^moeserve:(generation_tokens_total|kv_cache_usage_perc)" | head -3
 kill -INT $server; wait $server; echo "serve exit: $?"
 grep -E "CUDA model|KV cache|config:" "$OUT/serve.log" | head -5
+echo "=== penalties, logit_bias, min_tokens on the GPU (golden moe_basic against transformers)"
+"$BIN/moeserve" serve --device cuda --model tests/data/golden/moe_basic --max-model-len 256 --kv-cache-gb 1 \
+  --port 18556 > /dev/null 2> "$OUT/serve_penalties.log" &
+server=$!
+for _ in $(seq 1 150); do curl -sf localhost:18556/health > /dev/null && break; sleep 0.2; done
+python3 tools/gpu/penalty_check.py http://localhost:18556 tests/data/golden/moe_basic | tee "$OUT/penalties.txt" | tail -12
+kill -INT $server; wait $server; echo "serve exit: $?"
 echo "=== dummy Qwen3-235B-A22B, 8 layers, on the GPU"
 "$BIN/moeserve" generate --model tests/data/configs/qwen3-235b-a22b.config.json --load-format dummy --num-layers 8 \
   --prompt-ids 1,2,3,4,5,6,7,8 --prompt-ids 9,10 --max-tokens 32 --ignore-eos --device cuda --output json 2>&1 | tail -4
