@@ -84,6 +84,8 @@ Expected<uint64_t> Engine::submit(EngineRequest request, OutputCallback on_outpu
                             request.max_tokens, options_.scheduler.max_model_len);
   MOE_RETURN_IF_ERROR(validate_sampling(request.sampling, vocab_size_));
   if (request.num_logprobs > vocab_size_) return invalid_argument("logprobs must be at most {}", vocab_size_);
+  if (request.num_prompt_logprobs > vocab_size_)
+    return invalid_argument("prompt logprobs must be at most {}", vocab_size_);
   if (request.kv_export && !runner_->supports_layer_hook())
     return invalid_argument("this model runner cannot export KV layer by layer");
   Active active;
@@ -118,6 +120,8 @@ Expected<uint64_t> Engine::submit_prefilled(EngineRequest request, PrefilledProm
   if (request.max_tokens < 1) return invalid_argument("max_tokens must be at least 1, got {}", request.max_tokens);
   MOE_RETURN_IF_ERROR(validate_sampling(request.sampling, vocab_size_));
   if (request.kv_export) return invalid_argument("a prefilled request exports no KV");
+  if (request.num_prompt_logprobs >= 0)
+    return invalid_argument("a prefilled request has no prompt logprobs here");
   if (!prompt.last_hidden.empty() && static_cast<int64_t>(prompt.last_hidden.size()) != mtp_hidden_size())
     return invalid_argument("the prefilled MTP state has {} values; this engine's {}", prompt.last_hidden.size(),
                             drafter_ ? fmt::format("MTP layer takes {}", mtp_hidden_size()) : "has no MTP layer");
@@ -223,6 +227,8 @@ void Engine::admit(uint64_t id, Active active) {
   spec.stop_token_ids = active.request.stop_token_ids;
   spec.ignore_eos = active.request.ignore_eos;
   spec.hold_pages = active.request.kv_export != nullptr;
+  spec.prompt_logits = active.request.num_prompt_logprobs >= 0;
+  if (spec.prompt_logits) active.prompt_logprobs.resize(active.request.prompt.size() - 1);
   if (active.request.timeout_s > 0) spec.deadline_s = active.arrival_s + active.request.timeout_s;
   const auto& sampling = active.request.sampling;
   active.seed = sampling.seed ? *sampling.seed : seed_source_();
@@ -321,6 +327,37 @@ void Engine::sample(const StepPlan& plan, const Tensor& logits, std::vector<std:
   }
 }
 
+Tensor Engine::take_prompt_logprobs(const StepPlan& plan, const model::ForwardBatch& batch, Tensor logits) {
+  int64_t extra = 0;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    const Active& a = active_.at(chunk.id);
+    if (a.request.num_prompt_logprobs < 0) continue;
+    const auto last = static_cast<int32_t>(a.request.prompt.size()) - 1;
+    extra += std::max(0, std::min(chunk.start + chunk.num_tokens, last) - chunk.start);
+  }
+  if (extra == 0) return logits;
+  const int64_t rows = logits.view().dim(0), usual = rows - extra;
+  CHECK(usual >= 0 && rows == static_cast<int64_t>(batch.logits_rows.size()), "{} prompt logits rows of {}",
+        extra, rows);
+  int64_t row = usual;
+  for (const ScheduledChunk& chunk : plan.chunks) {
+    Active& a = active_.at(chunk.id);
+    if (a.request.num_prompt_logprobs < 0) continue;
+    const auto& prompt = a.request.prompt;
+    for (int32_t p = chunk.start;
+         p < chunk.start + chunk.num_tokens && p + 1 < static_cast<int32_t>(prompt.size()); ++p, ++row) {
+      auto& slot = a.prompt_logprobs[static_cast<size_t>(p)];  // the logprob of token p + 1
+      if (slot) continue;
+      slot = compute_logprobs(std::span<const float>(logits.data_as<float>() + row * vocab_size_,
+                                                     static_cast<size_t>(vocab_size_)),
+                              prompt[static_cast<size_t>(p) + 1], a.request.num_prompt_logprobs);
+    }
+  }
+  Tensor kept(DType::kF32, {usual, vocab_size_});
+  std::copy_n(logits.data_as<float>(), usual * vocab_size_, kept.data_as<float>());
+  return kept;
+}
+
 // A sampling chunk's row is its first (rows follow the chunks, num_drafts + 1
 // each); a request that adjusts its logits has no drafts (may_speculate).
 const Tensor& Engine::adjusted_logits(const StepPlan& plan, const Tensor& logits, Tensor& copy) const {
@@ -409,7 +446,8 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
   for (const ScheduledChunk& chunk : plan.chunks) {
     if (!chunk.sample) continue;
     const Active& a = active_.at(chunk.id);
-    on_device &= a.request.num_logprobs < 0 && !a.request.sampling.adjusts_logits();
+    on_device &= a.request.num_logprobs < 0 && a.request.num_prompt_logprobs < 0 &&
+                 !a.request.sampling.adjusts_logits();
     rows.push_back({a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
   }
   Status status;
@@ -422,7 +460,7 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
       status = sampled.status();
     } else {
       auto logits = runner_->forward(batch);
-      if (logits) sample(plan, *logits, runs, logprobs);
+      if (logits) sample(plan, take_prompt_logprobs(plan, batch, std::move(*logits)), runs, logprobs);
       status = logits.status();
     }
   } catch (const std::exception& e) {
@@ -478,8 +516,8 @@ Status Engine::run_speculative(const StepPlan& plan, const model::ForwardBatch& 
     if (!chunk.sample) continue;
     const Active& a = active_.at(chunk.id);
     rows.push_back({a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
-    greedy &=
-        a.request.sampling.is_greedy() && a.request.num_logprobs < 0 && !a.request.sampling.adjusts_logits();
+    greedy &= a.request.sampling.is_greedy() && a.request.num_logprobs < 0 &&
+              a.request.num_prompt_logprobs < 0 && !a.request.sampling.adjusts_logits();
   }
   std::vector<int32_t> all_rows(static_cast<size_t>(batch.num_tokens()));
   std::iota(all_rows.begin(), all_rows.end(), 0);
@@ -494,6 +532,7 @@ Status Engine::run_speculative(const StepPlan& plan, const model::ForwardBatch& 
       auto logits = runner_->forward_with_hidden(batch, all_rows, hidden);
       status = logits.status();
       if (logits) {
+        *logits = take_prompt_logprobs(plan, batch, std::move(*logits));
         Tensor copy;
         runs = sample_runs(plan, batch, adjusted_logits(plan, *logits, copy), rows);
         int64_t row = 0;
@@ -599,6 +638,13 @@ void Engine::step() {
     out.token = u.token;
     if (next_logprobs < logprobs.size() && logprobs[next_logprobs].first == u.id)
       out.logprobs = std::move(logprobs[next_logprobs++].second);
+    if (!a.prompt_logprobs.empty() && !a.prompt_logprobs_sent) {
+      a.prompt_logprobs_sent = true;
+      for (auto& lp : a.prompt_logprobs) {
+        CHECK(lp.has_value(), "request {}: a prompt position without logprobs", u.id);
+        out.prompt_logprobs.push_back(std::move(*lp));
+      }
+    }
     out.num_prompt_tokens = u.num_prompt_tokens;
     out.num_output_tokens = u.num_output_tokens;
     out.num_draft_tokens = a.num_draft_tokens;
@@ -608,7 +654,7 @@ void Engine::step() {
       std::lock_guard lock(mutex_);
       metrics_.time_to_first_token_seconds.observe(done - a.arrival_s);
     }
-    out.num_cached_tokens = scheduler_.num_cached_tokens(u.id);
+    out.num_cached_tokens = u.num_cached_tokens;  // (the scheduler forgets a finished sequence)
     if (u.finish != FinishReason::kNone) {
       out.finish = u.finish;
       finish(u.id, std::move(out));

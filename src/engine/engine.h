@@ -66,6 +66,10 @@ struct EngineRequest {
   bool ignore_eos = false;
   std::vector<int32_t> stop_token_ids;  // in addition to the model's eos ids
   int num_logprobs = -1;                // -1: none; k >= 0: the sampled token's logprob and the top k
+  // -1: none; k >= 0: the logprob and top k of every prompt token after the
+  // first (EngineOutput::prompt_logprobs; the prompt is computed whole, no
+  // prefix-cache hit).
+  int num_prompt_logprobs = -1;
   double timeout_s = 0;                 // 0: no deadline
   // Set: every layer's KV of the prompt is handed to it as it is written
   // (needs a runner with layer hooks; the prefix-cached part included).
@@ -82,6 +86,9 @@ struct EngineOutput {
   uint64_t id = 0;
   int32_t token = -1;  // the new token; -1 in a final output that adds none
   std::optional<TokenLogprobs> logprobs;
+  // In the output with the first token (num_prompt_logprobs >= 0): prompt
+  // tokens 1 .. n-1, each given the ones before it.
+  std::vector<TokenLogprobs> prompt_logprobs;
   FinishReason finish = FinishReason::kNone;
   Status error;  // not ok: the request failed (finish is kAbort)
   int num_prompt_tokens = 0;
@@ -172,6 +179,10 @@ class Engine {
     bool has_mtp_state = false;            // submit_prefilled() with the MTP state: may speculate
     int32_t num_exported_tokens = 0;       // request.kv_export: positions handed over
     int num_draft_tokens = 0, num_accepted_tokens = 0;  // speculative decoding
+    // request.num_prompt_logprobs: per prompt position 1 .. n-1, filled as its
+    // chunks run (a recompute after preemption fills nothing twice).
+    std::vector<std::optional<TokenLogprobs>> prompt_logprobs;
+    bool prompt_logprobs_sent = false;
   };
   // A sampling chunk's logprobs (requests that asked for them).
   using ChunkLogprobs = std::vector<std::pair<uint64_t, TokenLogprobs>>;
@@ -197,6 +208,10 @@ class Engine {
   // row (SamplingParams::adjusts_logits), else `copy` with those rows
   // adjusted. Logprobs are of the model's own logits (vLLM's default).
   const Tensor& adjusted_logits(const StepPlan& plan, const Tensor& logits, Tensor& copy) const;
+  // The prompt rows build_batch put after the usual ones (SequenceSpec::
+  // prompt_logits) become their requests' prompt logprobs; returns the
+  // usual rows.
+  Tensor take_prompt_logprobs(const StepPlan& plan, const model::ForwardBatch& batch, Tensor logits);
   void finish(uint64_t id, EngineOutput out);
   void fail_all(const Status& status);
   void update_gauges();

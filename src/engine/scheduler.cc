@@ -102,7 +102,8 @@ bool Scheduler::try_admit(Sequence& seq, int& budget, StepPlan& plan) {
   // Reuse cached full pages, but always leave at least one token to compute:
   // its logits give the next token.
   const auto num_tokens = static_cast<int32_t>(seq.tokens.size());
-  std::vector<int32_t> cached = cache_.acquire_prefix(seq.tokens, (num_tokens - 1) / options_.page_size);
+  std::vector<int32_t> cached =
+      cache_.acquire_prefix(seq.tokens, seq.spec.prompt_logits ? 0 : (num_tokens - 1) / options_.page_size);
   const int32_t need = pages_for(num_tokens) - static_cast<int32_t>(cached.size());
   if (need > cache_.num_available()) {
     cache_.release(cached);
@@ -235,6 +236,7 @@ void Scheduler::complete_run(Sequence& seq, const ScheduledChunk& chunk, const s
     seq.tokens.push_back(token);
     SequenceUpdate u{seq.spec.id, token};
     u.num_prompt_tokens = static_cast<int>(seq.spec.prompt.size());
+    u.num_cached_tokens = seq.num_cached_tokens;
     u.num_output_tokens = static_cast<int>(seq.tokens.size() - seq.spec.prompt.size());
     u.finish = reason = finish_reason_after(seq, token);
     updates.push_back(u);
@@ -357,8 +359,15 @@ model::ForwardBatch Scheduler::build_batch(const StepPlan& plan) const {
   for (const auto& chunk : plan.chunks) max_pages = std::max(max_pages, seqs_.at(chunk.id)->pages.size());
   batch.max_pages_per_seq = static_cast<int>(max_pages);
   batch.query_start.push_back(0);
+  std::vector<int32_t> prompt_rows;  // prompt_logits sequences' rows, after the others
   for (const auto& chunk : plan.chunks) {
     const Sequence& seq = *seqs_.at(chunk.id);
+    if (seq.spec.prompt_logits) {
+      const auto last =
+          static_cast<int32_t>(seq.spec.prompt.size()) - 1;  // the last prompt token has no successor
+      for (int32_t i = 0; i < chunk.num_tokens && chunk.start + i < last; ++i)
+        prompt_rows.push_back(batch.num_tokens() + i);
+    }
     const int32_t num_known = chunk.num_tokens - chunk.num_drafts;
     for (int32_t i = 0; i < chunk.num_tokens; ++i) {
       batch.token_ids.push_back(i < num_known ? seq.tokens[chunk.start + i] : seq.drafts[i - num_known]);
@@ -371,6 +380,7 @@ model::ForwardBatch Scheduler::build_batch(const StepPlan& plan) const {
     if (chunk.sample)  // every draft row is verified, then the last row's token follows
       for (int32_t r = chunk.num_drafts; r >= 0; --r) batch.logits_rows.push_back(batch.num_tokens() - 1 - r);
   }
+  batch.logits_rows.insert(batch.logits_rows.end(), prompt_rows.begin(), prompt_rows.end());
   return batch;
 }
 

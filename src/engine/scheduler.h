@@ -66,6 +66,11 @@ struct SequenceSpec {
   // freed, until take_held_pages() + release_reserved(): a disaggregated
   // prefill's KV is still being read by the transfer.
   bool hold_pages = false;
+  // The logits of every prompt position (prompt logprobs): its chunks add a
+  // logits row for each prompt token that has a successor in the prompt,
+  // after all the usual rows of the batch (build_batch), and it computes its
+  // whole prompt (no prefix-cache hit).
+  bool prompt_logits = false;
 };
 
 // One sequence's share of a step.
@@ -93,6 +98,7 @@ struct SequenceUpdate {
   FinishReason finish = FinishReason::kNone;  // set: the sequence is gone
   int num_prompt_tokens = 0;
   int num_output_tokens = 0;
+  int num_cached_tokens = 0;  // prompt tokens found in the prefix cache
 };
 
 class Scheduler {

@@ -123,6 +123,7 @@ std::string CompletionRun::token_text(int32_t id) const {
 void CompletionRun::add_token(Choice& c, const engine::EngineOutput& out) {
   c.token_ids.push_back(out.token);
   if (out.logprobs) c.logprobs.push_back(*out.logprobs);
+  if (!out.prompt_logprobs.empty()) c.prompt_logprobs = out.prompt_logprobs;
   // The token that stopped generation (eos or a stop id) is not part of the text.
   const bool stop_token = out.finish == engine::FinishReason::kStop;
   if (c.detokenizer && !stop_token) c.text += c.detokenizer->add(out.token);
@@ -191,7 +192,7 @@ json CompletionRun::chunk_head() const {
           {"model", config_.model}};
 }
 
-json CompletionRun::logprobs_json(const Choice& c, size_t from, size_t text_offset) const {
+json CompletionRun::logprobs_json(const Choice& c, size_t from, size_t text_offset, bool with_prompt) const {
   if (config_.params.logprobs < 0) return nullptr;
   if (config_.chat) {
     json content = json::array();
@@ -210,16 +211,27 @@ json CompletionRun::logprobs_json(const Choice& c, size_t from, size_t text_offs
     return {{"content", content}};
   }
   json tokens = json::array(), token_logprobs = json::array(), top = json::array(), offsets = json::array();
-  for (size_t i = from; i < c.logprobs.size(); ++i) {
-    const std::string t = token_text(c.logprobs[i].token);
-    tokens.push_back(t);
-    token_logprobs.push_back(c.logprobs[i].logprob);
+  // Without a tokenizer a token shows as "token_id:N" (vLLM's return_tokens_as_token_ids form).
+  auto label = [&](int32_t id) {
+    return config_.tokenizer ? token_text(id) : fmt::format("token_id:{}", id);
+  };
+  auto add = [&](int32_t id, const engine::TokenLogprobs* lp, size_t& offset) {  // lp null: nothing before it
+    tokens.push_back(label(id));
+    offsets.push_back(offset);
+    offset += token_text(id).size();
+    token_logprobs.push_back(lp ? json(lp->logprob) : json(nullptr));
     json alternatives = json::object();
-    for (const auto& [id, lp] : c.logprobs[i].top) alternatives[token_text(id)] = lp;
-    top.push_back(config_.params.logprobs > 0 ? alternatives : json(nullptr));
-    offsets.push_back(text_offset);
-    text_offset += t.size();
+    if (lp)
+      for (const auto& [alt, value] : lp->top) alternatives[label(alt)] = value;
+    top.push_back(lp && config_.params.logprobs > 0 ? alternatives : json(nullptr));
+  };
+  if (with_prompt && config_.echo_logprobs) {  // the echoed prompt first
+    const std::vector<int32_t>& ids = config_.prompts[c.prompt].ids;
+    size_t offset = 0;
+    for (size_t j = 0; j < ids.size(); ++j)
+      add(ids[j], j > 0 && j <= c.prompt_logprobs.size() ? &c.prompt_logprobs[j - 1] : nullptr, offset);
   }
+  for (size_t i = from; i < c.logprobs.size(); ++i) add(c.logprobs[i].token, &c.logprobs[i], text_offset);
   return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
 }
 
@@ -263,11 +275,14 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
     choice["delta"] = d;
   } else {
     choice["text"] = c.sent_role ? delta : echo + delta;  // the echo goes out with the first chunk
-    c.sent_role = true;
   }
-  // Completions: text_offset continues over the tokens already sent, after the echo (as the full response's).
-  choice["logprobs"] =
-      new_logprobs ? logprobs_json(c, c.logprobs_emitted, echo.size() + c.logprobs_text) : json(nullptr);
+  // Completions: text_offset continues over the tokens already sent, after the echo (as the full response's);
+  // the echoed prompt's logprobs lead the first chunk's.
+  const bool with_prompt = !config_.chat && !c.sent_role && config_.echo_logprobs;
+  if (!config_.chat) c.sent_role = true;
+  choice["logprobs"] = new_logprobs || with_prompt
+                           ? logprobs_json(c, c.logprobs_emitted, echo.size() + c.logprobs_text, with_prompt)
+                           : json(nullptr);
   if (!config_.chat)
     for (size_t i = c.logprobs_emitted; i < c.logprobs.size(); ++i)
       c.logprobs_text += token_text(c.logprobs[i].token).size();
@@ -360,7 +375,7 @@ void CompletionRun::complete() {
     } else {
       choice["text"] = config_.prompts[c.prompt].echo_text + c.text;
     }
-    choice["logprobs"] = logprobs_json(c, 0, config_.prompts[c.prompt].echo_text.size());
+    choice["logprobs"] = logprobs_json(c, 0, config_.prompts[c.prompt].echo_text.size(), true);
     choice["finish_reason"] = finish_reason(c);
     if (config_.params.return_token_ids) {
       choice["token_ids"] = c.token_ids;

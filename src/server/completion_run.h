@@ -52,6 +52,9 @@ struct RunConfig {
   GenerationParams params;
   std::vector<RunPrompt> prompts;  // choice k is choice k % n of prompt k / n
   bool reasoning_qwen3 = false;
+  // Completions with echo and logprobs: the prompt's tokens lead the logprobs
+  // (the first with a null logprob), as OpenAI's legacy API and vLLM.
+  bool echo_logprobs = false;
   // Chat with tools and a --tool-call-parser: tool_calls out of the content.
   bool parse_tool_calls = false;
   ToolCallFormat tool_call_format = ToolCallFormat::kHermes;
@@ -83,6 +86,7 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
     size_t stop_checked = 0;   // stop strings searched up to here
     std::vector<int32_t> token_ids;
     std::vector<engine::TokenLogprobs> logprobs;
+    std::vector<engine::TokenLogprobs> prompt_logprobs;  // echo_logprobs: prompt tokens 1 .. n-1
     size_t logprobs_emitted = 0;
     size_t logprobs_text = 0;  // bytes of the tokens' text behind those logprobs (text_offset)
     size_t tokens_emitted = 0;
@@ -111,7 +115,10 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
   void complete();
   nlohmann::json usage() const;
   nlohmann::json chunk_head() const;
-  nlohmann::json logprobs_json(const Choice& c, size_t from, size_t text_offset) const;
+  // Logprobs from token `from` on, their text offsets from `text_offset`;
+  // with_prompt (and echo_logprobs): the echoed prompt's first, from offset 0.
+  nlohmann::json logprobs_json(const Choice& c, size_t from, size_t text_offset,
+                               bool with_prompt = false) const;
   std::string token_text(int32_t id) const;
 
   RunConfig config_;

@@ -128,7 +128,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   const RequestLimits& limits = options_.limits;
   GenerationParams params;
   std::vector<RunPrompt> prompts;
-  bool parse_tool_calls = false;
+  bool parse_tool_calls = false, echo_logprobs = false;
   nlohmann::ordered_json tools;
   if (chat) {
     auto parsed = parse_chat_request(request.body, limits);
@@ -144,6 +144,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
     if (auto* e = std::get_if<ApiError>(&parsed)) return reply_error(*e);
     const auto& r = std::get<CompletionRequest>(parsed);
     params = r.params;
+    echo_logprobs = r.echo && params.logprobs >= 0;
     for (const auto& p : r.prompts)
       if (auto e = prepare_completion(p, r.echo, params.skip_special_tokens, prompts.emplace_back()))
         return reply_error(*e);
@@ -172,6 +173,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   base.ignore_eos = params.ignore_eos;
   base.stop_token_ids = params.stop_token_ids;
   base.num_logprobs = params.logprobs;
+  if (echo_logprobs) base.num_prompt_logprobs = params.logprobs;  // the echoed prompt's logprobs come first
   base.timeout_s = options_.request_timeout_s;
 
   RunConfig config;
@@ -183,6 +185,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   config.prompts = std::move(prompts);
   config.reasoning_qwen3 = chat && options_.reasoning_parser_qwen3;
   config.parse_tool_calls = parse_tool_calls;
+  config.echo_logprobs = echo_logprobs;
   if (parse_tool_calls) config.tool_call_format = *options_.tool_call_parser, config.tools = std::move(tools);
   config.tokenizer = tokenizer_;
   config.headers = id_header;

@@ -307,7 +307,11 @@ Expected<uint64_t> Router::submit(engine::EngineRequest request, engine::OutputC
       return invalid_argument("token id {} is outside the vocabulary [0, {})", id, options_.vocab_size);
   if (request.max_tokens < 1)
     return invalid_argument("max_tokens must be at least 1, got {}", request.max_tokens);
-  MOE_RETURN_IF_ERROR(engine::validate_sampling(request.sampling));
+  MOE_RETURN_IF_ERROR(engine::validate_sampling(request.sampling, options_.vocab_size));
+  if (request.num_prompt_logprobs >= 0)
+    return invalid_argument(
+        "prompt logprobs (echo with logprobs) are not served by disaggregated instances yet: "
+        "ask a colocated `serve`");
   if (!pool_.has_healthy(InstanceRole::kDecode)) return unavailable("no healthy decode instance");
   if (!pool_.has_healthy(InstanceRole::kPrefill)) return unavailable("no healthy prefill instance");
   pool_.count_input_tokens(static_cast<int64_t>(request.prompt.size()));

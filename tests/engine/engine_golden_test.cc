@@ -4,9 +4,12 @@
 // (tests/data/golden, tools/make_golden.py).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <future>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <optional>
 
 #include "engine/engine.h"
@@ -186,6 +189,116 @@ TEST_P(PenaltyGoldenTest, AdjustedGreedyEqualsTransformers) {
 INSTANTIATE_TEST_SUITE_P(Models, PenaltyGoldenTest,
                          testing::Values(std::make_tuple("moe_basic", 200), std::make_tuple("moe_basic", 30),
                                          std::make_tuple("dense_qwen3", 200)));
+
+}  // namespace
+}  // namespace moe::engine
+
+namespace moe::engine {
+namespace {
+
+// Prompt logprobs (num_prompt_logprobs): every prompt token after the first,
+// given the ones before it, equals transformers' log-softmax of the logits at
+// every position of a golden prompt; and on a long prompt made of a golden
+// prompt and its greedy continuation (chunked: 9 tokens per step; with 64
+// pages two such prompts at a time; after a plain copy filled the prefix
+// cache) the continuation's
+// tokens are the top-1 of their positions. The first output carries them.
+class PromptLogprobsTest : public testing::TestWithParam<int32_t> {};
+
+TEST_P(PromptLogprobsTest, EqualTransformersAtEveryPosition) {
+  const int32_t num_pages = GetParam();
+  const auto golden = read_json(golden_dir("moe_basic") + "/golden.json");
+  GoldenEngine g("moe_basic", num_pages);
+  ASSERT_TRUE(g.engine);
+  struct Run {
+    std::vector<int32_t> tokens;
+    std::vector<TokenLogprobs> prompt_logprobs;
+    int outputs_with_prompt_logprobs = 0;
+    int num_cached_tokens = 0;
+    std::promise<void> done;
+  };
+  auto submit = [&](std::vector<int32_t> prompt, int num_prompt_logprobs, Run& run, int max_tokens = 1) {
+    EngineRequest request;
+    request.prompt = std::move(prompt);
+    request.max_tokens = max_tokens;
+    request.sampling.temperature = 0;
+    request.ignore_eos = true;
+    request.num_prompt_logprobs = num_prompt_logprobs;
+    auto id = g.engine->submit(request, [&run](const EngineOutput& out) {
+      if (out.token >= 0) run.tokens.push_back(out.token);
+      if (!out.prompt_logprobs.empty())
+        run.prompt_logprobs = out.prompt_logprobs, ++run.outputs_with_prompt_logprobs;
+      run.num_cached_tokens = std::max(run.num_cached_tokens, out.num_cached_tokens);
+      if (out.finish != FinishReason::kNone) run.done.set_value();
+    });
+    ASSERT_TRUE(id.has_value()) << id.status().to_string();
+  };
+  // A golden prompt with the logits of all its positions.
+  const auto& all = golden["all_positions"];
+  const auto& short_prompt = golden["prompts"][all["prompt_index"].get<size_t>()];
+  const auto short_ids = short_prompt["ids"].get<std::vector<int32_t>>();
+  // The longest golden prompt and 23 of its 24 greedy tokens.
+  const auto& long_prompt = golden["prompts"][golden["prompts"].size() - 1];
+  std::vector<int32_t> long_ids = long_prompt["ids"].get<std::vector<int32_t>>();
+  const auto greedy = long_prompt["greedy"].get<std::vector<int32_t>>();
+  const size_t continuation_start = long_ids.size();
+  long_ids.insert(long_ids.end(), greedy.begin(), greedy.end() - 1);
+  Run plain, plain_again, short_run, long_run, long_run_top0;
+  submit(long_ids, -1, plain);
+  plain.done.get_future().wait();  // its pages are in the prefix cache now
+  submit(short_ids, 2, short_run);
+  submit(long_ids, 1, long_run, 12);  // decoding on: with 30 pages, preemptions and recomputes
+  submit(long_ids, 0, long_run_top0, 12);
+  submit(long_ids, -1, plain_again);
+  for (Run* r : {&short_run, &long_run, &long_run_top0, &plain_again}) r->done.get_future().wait();
+
+  ASSERT_EQ(short_run.prompt_logprobs.size(), short_ids.size() - 1);
+  EXPECT_EQ(short_run.outputs_with_prompt_logprobs, 1);
+  for (size_t p = 0; p + 1 < short_ids.size(); ++p) {
+    const auto logits = all["logits"][p].get<std::vector<float>>();
+    double max_logit = *std::max_element(logits.begin(), logits.end()), z = 0;
+    for (float x : logits) z += std::exp(x - max_logit);
+    const double log_z = max_logit + std::log(z);
+    const TokenLogprobs& lp = short_run.prompt_logprobs[p];
+    EXPECT_EQ(lp.token, short_ids[p + 1]);
+    EXPECT_NEAR(lp.logprob, logits[static_cast<size_t>(short_ids[p + 1])] - log_z, 2e-3)
+        << "position " << p + 1;
+    ASSERT_EQ(lp.top.size(), 2u);
+    std::vector<int32_t> order(logits.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + 2, order.end(),
+                      [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+    EXPECT_EQ(lp.top[0].first, order[0]) << "position " << p + 1;
+    EXPECT_NEAR(lp.top[0].second, logits[static_cast<size_t>(order[0])] - log_z, 2e-3);
+  }
+  ASSERT_EQ(long_run.prompt_logprobs.size(), long_ids.size() - 1);
+  ASSERT_EQ(long_run_top0.prompt_logprobs.size(), long_ids.size() - 1);
+  for (size_t p = 0; p + 1 < long_ids.size(); ++p) {
+    const TokenLogprobs& lp = long_run.prompt_logprobs[p];
+    EXPECT_EQ(lp.token, long_ids[p + 1]);
+    EXPECT_LE(lp.logprob, 0.0f);
+    ASSERT_EQ(lp.top.size(), 1u);
+    EXPECT_TRUE(long_run_top0.prompt_logprobs[p].top.empty());
+    EXPECT_EQ(long_run_top0.prompt_logprobs[p].logprob, lp.logprob);
+    if (p + 1 >= continuation_start) {  // a greedy token: the most probable one
+      EXPECT_EQ(lp.top[0].first, long_ids[p + 1]) << "position " << p + 1;
+      EXPECT_NEAR(lp.logprob, lp.top[0].second, 1e-6);
+    }
+  }
+  ASSERT_EQ(long_run.tokens.size(), 12u);
+  EXPECT_EQ(long_run.tokens[0], greedy.back());
+  EXPECT_EQ(long_run_top0.tokens, long_run.tokens);
+  EXPECT_EQ(long_run_top0.outputs_with_prompt_logprobs, 1);
+  EXPECT_EQ(plain.tokens, std::vector<int32_t>{greedy.back()});
+  EXPECT_TRUE(plain.prompt_logprobs.empty());
+  EXPECT_EQ(long_run.num_cached_tokens, 0) << "prompt logprobs compute the whole prompt";
+  EXPECT_EQ(long_run_top0.num_cached_tokens, 0);
+  if (num_pages == 200) {  // (with 64 the prompt-logprobs runs' pages evict the cached ones)
+    EXPECT_GT(plain_again.num_cached_tokens, 0) << "a plain copy does hit the cache";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Pages, PromptLogprobsTest, testing::Values(200, 64));
 
 }  // namespace
 }  // namespace moe::engine

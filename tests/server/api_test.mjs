@@ -2,7 +2,7 @@
 // server on the golden model moe_basic (tests/data/golden, token-id prompts):
 // greedy outputs equal transformers' goldens, streaming and not, usage chunks,
 // batches of prompts, penalties / logit_bias / min_tokens against transformers'
-// logits processors,
+// logits processors, echo with logprobs against transformers' logits,
 // errors as the client's APIError classes, 64 concurrent streams equal to the
 // same requests run alone, and a client disconnect that cancels the request
 // and returns KV usage to its baseline.
@@ -129,6 +129,43 @@ test('penalties, logit_bias and min_tokens equal transformers\' logits processor
   const top = r.choices[0].logprobs.top_logprobs[0];
   assert.equal(Object.keys(top).length, 1);
   assert.ok(Object.values(top)[0] > r.choices[0].logprobs.token_logprobs[0], 'the unbiased favourite tops the list');
+});
+
+test('echo with logprobs (lm-eval\'s loglikelihood request): the prompt\'s logprobs equal transformers\'', async () => {
+  const all = golden.all_positions;
+  const ids = golden.prompts[all.prompt_index].ids;
+  const logSoftmax = (row) => {
+    const max = Math.max(...row);
+    const z = Math.log(row.reduce((acc, x) => acc + Math.exp(x - max), 0)) + max;
+    return row.map((x) => x - z);
+  };
+  const request = { model, prompt: [ids, golden.prompts[0].ids], max_tokens: 1, temperature: 0, logprobs: 1,
+                    echo: true, return_token_ids: true };
+  const r = await client.completions.create(request);
+  assert.equal(r.choices.length, 2);
+  const lp = r.choices[0].logprobs;
+  assert.equal(lp.tokens.length, ids.length + 1);
+  assert.deepEqual(lp.tokens.slice(0, ids.length), ids.map((id) => `token_id:${id}`));
+  assert.equal(lp.token_logprobs[0], null);
+  assert.equal(lp.top_logprobs[0], null);
+  for (let p = 0; p + 1 < ids.length; p++) {
+    const expected = logSoftmax(all.logits[p]);
+    assert.ok(Math.abs(lp.token_logprobs[p + 1] - expected[ids[p + 1]]) < 2e-3, `position ${p + 1}`);
+    const best = expected.indexOf(Math.max(...expected));
+    assert.deepEqual(Object.keys(lp.top_logprobs[p + 1]), [`token_id:${best}`], `position ${p + 1}`);
+  }
+  assert.equal(lp.tokens[ids.length], `token_id:${golden.prompts[all.prompt_index].greedy[0]}`);
+  const other = r.choices[1].logprobs;
+  assert.equal(other.tokens.length, golden.prompts[0].ids.length + 1);  // a one-token prompt: only nulls before
+  // Streamed: the first chunk leads with the prompt's; together they equal the response above.
+  const stream = await client.completions.create({ ...request, prompt: ids, max_tokens: 3, stream: true });
+  const streamed = { tokens: [], token_logprobs: [], top_logprobs: [] };
+  for await (const chunk of stream)
+    for (const c of chunk.choices)
+      if (c.logprobs) for (const k of Object.keys(streamed)) streamed[k].push(...c.logprobs[k]);
+  assert.deepEqual(streamed.tokens.slice(0, ids.length + 1), lp.tokens);
+  assert.deepEqual(streamed.token_logprobs.slice(0, ids.length + 1), lp.token_logprobs);
+  assert.equal(streamed.tokens.length, ids.length + 3);
 });
 
 test('a batch of prompts gives each prompt\'s goldens, choices ordered prompt by prompt', async () => {

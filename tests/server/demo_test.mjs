@@ -54,7 +54,14 @@ test('a batch of text prompts with echo: each choice is the prompt then its gree
   const alone = await Promise.all(texts.map((t) => client.completions.create({ ...params, prompt: t.text, echo: false })));
   texts.forEach((t, i) => {
     assert.equal(r.choices[i].text, t.text + alone[i].choices[0].text, `prompt ${i}`);
-    assert.equal(r.choices[i].logprobs.text_offset[0], t.text.length);  // offsets count the echo
+    // The echoed prompt's tokens lead the logprobs (offsets from 0), then the generated ones after the echo.
+    const lp = r.choices[i].logprobs;
+    assert.equal(lp.tokens.length, t.ids.length + golden.n_greedy);
+    assert.equal(lp.tokens.slice(0, t.ids.length).join(''), t.text);
+    assert.equal(lp.text_offset[0], 0);
+    assert.equal(lp.token_logprobs[0], null);
+    assert.equal(lp.text_offset[t.ids.length], t.text.length);
+    assert.deepEqual(lp.token_logprobs.slice(t.ids.length), alone[i].choices[0].logprobs.token_logprobs);
   });
   const stream = await client.completions.create({ ...params, stream: true });
   const streamed = texts.map(() => '');
