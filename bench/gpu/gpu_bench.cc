@@ -330,6 +330,51 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
 // on H200 here) or 1580 (FP8, twice that). Both row tilings run: the decode
 // kernels' 64 rows and the prefill kernels' 128. Down writes bf16 rows, as
 // the model's does.
+// The SM clock moves with power and heat from call to call, so kernels
+// compared with each other are timed interleaved: call by call in turn, each
+// call between its own CUDA events, MOE_BENCH_CALLS rounds (default 30) after
+// three warm-up rounds; the median per kernel, and the first kernel's median
+// against each other's.
+void interleaved(const char* what,
+                 const std::vector<std::pair<std::string, std::function<void()>>>& kernels) {
+  const char* env = std::getenv("MOE_BENCH_CALLS");
+  const int calls = env != nullptr ? std::max(1, std::atoi(env)) : 30;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<std::vector<double>> ms(kernels.size());
+  for (int c = -3; c < calls; ++c) {
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      cudaEventRecord(start);
+      kernels[i].second();
+      cudaEventRecord(stop);
+      check(cudaEventSynchronize(stop), "timing");
+      float t = 0;
+      cudaEventElapsedTime(&t, start, stop);
+      if (c >= 0) ms[i].push_back(t);
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::vector<double> medians;
+  for (auto& m : ms) {
+    std::sort(m.begin(), m.end());
+    medians.push_back(m[m.size() / 2]);
+  }
+  std::printf("%s, interleaved, %d calls each: median (p10 .. p90) ms:\n", what, calls);
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    std::printf("  %-24s %.3f (%.3f .. %.3f)", kernels[i].first.c_str(), medians[i], ms[i][ms[i].size() / 10],
+                ms[i][ms[i].size() * 9 / 10]);
+    if (i > 0) std::printf("  %s / this = %.3fx", kernels[0].first.c_str(), medians[i] / medians[0]);
+    std::printf("\n");
+    if (json_out)
+      std::fprintf(json_out,
+                   "{\"bench\":\"interleaved\",\"what\":\"%s\",\"kernel\":\"%s\",\"calls\":%d,"
+                   "\"median_ms\":%.4f}\n",
+                   what, kernels[i].first.c_str(), calls, medians[i]);
+  }
+}
+
 void bench_prefill_grouped_gemm() {
   if (!k::hopper_kernels_available()) return;
   // MOE_BENCH_PREFILL_ROWS: rows per expert other than 375 (a multiple of 8);
@@ -373,21 +418,24 @@ void bench_prefill_grouped_gemm() {
     DeviceTensor x_rows = alloc(DType::kBF16, {pairs, H});
     double gather_ms = 0.0;
     using Gemm = cudaError_t (*)(const k::GroupedGemmParams&, cudaStream_t);
-    auto time_gemms = [&](Gemm gemm, int tile_rows, bool bf16_rows = true) {
-      const int max_tiles = permute(tile_rows);
+    // The two GEMMs over rows permuted for tile_rows (permute() first).
+    auto run_gemms = [&](Gemm gemm, int tile_rows, bool bf16_rows) {
+      const int max_tiles = (pairs + tile_rows - 1) / tile_rows + E;
       const bool gathered = tile_rows == k::kPrefillGemmTileRows;
+      gemm({gathered ? x_rows.data_as<bf16>() : x.data_as<bf16>(),
+            gathered ? nullptr : sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
+            tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true, pairs},
+           nullptr);
+      gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(),
+            tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false, pairs, bf16_rows},
+           nullptr);
+    };
+    auto time_gemms = [&](Gemm gemm, int tile_rows, bool bf16_rows = true) {
+      permute(tile_rows);
       const k::GatherRowsParams gather{x.data(), x_rows.data(), sorted.data_as<int32_t>(), pairs,
                                        int64_t{H} * 2};
-      if (gathered) gather_ms = time_ms([&] { k::gather_rows(gather, nullptr); });
-      const double ms = time_ms([&] {
-        gemm({gathered ? x_rows.data_as<bf16>() : x.data_as<bf16>(),
-              gathered ? nullptr : sorted.data_as<int32_t>(), w13.data_as<bf16>(), offsets.data_as<int32_t>(),
-              tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true, pairs},
-             nullptr);
-        gemm({act.data_as<bf16>(), nullptr, w2.data_as<bf16>(), offsets.data_as<int32_t>(),
-              tiles.data_as<int32_t>(), rows.data(), H, I, E, max_tiles, false, pairs, bf16_rows},
-             nullptr);
-      });
+      if (tile_rows == k::kPrefillGemmTileRows) gather_ms = time_ms([&] { k::gather_rows(gather, nullptr); });
+      const double ms = time_ms([&] { run_gemms(gemm, tile_rows, bf16_rows); });
       check(cudaGetLastError(), "grouped gemm");
       return ms;
     };
@@ -402,16 +450,28 @@ void bench_prefill_grouped_gemm() {
     auto dense = k::Gemm::create();
     check(dense.status());
     DeviceTensor gate_up_out = alloc(DType::kBF16, {pairs, 2 * I});
-    const double peer_ms = time_ms([&] {
+    auto peer = [&] {
       check(dense->matmul(x_rows.data_as<bf16>(), w13.data_as<bf16>(), gate_up_out.data(), DType::kBF16,
                           pairs, 2 * I, H, nullptr));
       check(dense->matmul(act.data_as<bf16>(), w2.data_as<bf16>(), rows.data(), DType::kBF16, pairs, H, I,
                           nullptr));
-    });
+    };
+    const double peer_ms = time_ms(peer);
     char extra[128];
     std::snprintf(extra, sizeof extra, "%.1f TFLOP/s; ours / cuBLASLt = %.2fx", flops / (peer_ms * 1e9),
                   peer_ms / ms);
     report("cublaslt_bf16", shape, peer_ms, flops / 790e9, extra);
+    permute(k::kPrefillGemmTileRows);
+    auto ours = [&](const char* unroll) {
+      return [&, unroll] {
+        setenv("MOE_PREFILL_GEMM_UNROLL", unroll, 1);
+        run_gemms(k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows, true);
+      };
+    };
+    interleaved(
+        "bf16 prefill GEMMs",
+        {{"ours", ours("1")}, {"ours, K loop not unrolled", ours("0")}, {"cuBLASLt dense bf16", peer}});
+    unsetenv("MOE_PREFILL_GEMM_UNROLL");
   }
   {
     DeviceTensor w13 = fp8_weights(int64_t{E} * 2 * I, H, 35), w2 = fp8_weights(int64_t{E} * H, I, 36);
@@ -424,27 +484,29 @@ void bench_prefill_grouped_gemm() {
     DeviceTensor xg_q = alloc(DType::kF8E4M3, {pairs, H}), xg_s = alloc(DType::kF32, {pairs, H / 128});
     double gather_ms = 0.0;
     using Gemm = cudaError_t (*)(const k::Fp8GroupedGemmParams&, cudaStream_t);
-    auto time_gemms = [&](Gemm gemm, int tile_rows, bool bf16_rows = true) {
-      const int max_tiles = permute(tile_rows);
+    auto run_gemms = [&](Gemm gemm, int tile_rows, bool bf16_rows) {  // permute() first
+      const int max_tiles = (pairs + tile_rows - 1) / tile_rows + E;
       const bool gathered = tile_rows == k::kPrefillGemmTileRows;
-      if (gathered) {
+      gemm({gathered ? xg_q.data_as<uint8_t>() : x_q.data_as<uint8_t>(),
+            gathered ? xg_s.data_as<float>() : x_s.data_as<float>(),
+            gathered ? nullptr : sorted.data_as<int32_t>(), w13.data_as<uint8_t>(), s13.data_as<float>(),
+            offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true, 1,
+            pairs},
+           nullptr);
+      gemm({act_q.data_as<uint8_t>(), act_s.data_as<float>(), nullptr, w2.data_as<uint8_t>(),
+            s2.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(), H, I, E,
+            max_tiles, false, 1, pairs, bf16_rows},
+           nullptr);
+    };
+    auto time_gemms = [&](Gemm gemm, int tile_rows, bool bf16_rows = true) {
+      permute(tile_rows);
+      if (tile_rows == k::kPrefillGemmTileRows) {
         gather_ms = time_ms([&] {
           k::gather_rows({x_q.data(), xg_q.data(), sorted.data_as<int32_t>(), pairs, H}, nullptr);
           k::gather_rows({x_s.data(), xg_s.data(), sorted.data_as<int32_t>(), pairs, H / 128 * 4}, nullptr);
         });
       }
-      const double ms = time_ms([&] {
-        gemm({gathered ? xg_q.data_as<uint8_t>() : x_q.data_as<uint8_t>(),
-              gathered ? xg_s.data_as<float>() : x_s.data_as<float>(),
-              gathered ? nullptr : sorted.data_as<int32_t>(), w13.data_as<uint8_t>(), s13.data_as<float>(),
-              offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true, 1,
-              pairs},
-             nullptr);
-        gemm({act_q.data_as<uint8_t>(), act_s.data_as<float>(), nullptr, w2.data_as<uint8_t>(),
-              s2.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(), H, I, E,
-              max_tiles, false, 1, pairs, bf16_rows},
-             nullptr);
-      });
+      const double ms = time_ms([&] { run_gemms(gemm, tile_rows, bf16_rows); });
       check(cudaGetLastError(), "fp8 grouped gemm");
       return ms;
     };
@@ -474,18 +536,30 @@ void bench_prefill_grouped_gemm() {
       qa.scales_by_group = true;
       check(k::quantize_fp8_groups(qx, nullptr), "q");
       check(k::quantize_fp8_groups(qa, nullptr), "q");
-      const double peer_ms = time_ms([&] {
+      auto peer = [&] {
         check(gemm->matmul_fp8_block(xw_q.data_as<uint8_t>(), xw_s.data_as<float>(), w13.data_as<uint8_t>(),
                                      s13.data_as<float>(), gate_up_out.data(), DType::kBF16, pairs, 2 * I, H,
                                      nullptr));
         check(gemm->matmul_fp8_block(act_q.data_as<uint8_t>(), act_s_by_group.data_as<float>(),
                                      w2.data_as<uint8_t>(), s2.data_as<float>(), down_out.data(),
                                      DType::kBF16, pairs, H, I, nullptr));
-      });
+      };
+      const double peer_ms = time_ms(peer);
       char extra[128];
       std::snprintf(extra, sizeof extra, "%.1f TFLOP/s; ours / cuBLASLt = %.2fx", flops / (peer_ms * 1e9),
                     peer_ms / ms);
       report("cublaslt_fp8_block", shape, peer_ms, flops / 1580e9, extra);
+      permute(k::kPrefillGemmTileRows);
+      auto ours = [&](const char* unroll) {
+        return [&, unroll] {
+          setenv("MOE_PREFILL_GEMM_UNROLL", unroll, 1);
+          run_gemms(k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, true);
+        };
+      };
+      interleaved("FP8 prefill GEMMs", {{"ours", ours("1")},
+                                        {"ours, K loop not unrolled", ours("0")},
+                                        {"cuBLASLt block-scaled FP8", peer}});
+      unsetenv("MOE_PREFILL_GEMM_UNROLL");
     }
   }
 }

@@ -47,7 +47,10 @@
 // FP8 column tiles of 256 instead of 128 (so 48 instead of 32 KB per stage
 // for twice the MMAs) 2.04-2.33 -> 1.83-1.99 ms, and 743-826 -> 907-916
 // TFLOP/s at 1000-2000 rows per expert; pairs sharing weight rows besides
-// pairs sharing activation rows: bf16 3.18-3.24 -> 3.01-3.10 ms.
+// pairs sharing activation rows: bf16 3.18-3.24 -> 3.01-3.10 ms; the K loop
+// unrolled by one round of the ring (kKSteps, 2026-12-02; timed interleaved
+// call by call with the runtime loop, medians of 30): FP8 2.135-2.160 ->
+// 1.987-2.013 ms (7.3-7.5%; 3.1% at 1000-2000 rows per expert), bf16 0.4-0.7%.
 // A cluster-scope release on the consumers' arrivals
 // (mbarrier.arrive.release.cluster) had cost 30-50%: it fences every earlier
 // access of the thread. bf16's gate_up now keeps the tensor pipe 87% busy
@@ -133,12 +136,18 @@ __device__ __forceinline__ void store_rows(const PrefillArgs& p, const GemmItem&
   }
 }
 
-template <bool kFp8, bool kGateUp>
+// kKSteps > 0: K known at compile time (kKSteps stages, a multiple of the
+// ring), so the consumers' K loop unrolls by one round of the
+// ring with every stage index and shared-memory address a constant (DeepGEMM
+// unrolls its whole K loop; here a full unroll made ptxas hoist every stage's
+// descriptors and spill 1-3 KB per thread); 0: any K.
+template <bool kFp8, bool kGateUp, int kKSteps = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_grouped_gemm_kernel(const __grid_constant__ CUtensorMap weights,
                                 const __grid_constant__ CUtensorMap rows, PrefillArgs p) {
 #if MOE_SM90A_DEVICE
   using T = Tile<kFp8>;
+  static_assert(kKSteps % T::kStages == 0, "whole rounds of the ring");
   constexpr int kColumnsPerTile = kGateUp ? T::kWeightRows / 2 : T::kWeightRows;
   // The cluster (1 or 2 CTAs, from the launch). A pair's items come in two
   // kinds (item_of): two row tiles of one expert and one column tile, each
@@ -288,19 +297,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     int step = 0;
     if constexpr (!kFp8) {
       float acc[128];
+      auto k_step = [&](int ks, int stage, uint32_t parity) {
+        mbarrier_wait(full(stage), parity);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n256k16_ss(acc, sw128_descriptor(a_tile(stage) + a_offset + kk * 32, 16, 1024),
+                              sw128_descriptor(b_tile(stage) + kk * 32, 16, 1024), ks > 0 || kk > 0);
+        wgmma_commit_group();
+        wgmma_wait_group<1>();  // the previous stage's MMAs are done: free it
+        if (ks > 0) release((stage + T::kStages - 1) % T::kStages);
+      };
       for (int index = cluster; index < num_items; index += num_clusters) {
         const auto [item, idle, share_weights] = item_of(index);
-        for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
-          const int stage = step % T::kStages;
-          mbarrier_wait(full(stage), (step / T::kStages) & 1);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            wgmma_m64n256k16_ss(acc, sw128_descriptor(a_tile(stage) + a_offset + kk * 32, 16, 1024),
-                                sw128_descriptor(b_tile(stage) + kk * 32, 16, 1024), ks > 0 || kk > 0);
-          wgmma_commit_group();
-          wgmma_wait_group<1>();  // the previous stage's MMAs are done: free it
-          if (ks > 0) release((step - 1) % T::kStages);
+        if constexpr (kKSteps > 0) {  // step is a multiple of the ring here: ks % kStages is the stage
+#pragma unroll 4
+          for (int ks = 0; ks < kKSteps; ++ks) k_step(ks, ks % T::kStages, ((step + ks) / T::kStages) & 1);
+          step += kKSteps;
+        } else {
+          for (int ks = 0; ks < num_k_steps; ++ks, ++step)
+            k_step(ks, step % T::kStages, (step / T::kStages) & 1);
         }
         wgmma_wait_group<0>();
         release((step - 1) % T::kStages);
@@ -319,33 +335,40 @@ __global__ void __launch_bounds__(kThreads, 1)
       // promotion's FFMAs issue at one per ~4.4 cycles, about as long as a
       // consumer waits for its MMAs.
       float acc[128], part[64];
+      auto k_step = [&](int stage, uint32_t parity) {  // one stage: both halves, each promoted
+        mbarrier_wait(full(stage), parity);
+        const uint32_t a_stage = a_tile(stage), b_stage = b_tile(stage);
+        const float* scales =
+            reinterpret_cast<const float*>(smem_raw + (scale_tile(stage) - smem_u32(smem_raw)));
+        const float a_scale[2] = {scales[consumer * 64 + warp * 16 + g],
+                                  scales[consumer * 64 + warp * 16 + g + 8]};
+        const float w_scale[2] = {scales[128], scales[129]};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            wgmma_m64n128k32_e4m3_ss(part, sw128_descriptor(a_stage + a_offset + kk * 32, 16, 1024),
+                                     sw128_descriptor(b_stage + half * (T::kBBytes / 2) + kk * 32, 16, 1024),
+                                     kk > 0);
+          wgmma_commit_group();
+          wgmma_wait_group<0>();
+          if (half == 1) release(stage);
+          const float row_scale[2] = {a_scale[0] * w_scale[half], a_scale[1] * w_scale[half]};
+#pragma unroll
+          for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i] * row_scale[(i >> 1) & 1];
+        }
+      };
       for (int index = cluster; index < num_items; index += num_clusters) {
         const auto [item, idle, share_weights] = item_of(index);
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-        for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
-          const int stage = step % T::kStages;
-          mbarrier_wait(full(stage), (step / T::kStages) & 1);
-          const float* scales =
-              reinterpret_cast<const float*>(smem_raw + (scale_tile(stage) - smem_u32(smem_raw)));
-          const float a_scale[2] = {scales[consumer * 64 + warp * 16 + g],
-                                    scales[consumer * 64 + warp * 16 + g + 8]};
-          const float w_scale[2] = {scales[128], scales[129]};
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-              wgmma_m64n128k32_e4m3_ss(
-                  part, sw128_descriptor(a_tile(stage) + a_offset + kk * 32, 16, 1024),
-                  sw128_descriptor(b_tile(stage) + half * (T::kBBytes / 2) + kk * 32, 16, 1024), kk > 0);
-            wgmma_commit_group();
-            wgmma_wait_group<0>();
-            if (half == 1) release(stage);
-            const float row_scale[2] = {a_scale[0] * w_scale[half], a_scale[1] * w_scale[half]};
-#pragma unroll
-            for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i] * row_scale[(i >> 1) & 1];
-          }
+        if constexpr (kKSteps > 0) {  // step is a multiple of the ring here: ks % kStages is the stage
+#pragma unroll 4
+          for (int ks = 0; ks < kKSteps; ++ks) k_step(ks % T::kStages, ((step + ks) / T::kStages) & 1);
+          step += kKSteps;
+        } else {
+          for (int ks = 0; ks < num_k_steps; ++ks, ++step) k_step(step % T::kStages, (step / T::kStages) & 1);
         }
         if (!idle) store_rows<kGateUp>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }
@@ -370,6 +393,14 @@ int cluster_ctas(bool fp8, int a_rows, int num_experts) {
   return !fp8 || a_rows >= 4 * kM * num_experts ? 2 : 1;
 }
 
+// MOE_PREFILL_GEMM_UNROLL=0: the kernels' runtime K loop even where an
+// unrolled one exists (read at every launch, as the cluster override: the
+// bench switches it between calls).
+bool unroll_k() {
+  const char* v = std::getenv("MOE_PREFILL_GEMM_UNROLL");
+  return v == nullptr || std::string_view(v) != "0";
+}
+
 template <bool kFp8>
 cudaError_t launch_prefill_gemm(const PrefillArgs& args, const void* a, int a_rows, const void* w,
                                 int max_tiles, bool gate_up, cudaStream_t stream) {
@@ -388,6 +419,13 @@ cudaError_t launch_prefill_gemm(const PrefillArgs& args, const void* a, int a_ro
                              kM / ctas, T::kKStep);
   if (error != cudaSuccess) return error;
   auto kernel = gate_up ? prefill_grouped_gemm_kernel<kFp8, true> : prefill_grouped_gemm_kernel<kFp8, false>;
+  // Qwen3-235B's K (4096 into gate_up, 1536 into down) unrolled.
+  constexpr int kGateUpSteps = 4096 / T::kKStep, kDownSteps = 1536 / T::kKStep;
+  const int k_steps = (args.K + T::kKStep - 1) / T::kKStep;
+  if (unroll_k() && gate_up && k_steps == kGateUpSteps)
+    kernel = prefill_grouped_gemm_kernel<kFp8, true, kGateUpSteps>;
+  if (unroll_k() && !gate_up && k_steps == kDownSteps)
+    kernel = prefill_grouped_gemm_kernel<kFp8, false, kDownSteps>;
   const int smem_bytes = T::smem_bytes(args.num_experts);
   error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (error != cudaSuccess) return error;
