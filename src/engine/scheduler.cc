@@ -98,7 +98,16 @@ void Scheduler::add_chunk(Sequence& seq, int32_t take, StepPlan& plan) {
   (in_prompt || take - num_drafts > 1 ? plan.num_prefill_tokens : plan.num_decode_tokens) += take;
 }
 
-bool Scheduler::try_admit(Sequence& seq, int& budget, StepPlan& plan) {
+int32_t Scheduler::cap_prompt_logits(const Sequence& seq, int32_t take, int& logits_budget) const {
+  if (!seq.spec.prompt_logits) return take;
+  const int32_t rows = std::min(take, static_cast<int32_t>(seq.spec.prompt.size()) - 1 - seq.num_computed);
+  if (rows <= 0) return take;  // past the prompt's rows
+  const int32_t kept = std::min(rows, logits_budget);
+  logits_budget -= kept;
+  return kept < rows ? kept : take;
+}
+
+bool Scheduler::try_admit(Sequence& seq, int& budget, int& logits_budget, StepPlan& plan) {
   // Reuse cached full pages, but always leave at least one token to compute:
   // its logits give the next token.
   const auto num_tokens = static_cast<int32_t>(seq.tokens.size());
@@ -129,7 +138,8 @@ bool Scheduler::try_admit(Sequence& seq, int& budget, StepPlan& plan) {
   seq.running = true;
   waiting_.pop_front();
   running_.push_back(&seq);
-  const int32_t take = std::min(num_tokens - seq.num_computed, budget);
+  const int32_t take = cap_prompt_logits(seq, std::min(num_tokens - seq.num_computed, budget), logits_budget);
+  if (take == 0) return true;  // no prompt-logits rows left in this step: computed from the next
   add_chunk(seq, take, plan);
   budget -= take;
   return true;
@@ -145,7 +155,7 @@ StepPlan Scheduler::schedule(double now_s) {
     finish(*seq);
   }
 
-  int budget = options_.max_num_batched_tokens;
+  int budget = options_.max_num_batched_tokens, logits_budget = options_.max_prompt_logits_tokens;
   const std::vector<Sequence*> running = running_;
   for (Sequence* seq : running) {
     if (budget <= 0) break;
@@ -154,7 +164,9 @@ StepPlan Scheduler::schedule(double now_s) {
     // Drafts only when the whole window fits the budget's remainder.
     if (pending + static_cast<int32_t>(seq->drafts.size()) > budget)
       seq->drafts.resize(static_cast<size_t>(std::max(0, budget - pending)));
-    int32_t take = std::min(pending + static_cast<int32_t>(seq->drafts.size()), budget);
+    int32_t take = cap_prompt_logits(
+        *seq, std::min(pending + static_cast<int32_t>(seq->drafts.size()), budget), logits_budget);
+    if (take == 0) continue;  // its prompt-logits rows wait for the next step
     if (!seq->drafts.empty() && !grow(*seq, seq->num_computed + take)) {
       seq->drafts.clear();  // drop the speculation before preempting anyone
       take = std::min(pending, budget);
@@ -172,7 +184,7 @@ StepPlan Scheduler::schedule(double now_s) {
 
   while (plan.preempted.empty() && !waiting_.empty() && budget > 0 &&
          static_cast<int>(running_.size()) < options_.max_num_seqs) {
-    if (!try_admit(*waiting_.front(), budget, plan)) break;
+    if (!try_admit(*waiting_.front(), budget, logits_budget, plan)) break;
   }
   return plan;
 }

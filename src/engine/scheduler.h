@@ -52,6 +52,10 @@ struct SchedulerOptions {
   int max_num_batched_tokens = 2048;  // per-step token budget (chunked prefill)
   int max_model_len = 4096;           // prompt + generated tokens
   bool enable_prefix_caching = true;
+  // Prompt positions per step whose logits are kept (SequenceSpec::
+  // prompt_logits): each is a vocabulary-wide f32 row copied to the host
+  // (600 KB for Qwen3), so such prompts advance in chunks of this many.
+  int max_prompt_logits_tokens = 512;
 };
 
 struct SequenceSpec {
@@ -193,7 +197,9 @@ class Scheduler {
   bool grow(Sequence& seq, int64_t num_tokens);
   void preempt(Sequence& seq);
   void finish(Sequence& seq);
-  bool try_admit(Sequence& seq, int& budget, StepPlan& plan);
+  bool try_admit(Sequence& seq, int& budget, int& logits_budget, StepPlan& plan);
+  // `take` cut to the step's remaining prompt-logits rows (prompt_logits sequences; 0: none left).
+  int32_t cap_prompt_logits(const Sequence& seq, int32_t take, int& logits_budget) const;
   void publish_full_pages(Sequence& seq);
   void add_chunk(Sequence& seq, int32_t take, StepPlan& plan);
   FinishReason finish_reason_after(const Sequence& seq, int32_t token) const;

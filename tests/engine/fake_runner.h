@@ -72,25 +72,29 @@ class FakeRunner final : public ModelRunner {
     ++num_forwards;
     const int num_seqs = static_cast<int>(batch.query_start.size()) - 1;
     Tensor logits(DType::kF32, {static_cast<int64_t>(batch.logits_rows.size()), vocab_});
-    size_t next_row = 0;
+    // Every token's K/V first, then the logits rows in their order (which
+    // need not follow the tokens': prompt-logits rows come last).
+    std::vector<int> seq_of(batch.token_ids.size());
     for (int s = 0; s < num_seqs; ++s) {
       const int32_t* table = batch.page_table.data() + static_cast<size_t>(s) * batch.max_pages_per_seq;
       for (int32_t t = batch.query_start[s]; t < batch.query_start[s + 1]; ++t) {
         slot(table, batch.positions[t]) = batch.token_ids[t];
-        if (next_row < batch.logits_rows.size() && batch.logits_rows[next_row] == t) {
-          std::vector<int32_t> context;
-          for (int32_t p = 0; p <= batch.positions[t]; ++p) {
-            const int32_t id = slot(table, p);
-            EXPECT_GE(id, 0) << "position " << p << " was never written";
-            context.push_back(id);
-          }
-          auto row = next_token_logits(context, vocab_);
-          std::copy(row.begin(), row.end(), logits.data_as<float>() + next_row * vocab_);
-          ++next_row;
-        }
+        seq_of[static_cast<size_t>(t)] = s;
       }
     }
-    EXPECT_EQ(next_row, batch.logits_rows.size());
+    for (size_t r = 0; r < batch.logits_rows.size(); ++r) {
+      const int32_t t = batch.logits_rows[r];
+      const int32_t* table =
+          batch.page_table.data() + static_cast<size_t>(seq_of[t]) * batch.max_pages_per_seq;
+      std::vector<int32_t> context;
+      for (int32_t p = 0; p <= batch.positions[t]; ++p) {
+        const int32_t id = slot(table, p);
+        EXPECT_GE(id, 0) << "position " << p << " was never written";
+        context.push_back(id);
+      }
+      auto row = next_token_logits(context, vocab_);
+      std::copy(row.begin(), row.end(), logits.data_as<float>() + r * vocab_);
+    }
     return logits;
   }
 

@@ -4,13 +4,14 @@
 // exactly the oracle's greedy tokens, with the page bookkeeping checked after
 // every step.
 #include "engine/scheduler.h"
-#include "engine/sampler.h"
 
 #include <gtest/gtest.h>
 
 #include <map>
+#include <numeric>
 #include <random>
 
+#include "engine/sampler.h"
 #include "fake_runner.h"
 
 namespace moe::engine {
@@ -272,6 +273,89 @@ TEST(Scheduler, SameInputsGiveTheSamePlans) {
     return trace;
   };
   EXPECT_EQ(run_once(), run_once());
+}
+
+}  // namespace
+}  // namespace moe::engine
+
+namespace moe::engine {
+namespace {
+
+// Prompt-logits sequences (prompt logprobs) get a logits row for every prompt
+// position with a successor, each exactly once, after the batch's usual rows,
+// at most max_prompt_logits_tokens of them per step (their prompts advance in
+// such chunks while plain sequences use the rest of the budget); outputs stay
+// the oracle's, and they never take pages from the prefix cache.
+TEST(Scheduler, PromptLogitsRowsFollowTheUsualOnesCappedPerStep) {
+  SchedulerOptions options{.page_size = 4,
+                           .num_pages = 200,
+                           .max_num_seqs = 8,
+                           .max_num_batched_tokens = 64,
+                           .max_model_len = 96,
+                           .enable_prefix_caching = true,
+                           .max_prompt_logits_tokens = 10};
+  Scheduler scheduler(options);
+  FakeRunner runner(kVocab, options.page_size, options.num_pages);
+  std::mt19937 rng(7);
+  const auto shared = random_prompt(rng, 30, 30);
+  std::map<uint64_t, std::vector<int32_t>> prompts = {
+      {1, shared}, {2, shared}, {3, random_prompt(rng, 12, 12)}, {4, random_prompt(rng, 40, 40)}};
+  std::map<uint64_t, std::vector<int32_t>> expected, rows_seen;
+  for (const auto& [id, prompt] : prompts) {
+    SequenceSpec s = spec(id, prompt, 3);
+    s.prompt_logits = id != 1 && id != 4;
+    expected[id] = oracle_greedy(prompt, 3, kVocab);
+    ASSERT_TRUE(scheduler.add(s).is_ok());
+    if (id == 1) {  // finishes first, so its pages are in the prefix cache for sequence 2
+      for (int step = 0; scheduler.has_work(); ++step) {
+        StepPlan plan = scheduler.schedule(step);
+        Tensor logits = *runner.forward(scheduler.build_batch(plan));
+        std::vector<int32_t> sampled;
+        for (int64_t r = 0; r < logits.shape()[0]; ++r)
+          sampled.push_back(argmax(std::span<const float>(logits.data_as<float>() + r * kVocab, kVocab)));
+        for (const auto& u : scheduler.complete_step(plan, sampled)) rows_seen[u.id].push_back(u.token);
+      }
+    }
+  }
+  std::map<uint64_t, std::vector<int32_t>> outputs = rows_seen;
+  rows_seen.clear();
+  bool capped = false;
+  for (int step = 100; scheduler.has_work(); ++step) {
+    StepPlan plan = scheduler.schedule(step);
+    const model::ForwardBatch batch = scheduler.build_batch(plan);
+    size_t usual = 0;
+    for (size_t c = 0; c < plan.chunks.size(); ++c) {
+      const ScheduledChunk& chunk = plan.chunks[c];
+      if (chunk.sample) usual += static_cast<size_t>(chunk.num_drafts) + 1;
+      if (chunk.id == 4 && chunk.start == 0)
+        EXPECT_EQ(chunk.num_tokens, 40) << "a plain prompt is not capped";
+      if (chunk.id == 2) EXPECT_EQ(scheduler.num_cached_tokens(2), 0) << "no prefix-cache hit";
+    }
+    const size_t extra = batch.logits_rows.size() - usual;
+    EXPECT_LE(extra, 10u);
+    capped |= extra == 10;
+    for (size_t i = usual; i < batch.logits_rows.size();
+         ++i) {  // which sequence and position each belongs to
+      const int32_t row = batch.logits_rows[i];
+      size_t c = 0;
+      while (batch.query_start[c + 1] <= row) ++c;
+      rows_seen[plan.chunks[c].id].push_back(batch.positions[static_cast<size_t>(row)]);
+    }
+    Tensor logits = *runner.forward(batch);
+    std::vector<int32_t> sampled;
+    for (size_t r = 0; r < usual; ++r)
+      sampled.push_back(argmax(std::span<const float>(logits.data_as<float>() + r * kVocab, kVocab)));
+    for (const auto& u : scheduler.complete_step(plan, sampled)) outputs[u.id].push_back(u.token);
+    scheduler.check_invariants();
+  }
+  EXPECT_EQ(outputs, expected);
+  EXPECT_TRUE(capped);
+  for (uint64_t id : {2, 3}) {
+    std::vector<int32_t> all(prompts[id].size() - 1);
+    std::iota(all.begin(), all.end(), 0);
+    EXPECT_EQ(rows_seen[id], all) << "sequence " << id;
+  }
+  EXPECT_EQ(rows_seen.count(4), 0u);
 }
 
 }  // namespace
