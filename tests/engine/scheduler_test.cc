@@ -327,9 +327,12 @@ TEST(Scheduler, PromptLogitsRowsFollowTheUsualOnesCappedPerStep) {
     for (size_t c = 0; c < plan.chunks.size(); ++c) {
       const ScheduledChunk& chunk = plan.chunks[c];
       if (chunk.sample) usual += static_cast<size_t>(chunk.num_drafts) + 1;
-      if (chunk.id == 4 && chunk.start == 0)
+      if (chunk.id == 4 && chunk.start == 0) {
         EXPECT_EQ(chunk.num_tokens, 40) << "a plain prompt is not capped";
-      if (chunk.id == 2) EXPECT_EQ(scheduler.num_cached_tokens(2), 0) << "no prefix-cache hit";
+      }
+      if (chunk.id == 2) {
+        EXPECT_EQ(scheduler.num_cached_tokens(2), 0) << "no prefix-cache hit";
+      }
     }
     const size_t extra = batch.logits_rows.size() - usual;
     EXPECT_LE(extra, 10u);
