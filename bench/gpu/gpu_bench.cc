@@ -125,6 +125,67 @@ double copy_bandwidth_gbs() {
   return gbs;
 }
 
+// The SM clock moves with power and heat from call to call, so kernels
+// compared with each other are timed interleaved: call by call in turn, each
+// call between its own CUDA events, MOE_BENCH_CALLS rounds (default 30) after
+// three warm-up rounds; the median per kernel, and the first kernel's median
+// against each other's.
+std::vector<double> interleaved(const char* what,
+                                const std::vector<std::pair<std::string, std::function<void()>>>& kernels) {
+  const char* env = std::getenv("MOE_BENCH_CALLS");
+  const int calls = env != nullptr ? std::max(1, std::atoi(env)) : 30;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<std::vector<double>> ms(kernels.size());
+  for (int c = -3; c < calls; ++c) {
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      cudaEventRecord(start);
+      kernels[i].second();
+      cudaEventRecord(stop);
+      check(cudaEventSynchronize(stop), "timing");
+      float t = 0;
+      cudaEventElapsedTime(&t, start, stop);
+      if (c >= 0) ms[i].push_back(t);
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::vector<double> medians;
+  for (auto& m : ms) {
+    std::sort(m.begin(), m.end());
+    medians.push_back(m[m.size() / 2]);
+  }
+  std::printf("%s, interleaved, %d calls each: median (p10 .. p90) ms:\n", what, calls);
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    std::printf("  %-24s %.3f (%.3f .. %.3f)", kernels[i].first.c_str(), medians[i], ms[i][ms[i].size() / 10],
+                ms[i][ms[i].size() * 9 / 10]);
+    if (i > 0) std::printf("  %s / this = %.3fx", kernels[0].first.c_str(), medians[i] / medians[0]);
+    std::printf("\n");
+    if (json_out)
+      std::fprintf(json_out,
+                   "{\"bench\":\"interleaved\",\"what\":\"%s\",\"kernel\":\"%s\",\"calls\":%d,"
+                   "\"median_ms\":%.4f}\n",
+                   what, kernels[i].first.c_str(), calls, medians[i]);
+  }
+  return medians;
+}
+
+// A device-to-device copy of `bytes` (read + write: 2 x bytes of traffic),
+// for timing interleaved with a memory-bound kernel.
+struct CopyProbe {
+  size_t bytes;
+  DeviceBuffer a, b;
+  explicit CopyProbe(size_t n)
+      : bytes(n),
+        a(std::move(DeviceBuffer::allocate(n)).value()),
+        b(std::move(DeviceBuffer::allocate(n)).value()) {
+    check(cudaMemset(a.data(), 1, n), "memset");
+  }
+  void operator()() { cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice); }
+  double gbs(double ms) const { return 2.0 * static_cast<double>(bytes) / (ms * 1e6); }
+};
+
 DeviceTensor alloc(DType dtype, Shape shape) {
   auto t = DeviceTensor::allocate(dtype, shape);
   check(t.status());
@@ -320,6 +381,19 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
           weight_bytes / (ms * 1e6), graph_ms, 100.0 * floor_ms / graph_ms, gemms_ms,
           100.0 * floor_ms / gemms_ms, f32_ms);
       report(mx ? "moe_experts_decode_mxfp8" : "moe_experts_decode_fp8", shape, ms, weight_bytes / (copy_gbs * 1e6), extra);
+      if (!mx && per_expert == 64) {  // issue 8's 90% of the copy bandwidth, both timed alike
+        CopyProbe copy(size_t{1} << 30);
+        const auto m =
+            interleaved("FP8 expert GEMMs at 64 tok/expert against a 1 GB copy", {{"gate_up + down",
+                                                                                   [&] {
+                                                                                     gate_up(nullptr);
+                                                                                     down(nullptr);
+                                                                                   }},
+                                                                                  {"copy", [&] { copy(); }}});
+        std::printf("  -> %.0f GB/s of weights against a copy at %.0f GB/s: %.1f%%\n",
+                    weight_bytes / (m[0] * 1e6), copy.gbs(m[1]),
+                    100.0 * weight_bytes / (m[0] * 1e6) / copy.gbs(m[1]));
+      }
     }
   }
 }
@@ -330,50 +404,6 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
 // on H200 here) or 1580 (FP8, twice that). Both row tilings run: the decode
 // kernels' 64 rows and the prefill kernels' 128. Down writes bf16 rows, as
 // the model's does.
-// The SM clock moves with power and heat from call to call, so kernels
-// compared with each other are timed interleaved: call by call in turn, each
-// call between its own CUDA events, MOE_BENCH_CALLS rounds (default 30) after
-// three warm-up rounds; the median per kernel, and the first kernel's median
-// against each other's.
-void interleaved(const char* what,
-                 const std::vector<std::pair<std::string, std::function<void()>>>& kernels) {
-  const char* env = std::getenv("MOE_BENCH_CALLS");
-  const int calls = env != nullptr ? std::max(1, std::atoi(env)) : 30;
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<std::vector<double>> ms(kernels.size());
-  for (int c = -3; c < calls; ++c) {
-    for (size_t i = 0; i < kernels.size(); ++i) {
-      cudaEventRecord(start);
-      kernels[i].second();
-      cudaEventRecord(stop);
-      check(cudaEventSynchronize(stop), "timing");
-      float t = 0;
-      cudaEventElapsedTime(&t, start, stop);
-      if (c >= 0) ms[i].push_back(t);
-    }
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::vector<double> medians;
-  for (auto& m : ms) {
-    std::sort(m.begin(), m.end());
-    medians.push_back(m[m.size() / 2]);
-  }
-  std::printf("%s, interleaved, %d calls each: median (p10 .. p90) ms:\n", what, calls);
-  for (size_t i = 0; i < kernels.size(); ++i) {
-    std::printf("  %-24s %.3f (%.3f .. %.3f)", kernels[i].first.c_str(), medians[i], ms[i][ms[i].size() / 10],
-                ms[i][ms[i].size() * 9 / 10]);
-    if (i > 0) std::printf("  %s / this = %.3fx", kernels[0].first.c_str(), medians[i] / medians[0]);
-    std::printf("\n");
-    if (json_out)
-      std::fprintf(json_out,
-                   "{\"bench\":\"interleaved\",\"what\":\"%s\",\"kernel\":\"%s\",\"calls\":%d,"
-                   "\"median_ms\":%.4f}\n",
-                   what, kernels[i].first.c_str(), calls, medians[i]);
-  }
-}
 
 void bench_prefill_grouped_gemm() {
   if (!k::hopper_kernels_available()) return;
@@ -619,6 +649,21 @@ void bench_decode_attention(double copy_gbs, int only_batch, int only_context) {
                   "%.0f GB/s of KV (in a graph: %.4f ms; 2/3/4 stages: %.4f / %.4f / %.4f ms)",
                   kv_bytes / (ms * 1e6), graph_ms, stage_ms[2], stage_ms[3], stage_ms[4]);
     report("decode_attention", shape, ms, kv_bytes / (copy_gbs * 1e6), extra);
+    if (context == 1024 && batch <= 128) {  // issue 6's 80% of the copy bandwidth, both timed alike
+      CopyProbe copy(size_t{1} << 30);
+      constexpr int kCalls = 25;  // back to back, as time_ms runs them (about a millisecond)
+      const auto m = interleaved("decode attention against a 1 GB copy",
+                                 {{shape,
+                                   [&] {
+                                     for (int i = 0; i < kCalls; ++i)
+                                       k::mma_paged_attention(params, context - 1, ws->data_as<float>(),
+                                                              ws_bytes, nullptr);
+                                   }},
+                                  {"copy", [&] { copy(); }}});
+      std::printf("  -> %.4f ms per call, %.0f GB/s of KV against a copy at %.0f GB/s: %.1f%%\n",
+                  m[0] / kCalls, kv_bytes / (m[0] / kCalls * 1e6), copy.gbs(m[1]),
+                  100.0 * kv_bytes / (m[0] / kCalls * 1e6) / copy.gbs(m[1]));
+    }
   }
 }
 
