@@ -27,6 +27,10 @@ TokenLogprobs compute_logprobs(std::span<const float> logits, int32_t token, int
   TokenLogprobs out;
   out.token = token;
   out.logprob = logits[static_cast<size_t>(token)] - log_z;
+  const float own = logits[static_cast<size_t>(token)];
+  out.rank = 1;
+  for (size_t i = 0; i < logits.size(); ++i)
+    out.rank += logits[i] > own || (logits[i] == own && static_cast<int32_t>(i) < token);
   if (k > 0) {
     std::vector<int32_t> ids(logits.size());
     for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);

@@ -79,6 +79,7 @@ struct EngineRequest {
 struct TokenLogprobs {
   int32_t token = -1;
   float logprob = 0;
+  int rank = 0;  // the token's rank in the vocabulary by logit, from 1 (ties: lower id first)
   std::vector<std::pair<int32_t, float>> top;  // most probable first
 };
 

@@ -221,8 +221,9 @@ json CompletionRun::logprobs_json(const Choice& c, size_t from, size_t text_offs
     offset += token_text(id).size();
     token_logprobs.push_back(lp ? json(lp->logprob) : json(nullptr));
     json alternatives = json::object();
-    if (lp)
-      for (const auto& [alt, value] : lp->top) alternatives[label(alt)] = value;
+    if (lp)  // (a prompt's may hold more alternatives, for prompt_logprobs)
+      for (size_t a = 0; a < lp->top.size() && static_cast<int>(a) < config_.params.logprobs; ++a)
+        alternatives[label(lp->top[a].first)] = lp->top[a].second;
     top.push_back(lp && config_.params.logprobs > 0 ? alternatives : json(nullptr));
   };
   if (with_prompt && config_.echo_logprobs) {  // the echoed prompt first
@@ -233,6 +234,24 @@ json CompletionRun::logprobs_json(const Choice& c, size_t from, size_t text_offs
   }
   for (size_t i = from; i < c.logprobs.size(); ++i) add(c.logprobs[i].token, &c.logprobs[i], text_offset);
   return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+}
+
+// vLLM's: null for the first token, then per position a map from token id to
+// {logprob, rank, decoded_token}: the prompt's token and the top k.
+json CompletionRun::prompt_logprobs_json(const Choice& c) const {
+  json out = json::array({nullptr});
+  auto entry = [&](int32_t id, float logprob, int rank) {
+    return json{{"logprob", logprob}, {"rank", rank}, {"decoded_token", token_text(id)}};
+  };
+  for (const engine::TokenLogprobs& lp : c.prompt_logprobs) {
+    json position = json::object();
+    position[std::to_string(lp.token)] = entry(lp.token, lp.logprob, lp.rank);
+    for (size_t a = 0; a < lp.top.size() && static_cast<int>(a) < config_.params.prompt_logprobs; ++a)
+      position[std::to_string(lp.top[a].first)] =
+          entry(lp.top[a].first, lp.top[a].second, static_cast<int>(a) + 1);
+    out.push_back(std::move(position));
+  }
+  return out;
 }
 
 void CompletionRun::stream_choice(size_t index, bool final_chunk) {
@@ -376,6 +395,13 @@ void CompletionRun::complete() {
       choice["text"] = config_.prompts[c.prompt].echo_text + c.text;
     }
     choice["logprobs"] = logprobs_json(c, 0, config_.prompts[c.prompt].echo_text.size(), true);
+    if (config_.params.prompt_logprobs >= 0) {
+      if (config_.chat) {
+        body["prompt_logprobs"] = prompt_logprobs_json(c);  // (every choice has the same prompt)
+      } else {
+        choice["prompt_logprobs"] = prompt_logprobs_json(c);
+      }
+    }
     choice["finish_reason"] = finish_reason(c);
     if (config_.params.return_token_ids) {
       choice["token_ids"] = c.token_ids;

@@ -119,6 +119,7 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
   // with_prompt (and echo_logprobs): the echoed prompt's first, from offset 0.
   nlohmann::json logprobs_json(const Choice& c, size_t from, size_t text_offset,
                                bool with_prompt = false) const;
+  nlohmann::json prompt_logprobs_json(const Choice& c) const;  // vLLM's prompt_logprobs
   std::string token_text(int32_t id) const;
 
   RunConfig config_;

@@ -173,7 +173,8 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   base.ignore_eos = params.ignore_eos;
   base.stop_token_ids = params.stop_token_ids;
   base.num_logprobs = params.logprobs;
-  if (echo_logprobs) base.num_prompt_logprobs = params.logprobs;  // the echoed prompt's logprobs come first
+  // The echoed prompt's logprobs lead the logprobs (echo with logprobs), and/or vLLM's prompt_logprobs.
+  base.num_prompt_logprobs = std::max(echo_logprobs ? params.logprobs : -1, params.prompt_logprobs);
   base.timeout_s = options_.request_timeout_s;
 
   RunConfig config;

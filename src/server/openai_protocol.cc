@@ -73,7 +73,7 @@ std::optional<ApiError> reject_unsupported(const Json& j) {
           "tool_choice");
   }
   for (const char* key : {"guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                          "structured_outputs", "prompt_logprobs", "bad_words", "allowed_token_ids"}) {
+                          "structured_outputs", "bad_words", "allowed_token_ids"}) {
     if (auto it = j.find(key); it != j.end() && !it->is_null()) return unsupported(key, "null");
   }
   return std::nullopt;
@@ -137,6 +137,9 @@ std::optional<ApiError> read_common(const Json& j, const RequestLimits& limits, 
                        "min_tokens");
   MOE_API_TRY(read_logit_bias(j, limits, p.sampling.logit_bias));
   v.reset();
+  MOE_API_TRY(read_int(j, "prompt_logprobs", 0, limits.max_logprobs, v));
+  if (v) p.prompt_logprobs = static_cast<int>(*v);
+  v.reset();
   MOE_API_TRY(read_int(j, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), v));
   if (v) p.sampling.seed = static_cast<uint64_t>(*v);
   v.reset();
@@ -150,6 +153,8 @@ std::optional<ApiError> read_common(const Json& j, const RequestLimits& limits, 
   MOE_API_TRY(read_bool(j, "ignore_eos", p.ignore_eos));
   MOE_API_TRY(read_bool(j, "skip_special_tokens", p.skip_special_tokens));
   MOE_API_TRY(read_bool(j, "stream", p.stream));
+  if (p.stream && p.prompt_logprobs >= 0)  // as vLLM
+    return bad_request("'prompt_logprobs' is not available with 'stream'", "prompt_logprobs");
   MOE_API_TRY(read_bool(j, "return_token_ids", p.return_token_ids));
   if (auto it = j.find("stream_options"); it != j.end() && !it->is_null()) {
     if (!it->is_object()) return bad_request("'stream_options' must be an object", "stream_options");

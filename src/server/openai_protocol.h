@@ -52,6 +52,7 @@ struct GenerationParams {
   std::vector<int32_t> stop_token_ids;
   int n = 1;
   int logprobs = -1;  // -1: none; else the number of top alternatives
+  int prompt_logprobs = -1;  // vLLM's extension: -1 none; else each prompt token's logprob and top k
   bool ignore_eos = false;
   bool skip_special_tokens = true;
   bool stream = false;

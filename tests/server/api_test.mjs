@@ -168,6 +168,32 @@ test('echo with logprobs (lm-eval\'s loglikelihood request): the prompt\'s logpr
   assert.equal(streamed.tokens.length, ids.length + 3);
 });
 
+test('vLLM\'s prompt_logprobs: each prompt token\'s logprob and rank, and the top k, against transformers', async () => {
+  const all = golden.all_positions;
+  const ids = golden.prompts[all.prompt_index].ids;
+  const r = await client.completions.create({ model, prompt: ids, max_tokens: 1, temperature: 0, prompt_logprobs: 2 });
+  const pl = r.choices[0].prompt_logprobs;
+  assert.equal(pl.length, ids.length);
+  assert.equal(pl[0], null);
+  for (let p = 0; p + 1 < ids.length; p++) {
+    const row = all.logits[p];
+    const max = Math.max(...row);
+    const logZ = Math.log(row.reduce((acc, x) => acc + Math.exp(x - max), 0)) + max;
+    const own = row[ids[p + 1]];
+    const rank = 1 + row.filter((x, i) => x > own || (x === own && i < ids[p + 1])).length;
+    const order = row.map((x, i) => [x, i]).sort((a, b) => b[0] - a[0]);
+    const entry = pl[p + 1];
+    assert.ok(Math.abs(entry[ids[p + 1]].logprob - (own - logZ)) < 2e-3, `position ${p + 1}`);
+    assert.equal(entry[ids[p + 1]].rank, rank, `position ${p + 1}`);
+    assert.equal(entry[order[0][1]].rank, 1);
+    assert.equal(entry[order[1][1]].rank, 2);
+    assert.ok(Math.abs(entry[order[1][1]].logprob - (order[1][0] - logZ)) < 2e-3);
+    assert.equal(Object.keys(entry).length, rank <= 2 ? 2 : 3);
+  }
+  await assert.rejects(client.completions.create({ model, prompt: ids, max_tokens: 1, prompt_logprobs: 1, stream: true }),
+                       (e) => e instanceof OpenAI.BadRequestError && e.param === 'prompt_logprobs');
+});
+
 test('a batch of prompts gives each prompt\'s goldens, choices ordered prompt by prompt', async () => {
   const prompts = golden.prompts.slice(0, 4);
   const r = await client.completions.create({ model, prompt: prompts.map((p) => p.ids), max_tokens: 12,

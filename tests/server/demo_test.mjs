@@ -130,6 +130,20 @@ test('no stop string ends within the first min_tokens tokens (as vLLM)', async (
   }
 });
 
+test('chat with prompt_logprobs: one entry per prompt token of the rendered template', async () => {
+  const c = golden.chats[1];
+  const r = await client.chat.completions.create({ model, messages: c.messages, temperature: 0, max_tokens: 2,
+                                                   prompt_logprobs: 1, return_token_ids: true });
+  assert.equal(r.prompt_logprobs.length, c.ids.length);
+  assert.equal(r.prompt_logprobs[0], null);
+  r.prompt_logprobs.slice(1).forEach((entry, i) => {
+    const token = entry[c.ids[i + 1]];
+    assert.ok(token.logprob <= 0 && token.rank >= 1, `position ${i + 1}`);
+    assert.equal(typeof token.decoded_token, 'string');
+    assert.ok(Object.values(entry).some((e) => e.rank === 1));
+  });
+});
+
 test('chat logprobs: one entry per token, the top alternative first', async () => {
   const r = await client.chat.completions.create({ model, messages: golden.chats[1].messages, temperature: 0, max_tokens: 6,
                                                    logprobs: true, top_logprobs: 3 });
