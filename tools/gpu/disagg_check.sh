@@ -127,6 +127,11 @@ check_disagg() {
     --reference "$work/reference_$name.json" --out "$OUT/results.jsonl" --metrics "$OUT/metrics.txt" \
     "${speculative[@]}" "${CHECK_ARGS[@]}" | tee -a "$OUT/summary.txt"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  if [[ -z "$tag" && -f "$model/penalties.json" ]]; then  # penalties, logit_bias, min_tokens across the instances
+    python3 tools/gpu/logits_check.py "http://127.0.0.1:$ROUTER_PORT" "$model" --disagg | tail -4 | sed 's/^/  /' \
+      | tee -a "$OUT/summary.txt"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+  fi
   stop $router
   stop $prefill $decode
   # Where each instance put its KV and how it moved, as they logged it (this run's part of the logs).

@@ -3,7 +3,7 @@
 server against transformers' float32 model: the goldens of
 tools/make_penalty_golden.py and make_golden.py's logits at every position.
 
-  python3 tools/gpu/logits_check.py URL MODEL_DIR
+  python3 tools/gpu/logits_check.py URL MODEL_DIR [--disagg]
 
 Posts every case of MODEL_DIR/penalties.json to URL/v1/completions (greedy,
 token-id prompts) and compares the token ids. On a GPU the model runs in bf16,
@@ -11,12 +11,15 @@ so a case whose smallest top1 - top2 margin is under BF16_MARGIN may flip
 there: such a difference is reported, not counted as a failure. Then asks for
 the echoed prompt's logprobs (echo + logprobs, as lm-eval) of golden.json's
 all_positions prompt and compares them with the log-softmax of its logits
-(tolerance LOGPROB_TOL: bf16 on the GPU). Exit status 1 when any other case
+(tolerance LOGPROB_TOL: bf16 on the GPU); with --disagg (a router in front
+of prefill and decode instances, which do not serve prompt logprobs yet) that
+request must be refused with a 400 instead. Exit status 1 when any other case
 differs, a logprob is off, or a request fails.
 """
 import json
 import math
 import sys
+import urllib.error
 import urllib.request
 
 BF16_MARGIN = 0.05
@@ -29,10 +32,18 @@ def post(url, body):
     return json.load(urllib.request.urlopen(request, timeout=60))
 
 
-def check_prompt_logprobs(url, golden):
+def check_prompt_logprobs(url, golden, disagg):
     """The echoed prompt's logprobs against the log-softmax of every position's logits; 1 if off."""
     all_positions = golden["all_positions"]
     ids = golden["prompts"][all_positions["prompt_index"]]["ids"]
+    if disagg:
+        try:
+            post(url, {"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True})
+        except urllib.error.HTTPError as e:
+            print(f"{'equal' if e.code == 400 else 'FAIL'} prompt logprobs refused by the router: {e.code}")
+            return 0 if e.code == 400 else 1
+        print("FAIL prompt logprobs: the router served them")
+        return 1
     lp = post(url, {"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True})
     lp = lp["choices"][0]["logprobs"]["token_logprobs"]
     worst = 0.0
@@ -48,6 +59,7 @@ def check_prompt_logprobs(url, golden):
 
 def main():
     url, model_dir = sys.argv[1], sys.argv[2]
+    disagg = "--disagg" in sys.argv[3:]
     golden = json.load(open(f"{model_dir}/golden.json"))
     penalties = json.load(open(f"{model_dir}/penalties.json"))
     failed = 0
@@ -69,7 +81,7 @@ def main():
             print(f"FAIL {label}: {ids} vs {case['greedy']}")
             failed += 1
     try:
-        failed += check_prompt_logprobs(url, golden)
+        failed += check_prompt_logprobs(url, golden, disagg)
     except Exception as e:  # noqa: BLE001 -- reported and counted
         print(f"FAIL prompt logprobs: {e}")
         failed += 1
