@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/cuda/device_buffer.h"
@@ -129,6 +130,12 @@ void expect_bf16_rows(const std::vector<uint8_t>& f32_rows, const Output& bf16_r
   EXPECT_LT(scaled_error(as_floats(out.download(), DType::kF32), ref,
                          static_cast<size_t>(unpermute.num_tokens) * unpermute.hidden),
             tolerance);
+}
+
+// The SCOPED_TRACE of a MoE test case.
+inline std::string moe_case(const char* name, int tokens, int experts, int hidden, int inter = 0) {
+  return std::string(name) + ": " + std::to_string(tokens) + " tokens, " + std::to_string(experts) +
+         " experts, hidden " + std::to_string(hidden) + (inter > 0 ? ", inter " + std::to_string(inter) : "");
 }
 
 // The end of every grouped-GEMM test: the down GEMM's f32 `rows` ([pairs,

@@ -126,9 +126,7 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
                 cudaSuccess);
       x_q.download();
       act_q.download();
-      SCOPED_TRACE(std::string(name) + ": " + std::to_string(c.tokens) + " tokens, " +
-                   std::to_string(c.experts) + " experts, hidden " + std::to_string(c.hidden) + ", inter " +
-                   std::to_string(c.inter));
+      SCOPED_TRACE(moe_case(name, c.tokens, c.experts, c.hidden, c.inter));
       expect_unpermuted(rows, out, row_of.get<int32_t>(), d_weights.data_as<float>(), c.tokens, c.topk,
                         c.hidden, ref.data_as<float>(), 3e-2, [&](void* bf16_rows) {
                           return gemm(
@@ -423,9 +421,7 @@ void expect_mxfp8_moe_matches_cpu(Mxfp8Gemm gemm, const char* name, std::mt19937
         << name;
     x_q.download();
     act_q.download();
-    SCOPED_TRACE(std::string(name) + ": " + std::to_string(c.tokens) + " tokens, " +
-                 std::to_string(c.experts) + " experts, hidden " + std::to_string(c.hidden) + ", inter " +
-                 std::to_string(c.inter));
+    SCOPED_TRACE(moe_case(name, c.tokens, c.experts, c.hidden, c.inter));
     expect_unpermuted(rows, out, row_of.get<int32_t>(), d_weights.data_as<float>(), c.tokens, c.topk,
                       c.hidden, ref.data_as<float>(), 3e-2, [&](void* bf16_rows) {
                         return gemm(

@@ -239,8 +239,7 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
           cudaSuccess)
           << name;
       act.download();
-      SCOPED_TRACE(std::string(name) + ": " + std::to_string(c.tokens) + " tokens, " +
-                   std::to_string(c.experts) + " experts, hidden " + std::to_string(c.hidden));
+      SCOPED_TRACE(moe_case(name, c.tokens, c.experts, c.hidden));
       expect_unpermuted(rows, out, row_of.get<int32_t>(), d_weights.get<float>(), c.tokens, c.topk, c.hidden,
                         ref.data_as<float>(), 2e-2, [&](void* bf16_rows) {
                           return gemm({act.get<bf16>(), nullptr, d_w2.data_as<bf16>(), offsets.get<int32_t>(),
