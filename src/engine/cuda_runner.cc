@@ -9,6 +9,7 @@
 
 #include "core/logging.h"
 #include "engine/rank_group.h"
+#include "engine/speculative.h"
 
 namespace moe::engine {
 
@@ -175,13 +176,6 @@ Expected<Tensor> CudaRunner::forward_with_hidden(const model::ForwardBatch& batc
   return end_step(model_->forward_with_hidden(batch, hidden_rows, hidden));
 }
 
-Expected<std::vector<int32_t>> CudaRunner::forward_greedy_with_hidden(const model::ForwardBatch& batch,
-                                                                      std::span<const int32_t> hidden_rows,
-                                                                      Tensor& hidden) {
-  MOE_RETURN_IF_ERROR(begin_step(batch, hidden_rows));
-  return end_step(model_->forward_greedy_with_hidden(batch, hidden_rows, hidden));
-}
-
 Status run_cuda_follower(model::CudaQwen3MoeModel& model, int plan_fd) {
   // Fault injection for tools/gpu/serve_check.sh: MOESERVE_TEST_STALL_STEP=N
   // stops this rank for 60 s inside step N, after its first layer, so that a
@@ -206,14 +200,22 @@ Status run_cuda_follower(model::CudaQwen3MoeModel& model, int plan_fd) {
   }
 }
 
-Expected<std::vector<int32_t>> CudaRunner::forward_and_sample(const model::ForwardBatch& batch,
-                                                              std::span<const RowSampling> rows) {
-  MOE_RETURN_IF_ERROR(begin_step(batch, {}));
-  std::vector<ops::cuda::SampleRow> device_rows;
-  device_rows.reserve(rows.size());
-  for (const RowSampling& r : rows)
-    device_rows.push_back({r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p, r.seed, r.step});
-  return end_step(model_->forward_sample(batch, device_rows));
+Expected<SampledStep> CudaRunner::forward_sample(const model::ForwardBatch& batch, const StepSampling& sampling,
+                                                 std::span<const int32_t> hidden_rows, Tensor& hidden) {
+  if (sampling.drafts.size() != sampling.rows.size())
+    return invalid_argument("{} drafts for {} sampled rows", sampling.drafts.size(), sampling.rows.size());
+  MOE_RETURN_IF_ERROR(begin_step(batch, hidden_rows));
+  std::vector<ops::cuda::SampleRow> rows;
+  rows.reserve(sampling.rows.size());
+  for (size_t r = 0; r < sampling.rows.size(); ++r) {
+    const RowSampling& s = sampling.rows[r];
+    rows.push_back({s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p, s.seed, s.step,
+                    s.seed ^ kAcceptSalt, sampling.drafts[r]});
+  }
+  auto sampled = end_step(model_->forward_sample(batch, {rows, sampling.adjustments, sampling.fetch_rows}, hidden_rows,
+                                                 hidden));
+  if (!sampled) return sampled.status();
+  return SampledStep{std::move(sampled->tokens), std::move(sampled->accepted), std::move(sampled->fetched)};
 }
 
 }  // namespace moe::engine

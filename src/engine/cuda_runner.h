@@ -39,9 +39,10 @@ class CudaRunner final : public ModelRunner {
   ~CudaRunner() override;
   int64_t vocab_size() const override { return model_->config().vocab_size; }
   Expected<Tensor> forward(const model::ForwardBatch& batch) override;
-  bool samples_on_device() const override { return true; }
-  Expected<std::vector<int32_t>> forward_and_sample(const model::ForwardBatch& batch,
-                                                    std::span<const RowSampling> rows) override;
+  // Samples on the GPU (ops/cuda sample, adjust_logits); only the tokens and
+  // the fetched rows come back.
+  Expected<SampledStep> forward_sample(const model::ForwardBatch& batch, const StepSampling& sampling,
+                                       std::span<const int32_t> hidden_rows, Tensor& hidden) override;
   bool supports_layer_hook() const override { return true; }
   void set_layer_hook(std::function<void(int layer)> hook) override { model_->set_layer_hook(std::move(hook)); }
   // Speculative decoding: the target's hidden states come back to the host,
@@ -50,9 +51,6 @@ class CudaRunner final : public ModelRunner {
   bool supports_hidden_states() const override { return true; }
   Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                        Tensor& hidden) override;
-  Expected<std::vector<int32_t>> forward_greedy_with_hidden(const model::ForwardBatch& batch,
-                                                            std::span<const int32_t> hidden_rows,
-                                                            Tensor& hidden) override;
   int32_t num_pages() const { return model_->num_pages(); }
   // The device KV pool as a cache over device memory (never touched by the CPU).
   const kv::KvCache& cache() const { return *cache_; }

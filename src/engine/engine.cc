@@ -310,81 +310,22 @@ void Engine::fail_all(const Status& status) {
   update_gauges();
 }
 
-void Engine::sample(const StepPlan& plan, const Tensor& logits, std::vector<std::vector<int32_t>>& runs,
-                    ChunkLogprobs& logprobs) {
-  Tensor copy;
-  const Tensor& adjusted = adjusted_logits(plan, logits, copy);
+void Engine::take_prompt_logprobs(const StepPlan& plan, const float* rows, int64_t num_rows) {
   int64_t row = 0;
-  for (const ScheduledChunk& chunk : plan.chunks) {
-    if (!chunk.sample) continue;
-    Active& a = active_.at(chunk.id);
-    CHECK(chunk.num_drafts == 0, "drafts without a drafter");
-    auto row_of = [&](const Tensor& t) {
-      return std::span<const float>(t.data_as<float>() + row * vocab_size_, static_cast<size_t>(vocab_size_));
-    };
-    const int32_t token = sample_token(row_of(adjusted), a.request.sampling, a.seed,
-                                       static_cast<uint64_t>(a.num_output_tokens));
-    runs.push_back({token});
-    if (a.request.num_logprobs >= 0)
-      logprobs.emplace_back(chunk.id, compute_logprobs(row_of(logits), token, a.request.num_logprobs));
-    ++row;
-  }
-}
-
-Tensor Engine::take_prompt_logprobs(const StepPlan& plan, const model::ForwardBatch& batch, Tensor logits) {
-  int64_t extra = 0;
-  for (const ScheduledChunk& chunk : plan.chunks) {
-    const Active& a = active_.at(chunk.id);
-    if (a.request.num_prompt_logprobs < 0) continue;
-    const auto last = static_cast<int32_t>(a.request.prompt.size()) - 1;
-    extra += std::max(0, std::min(chunk.start + chunk.num_tokens, last) - chunk.start);
-  }
-  if (extra == 0) return logits;
-  const int64_t rows = logits.view().dim(0), usual = rows - extra;
-  CHECK(usual >= 0 && rows == static_cast<int64_t>(batch.logits_rows.size()), "{} prompt logits rows of {}",
-        extra, rows);
-  int64_t row = usual;
   for (const ScheduledChunk& chunk : plan.chunks) {
     Active& a = active_.at(chunk.id);
     if (a.request.num_prompt_logprobs < 0) continue;
     const auto& prompt = a.request.prompt;
     for (int32_t p = chunk.start;
          p < chunk.start + chunk.num_tokens && p + 1 < static_cast<int32_t>(prompt.size()); ++p, ++row) {
+      CHECK(row < num_rows, "prompt logits row {} of {}", row, num_rows);
       auto& slot = a.prompt_logprobs[static_cast<size_t>(p)];  // the logprob of token p + 1
       if (slot) continue;
-      slot = compute_logprobs(std::span<const float>(logits.data_as<float>() + row * vocab_size_,
-                                                     static_cast<size_t>(vocab_size_)),
+      slot = compute_logprobs(std::span<const float>(rows + row * vocab_size_, static_cast<size_t>(vocab_size_)),
                               prompt[static_cast<size_t>(p) + 1], a.request.num_prompt_logprobs);
     }
   }
-  Tensor kept(DType::kF32, {usual, vocab_size_});
-  std::copy_n(logits.data_as<float>(), usual * vocab_size_, kept.data_as<float>());
-  return kept;
-}
-
-// A sampling chunk's row is its first (rows follow the chunks, num_drafts + 1
-// each); a request that adjusts its logits has no drafts (may_speculate).
-const Tensor& Engine::adjusted_logits(const StepPlan& plan, const Tensor& logits, Tensor& copy) const {
-  int64_t row = 0;
-  for (const ScheduledChunk& chunk : plan.chunks) {
-    if (!chunk.sample) continue;
-    const Active& a = active_.at(chunk.id);
-    const SamplingParams& sampling = a.request.sampling;
-    if (sampling.adjusts_logits()) {
-      CHECK(chunk.num_drafts == 0, "drafts for a request that adjusts its logits");
-      if (copy.empty()) copy = Tensor::copy_of(logits.view());
-      const std::vector<int32_t>& tokens = scheduler_.tokens_of(chunk.id);
-      const auto num_output = static_cast<size_t>(a.num_output_tokens);
-      std::vector<int32_t> stop_ids = a.request.stop_token_ids;
-      if (!a.request.ignore_eos)
-        stop_ids.insert(stop_ids.end(), options_.eos_token_ids.begin(), options_.eos_token_ids.end());
-      adjust_logits(
-          std::span<float>(copy.data_as<float>() + row * vocab_size_, static_cast<size_t>(vocab_size_)),
-          sampling, tokens, num_output, stop_ids);
-    }
-    row += chunk.num_drafts + 1;
-  }
-  return copy.empty() ? logits : copy;
+  CHECK(row == num_rows, "{} prompt logits rows used of {}", row, num_rows);
 }
 
 // At most every 10 s while steps run, one line as vLLM logs: throughputs
@@ -439,33 +380,60 @@ void Engine::after_export(const StepPlan& plan) {
   }
 }
 
-// The step's forward pass and sampling: on the runner's device unless a
-// request wants logprobs (computed here from the logits); speculative steps
-// always sample here. One run of tokens per sampling chunk.
+// The step's forward pass and sampling, where the runner's logits are (the
+// GPU samples there and sends back only the rows that logprobs need): one row
+// per sampling chunk and draft, each chunk's first row fetched when the
+// request wants logprobs (of the model's own logits, vLLM's default), its
+// penalties and bias as adjustments, then every prompt-logits row
+// (SequenceSpec::prompt_logits, after the usual rows). One run of tokens per
+// sampling chunk.
 Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batch,
                            std::vector<std::vector<int32_t>>& runs, ChunkLogprobs& logprobs, Tensor& hidden) {
-  if (drafter_) return run_speculative(plan, batch, runs, logprobs, hidden);
-  bool on_device = runner_->samples_on_device();
-  std::vector<RowSampling> rows;
-  for (const ScheduledChunk& chunk : plan.chunks) {
+  StepSampling sampling;
+  std::vector<std::pair<uint64_t, int>> logprob_chunks;  // (request, its fetched row)
+  for (size_t c = 0; c < plan.chunks.size(); ++c) {
+    const ScheduledChunk& chunk = plan.chunks[c];
     if (!chunk.sample) continue;
     const Active& a = active_.at(chunk.id);
-    on_device &= a.request.num_logprobs < 0 && a.request.num_prompt_logprobs < 0 &&
-                 !a.request.sampling.adjusts_logits();
-    rows.push_back({a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
+    const auto row = static_cast<int32_t>(sampling.rows.size());
+    add_chunk_rows(sampling, plan, batch, c, {a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
+    if (a.request.sampling.adjusts_logits()) {
+      CHECK(chunk.num_drafts == 0, "drafts for a request that adjusts its logits");
+      std::vector<int32_t> stop_ids = a.request.stop_token_ids;
+      if (!a.request.ignore_eos)
+        stop_ids.insert(stop_ids.end(), options_.eos_token_ids.begin(), options_.eos_token_ids.end());
+      const auto entries = logit_adjustments(row, a.request.sampling, scheduler_.tokens_of(chunk.id),
+                                             static_cast<size_t>(a.num_output_tokens), stop_ids, vocab_size_);
+      sampling.adjustments.insert(sampling.adjustments.end(), entries.begin(), entries.end());
+    }
+    if (a.request.num_logprobs >= 0) {
+      CHECK(chunk.num_drafts == 0, "drafts for a request that wants logprobs");
+      logprob_chunks.emplace_back(chunk.id, static_cast<int>(sampling.fetch_rows.size()));
+      sampling.fetch_rows.push_back(row);
+    }
   }
+  const auto num_logprob_rows = static_cast<int64_t>(sampling.fetch_rows.size());
+  for (auto r = static_cast<int32_t>(sampling.rows.size()); r < static_cast<int32_t>(batch.logits_rows.size()); ++r)
+    sampling.fetch_rows.push_back(r);
+  const std::vector<int32_t> hidden_rows = drafter_ ? every_row(batch) : std::vector<int32_t>{};
   Status status;
   runner_->set_layer_hook(export_hook(plan));
   try {  // the runner's libraries may throw: the module boundary
-    if (on_device) {
-      auto sampled = runner_->forward_and_sample(batch, rows);
-      if (sampled)
-        for (int32_t token : *sampled) runs.push_back({token});
-      status = sampled.status();
-    } else {
-      auto logits = runner_->forward(batch);
-      if (logits) sample(plan, take_prompt_logprobs(plan, batch, std::move(*logits)), runs, logprobs);
-      status = logits.status();
+    auto sampled = runner_->forward_sample(batch, sampling, hidden_rows, hidden);
+    status = sampled.status();
+    if (sampled) {
+      runs = runs_from_samples(plan, *sampled);
+      const float* fetched = sampled->fetched.data_as<float>();
+      for (size_t i = 0; i < logprob_chunks.size(); ++i) {
+        const auto& [id, index] = logprob_chunks[i];
+        const Active& a = active_.at(id);
+        logprobs.emplace_back(id, compute_logprobs(std::span<const float>(fetched + index * vocab_size_,
+                                                                          static_cast<size_t>(vocab_size_)),
+                                                   sampled->tokens[static_cast<size_t>(sampling.fetch_rows[index])],
+                                                   a.request.num_logprobs));
+      }
+      take_prompt_logprobs(plan, fetched + num_logprob_rows * vocab_size_,
+                           static_cast<int64_t>(sampling.fetch_rows.size()) - num_logprob_rows);
     }
   } catch (const std::exception& e) {
     status = internal_error("{}", e.what());
@@ -509,57 +477,6 @@ void Engine::export_mtp(const StepPlan& plan, const model::ForwardBatch& batch, 
     active_.at(chunk.id).request.kv_export->on_mtp_written(chunk.start + chunk.num_tokens,
                                                            scheduler_.pages_of(chunk.id), last_hidden);
   }
-}
-
-// The target forward with hidden states, then verification of every chunk's drafts.
-Status Engine::run_speculative(const StepPlan& plan, const model::ForwardBatch& batch,
-                               std::vector<std::vector<int32_t>>& runs, ChunkLogprobs& logprobs, Tensor& hidden) {
-  std::vector<RowSampling> rows;
-  bool greedy = true;  // every request greedy, none with logprobs: argmax ids are all the step needs
-  for (const ScheduledChunk& chunk : plan.chunks) {
-    if (!chunk.sample) continue;
-    const Active& a = active_.at(chunk.id);
-    rows.push_back({a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
-    greedy &= a.request.sampling.is_greedy() && a.request.num_logprobs < 0 &&
-              a.request.num_prompt_logprobs < 0 && !a.request.sampling.adjusts_logits();
-  }
-  std::vector<int32_t> all_rows(static_cast<size_t>(batch.num_tokens()));
-  std::iota(all_rows.begin(), all_rows.end(), 0);
-  Status status;
-  runner_->set_layer_hook(export_hook(plan));
-  try {
-    if (greedy) {
-      auto ids = runner_->forward_greedy_with_hidden(batch, all_rows, hidden);
-      status = ids.status();
-      if (ids) runs = greedy_runs(plan, batch, *ids);
-    } else {
-      auto logits = runner_->forward_with_hidden(batch, all_rows, hidden);
-      status = logits.status();
-      if (logits) {
-        *logits = take_prompt_logprobs(plan, batch, std::move(*logits));
-        Tensor copy;
-        runs = sample_runs(plan, batch, adjusted_logits(plan, *logits, copy), rows);
-        int64_t row = 0;
-        size_t next = 0;
-        for (const ScheduledChunk& chunk : plan.chunks) {
-          if (!chunk.sample) continue;
-          const Active& a = active_.at(chunk.id);
-          if (a.request.num_logprobs >= 0)
-            logprobs.emplace_back(chunk.id,
-                                  compute_logprobs(std::span<const float>(logits->data_as<float>() + row * vocab_size_,
-                                                                          static_cast<size_t>(vocab_size_)),
-                                                   runs[next][0], a.request.num_logprobs));
-          row += chunk.num_drafts + 1;
-          ++next;
-        }
-      }
-    }
-  } catch (const std::exception& e) {
-    status = internal_error("{}", e.what());
-  }
-  runner_->set_layer_hook({});
-  after_export(plan);
-  return status;
 }
 
 // Global and per-request acceptance counts of a speculative step.

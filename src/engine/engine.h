@@ -194,8 +194,6 @@ class Engine {
   void export_mtp(const StepPlan& plan, const model::ForwardBatch& batch, const Tensor& hidden);
   Status run_forward(const StepPlan& plan, const model::ForwardBatch& batch, std::vector<std::vector<int32_t>>& runs,
                      ChunkLogprobs& logprobs, Tensor& hidden);
-  Status run_speculative(const StepPlan& plan, const model::ForwardBatch& batch,
-                         std::vector<std::vector<int32_t>>& runs, ChunkLogprobs& logprobs, Tensor& hidden);
   bool may_speculate(uint64_t id) const;
   void record_speculation(const StepPlan& plan, std::span<const std::vector<int32_t>> runs);
   void loop();
@@ -203,16 +201,9 @@ class Engine {
   void step();
   // false (and the engine failed: every request ends with the error) unless ok.
   bool fail_on_error(const Status& status);
-  void sample(const StepPlan& plan, const Tensor& logits, std::vector<std::vector<int32_t>>& runs,
-              ChunkLogprobs& logprobs);
-  // The logits the step samples from: `logits` unless a request adjusts its
-  // row (SamplingParams::adjusts_logits), else `copy` with those rows
-  // adjusted. Logprobs are of the model's own logits (vLLM's default).
-  const Tensor& adjusted_logits(const StepPlan& plan, const Tensor& logits, Tensor& copy) const;
-  // The prompt rows build_batch put after the usual ones (SequenceSpec::
-  // prompt_logits) become their requests' prompt logprobs; returns the
-  // usual rows.
-  Tensor take_prompt_logprobs(const StepPlan& plan, const model::ForwardBatch& batch, Tensor logits);
+  // The rows of prompt logits the step fetched (SequenceSpec::prompt_logits,
+  // in chunk order) become their requests' prompt logprobs.
+  void take_prompt_logprobs(const StepPlan& plan, const float* rows, int64_t num_rows);
   void finish(uint64_t id, EngineOutput out);
   void fail_all(const Status& status);
   void update_gauges();

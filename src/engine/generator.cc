@@ -149,35 +149,16 @@ Expected<std::vector<std::vector<int32_t>>> Generator::forward_step(ModelRunner&
                                                                     MtpDrafter* drafter,
                                                                     std::vector<SequenceUpdate>& updates) {
   const model::ForwardBatch batch = scheduler.build_batch(plan);
-  const int64_t vocab_size = runner.vocab_size();
-  std::vector<std::vector<int32_t>> runs;
-  if (drafter != nullptr) {
-    std::vector<int32_t> all_rows(static_cast<size_t>(batch.num_tokens()));
-    std::iota(all_rows.begin(), all_rows.end(), 0);
-    Tensor hidden;
-    const bool greedy = std::all_of(rows.begin(), rows.end(), [](const RowSampling& r) { return r.params.is_greedy(); });
-    if (greedy) {
-      MOE_ASSIGN_OR_RETURN(auto ids, runner.forward_greedy_with_hidden(batch, all_rows, hidden));
-      runs = greedy_runs(plan, batch, ids);
-    } else {
-      MOE_ASSIGN_OR_RETURN(Tensor logits, runner.forward_with_hidden(batch, all_rows, hidden));
-      runs = sample_runs(plan, batch, logits, rows);
-    }
-    updates = scheduler.complete_step(plan, std::span<const std::vector<int32_t>>(runs));
-    drafter->propose(scheduler, plan, batch, hidden, [](uint64_t) { return true; });
-    return runs;
-  }
-  if (runner.samples_on_device()) {
-    MOE_ASSIGN_OR_RETURN(auto sampled, runner.forward_and_sample(batch, rows));
-    for (int32_t token : sampled) runs.push_back({token});
-  } else {
-    MOE_ASSIGN_OR_RETURN(Tensor logits, runner.forward(batch));
-    for (size_t r = 0; r < rows.size(); ++r) {
-      std::span<const float> row_logits(logits.data_as<float>() + r * vocab_size, static_cast<size_t>(vocab_size));
-      runs.push_back({sample_token(row_logits, rows[r].params, rows[r].seed, rows[r].step)});
-    }
-  }
+  StepSampling sampling;
+  size_t next = 0;
+  for (size_t c = 0; c < plan.chunks.size(); ++c)
+    if (plan.chunks[c].sample) add_chunk_rows(sampling, plan, batch, c, rows[next++]);
+  const std::vector<int32_t> hidden_rows = drafter != nullptr ? every_row(batch) : std::vector<int32_t>{};
+  Tensor hidden;
+  MOE_ASSIGN_OR_RETURN(SampledStep sampled, runner.forward_sample(batch, sampling, hidden_rows, hidden));
+  std::vector<std::vector<int32_t>> runs = runs_from_samples(plan, sampled);
   updates = scheduler.complete_step(plan, std::span<const std::vector<int32_t>>(runs));
+  if (drafter != nullptr) drafter->propose(scheduler, plan, batch, hidden, [](uint64_t) { return true; });
   return runs;
 }
 

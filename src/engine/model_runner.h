@@ -26,13 +26,12 @@ class ModelRunner {
   // logits [batch.logits_rows.size(), vocab_size()] f32; an error (a device
   // failure) makes the engine fail every request and report itself unhealthy.
   virtual Expected<Tensor> forward(const model::ForwardBatch& batch) = 0;
-  // A runner that samples where its logits are (the GPU) returns the token
-  // of each logits row directly, drawing from the same distribution as
-  // sample_token (engine/sampler.h), and says so here; the engine then uses it
-  // for steps whose requests want no logprobs.
-  virtual bool samples_on_device() const { return false; }
-  virtual Expected<std::vector<int32_t>> forward_and_sample(const model::ForwardBatch& batch,
-                                                            std::span<const RowSampling> rows);
+  // The step's forward pass and its sampling (below): on the host from
+  // forward() / forward_with_hidden() by default (sample_on_host); a runner
+  // whose logits are on a device samples there and sends back the tokens and
+  // the fetched rows only. `hidden_rows` as forward_with_hidden (empty: none).
+  virtual Expected<SampledStep> forward_sample(const model::ForwardBatch& batch, const StepSampling& sampling,
+                                               std::span<const int32_t> hidden_rows, Tensor& hidden);
   // Disaggregated prefill: a runner that supports it calls `hook(layer)` in
   // the next forward passes once that layer's KV for the whole batch is in its
   // cache (empty: no hook). The others ignore it and say so here.
@@ -54,12 +53,6 @@ class ModelRunner {
   virtual bool supports_hidden_states() const { return false; }
   virtual Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
                                                Tensor& hidden);
-  // The same with the argmax token of each logits row instead of the logits:
-  // the speculative step when every request is greedy, so a runner whose
-  // logits are on a device sends back ids only (default: argmax here).
-  virtual Expected<std::vector<int32_t>> forward_greedy_with_hidden(const model::ForwardBatch& batch,
-                                                                    std::span<const int32_t> hidden_rows,
-                                                                    Tensor& hidden);
 };
 
 // The Qwen3-MoE CPU forward over its own paged KV cache.

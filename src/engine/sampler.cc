@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <unordered_map>
 #include <vector>
@@ -33,30 +34,48 @@ Status validate_sampling(const SamplingParams& p, int64_t vocab_size) {
   return Status::ok();
 }
 
-void adjust_logits(std::span<float> logits, const SamplingParams& p, std::span<const int32_t> tokens,
-                   size_t num_output, std::span<const int32_t> stop_ids) {
+std::vector<ops::LogitAdjustment> logit_adjustments(int32_t row, const SamplingParams& p,
+                                                    std::span<const int32_t> tokens, size_t num_output,
+                                                    std::span<const int32_t> stop_ids, int64_t vocab_size) {
   CHECK(num_output <= tokens.size(), "{} output tokens of {}", num_output, tokens.size());
-  const auto vocab = static_cast<int32_t>(logits.size());
-  auto in_vocab = [&](int32_t t) { return t >= 0 && t < vocab; };
+  auto in_vocab = [&](int32_t t) { return t >= 0 && t < vocab_size; };
+  std::map<int32_t, ops::LogitAdjustment> entries;
+  auto entry = [&](int32_t t) -> ops::LogitAdjustment& {
+    auto [it, added] = entries.try_emplace(t, ops::LogitAdjustment{row, t, 0.0f, 1.0f, 0.0f});
+    return it->second;
+  };
+  constexpr float kBanned = -std::numeric_limits<float>::infinity();
   if (static_cast<int64_t>(num_output) < p.min_tokens)
     for (int32_t t : stop_ids)
-      if (in_vocab(t)) logits[t] = -std::numeric_limits<float>::infinity();
+      if (in_vocab(t)) entry(t).bias = kBanned;
   for (const auto& [t, bias] : p.logit_bias)
-    if (in_vocab(t)) logits[t] += bias;
-  if (p.repetition_penalty == 1.0f && p.frequency_penalty == 0.0f && p.presence_penalty == 0.0f) return;
-  // Each token seen once: its output count (0 for a token of the prompt only).
-  std::unordered_map<int32_t, int> counts;
-  const size_t prompt_len = tokens.size() - num_output;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    if (!in_vocab(tokens[i])) continue;
-    int& count = counts[tokens[i]];
-    if (i >= prompt_len) ++count;
+    if (in_vocab(t)) entry(t).bias += bias;  // stays -inf where banned
+  if (p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
+    std::unordered_map<int32_t, int> counts;  // each token seen: its output count (0: the prompt's only)
+    const size_t prompt_len = tokens.size() - num_output;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (!in_vocab(tokens[i])) continue;
+      int& count = counts[tokens[i]];
+      if (i >= prompt_len) ++count;
+    }
+    for (const auto& [t, count] : counts) {
+      if (p.repetition_penalty == 1.0f && count == 0) continue;
+      ops::LogitAdjustment& e = entry(t);
+      e.repetition = p.repetition_penalty;
+      if (count > 0) e.subtract = static_cast<float>(count) * p.frequency_penalty + p.presence_penalty;
+    }
   }
-  for (const auto& [t, count] : counts) {
-    float& v = logits[t];
-    if (p.repetition_penalty != 1.0f) v = v > 0.0f ? v / p.repetition_penalty : v * p.repetition_penalty;
-    if (count > 0) v -= static_cast<float>(count) * p.frequency_penalty + p.presence_penalty;
-  }
+  std::vector<ops::LogitAdjustment> out;
+  out.reserve(entries.size());
+  for (const auto& [t, e] : entries) out.push_back(e);
+  return out;
+}
+
+void adjust_logits(std::span<float> logits, const SamplingParams& params, std::span<const int32_t> tokens,
+                   size_t num_output, std::span<const int32_t> stop_ids) {
+  for (const ops::LogitAdjustment& a :
+       logit_adjustments(0, params, tokens, num_output, stop_ids, static_cast<int64_t>(logits.size())))
+    logits[a.token] = ops::adjusted_logit(logits[a.token], a);
 }
 
 double uniform_draw(uint64_t seed, uint64_t step) {
@@ -73,10 +92,11 @@ double uniform_draw(uint64_t seed, uint64_t step) {
 
 int32_t argmax(std::span<const float> logits) {
   CHECK(!logits.empty(), "argmax of nothing");
-  int32_t best = 0;
+  size_t best = 0;
+  float best_value = logits[0];
   for (size_t i = 1; i < logits.size(); ++i)
-    if (logits[i] > logits[best]) best = static_cast<int32_t>(i);
-  return best;
+    if (logits[i] > best_value) best = i, best_value = logits[i];
+  return static_cast<int32_t>(best);
 }
 
 SamplingCandidates sampling_candidates(std::span<const float> logits, const SamplingParams& params) {

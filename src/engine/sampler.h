@@ -26,6 +26,8 @@
 #include <vector>
 
 #include "core/status.h"
+#include "core/tensor.h"
+#include "ops/logit_adjust.h"
 
 namespace moe::engine {
 
@@ -56,14 +58,39 @@ struct RowSampling {
   uint64_t step = 0;
 };
 
+// What a step samples: the first rows.size() logits rows of the batch, one
+// RowSampling each. A row with a draft verifies it by rejection sampling
+// against the row's distribution (the draft proposed as certain: accepted
+// with the probability the row gives it, else a token drawn from the row's
+// distribution without it; greedy rows accept a draft equal to their argmax).
+// The adjustments (logit_adjustments below) apply to their rows
+// before sampling; fetch_rows (any logits rows, prompt-logits rows included)
+// come back as the model produced them, for logprobs.
+struct StepSampling {
+  std::vector<RowSampling> rows;
+  std::vector<int32_t> drafts;  // per row: the draft token it verifies, or -1
+  std::vector<ops::LogitAdjustment> adjustments;
+  std::vector<int32_t> fetch_rows;
+};
+struct SampledStep {
+  std::vector<int32_t> tokens;    // per row: the sample; a draft row's draft when accepted
+  std::vector<uint8_t> accepted;  // per row: 1 where its draft was accepted
+  Tensor fetched;                 // [fetch_rows, vocab] f32
+};
+
 // Checks ranges; the message names the parameter (it reaches API users).
 // With vocab_size > 0, also that logit_bias names tokens of the vocabulary.
 Status validate_sampling(const SamplingParams& params, int64_t vocab_size = 0);
 
-// The adjustments above, in place, for a sequence whose prompt and output so
-// far are `tokens` (the output is the last num_output of them); `stop_ids`
+// The adjustments above for logits row `row` of a sequence whose prompt and
+// output so far are `tokens` (the output is the last num_output of them), as
+// one entry per touched token of the vocabulary (ascending ids); `stop_ids`
 // are the tokens min_tokens bans (eos unless ignored, and the request's stop
-// token ids).
+// token ids). Empty when the request adjusts nothing.
+std::vector<ops::LogitAdjustment> logit_adjustments(int32_t row, const SamplingParams& params,
+                                                    std::span<const int32_t> tokens, size_t num_output,
+                                                    std::span<const int32_t> stop_ids, int64_t vocab_size);
+// The same, applied in place to one row.
 void adjust_logits(std::span<float> logits, const SamplingParams& params, std::span<const int32_t> tokens,
                    size_t num_output, std::span<const int32_t> stop_ids);
 

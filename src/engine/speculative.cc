@@ -13,9 +13,6 @@
 namespace moe::engine {
 namespace {
 
-// Keys the acceptance draws apart from the token draws of the same step.
-constexpr uint64_t kAcceptSalt = 0x5370656341636370ull;
-
 // A draw from `probs` (any non-negative weights with a positive sum) by inverse CDF in id order.
 int32_t draw(std::span<const double> probs, double u) {
   const double total = std::accumulate(probs.begin(), probs.end(), 0.0);
@@ -91,68 +88,81 @@ RejectionResult rejection_step(std::span<const double> p, std::span<const double
   return {draw(mass > 0 ? std::span<const double>(residual) : p, u_resample), false};
 }
 
-std::vector<int32_t> verify_drafts(std::span<const float> rows, int64_t vocab, std::span<const int32_t> drafts,
-                                   const SamplingParams& params, uint64_t seed, uint64_t first_step) {
-  CHECK(static_cast<int64_t>(rows.size()) == vocab * static_cast<int64_t>(drafts.size() + 1), "verify rows");
-  auto row = [&](size_t j) { return rows.subspan(j * static_cast<size_t>(vocab), static_cast<size_t>(vocab)); };
-  std::vector<int32_t> run;
-  for (size_t j = 0; j < drafts.size(); ++j) {
-    if (params.is_greedy()) {
-      const int32_t target = argmax(row(j));
-      run.push_back(target);
-      if (target != drafts[j]) return run;
-      continue;
+SampledStep sample_on_host(Tensor& logits, const StepSampling& sampling) {
+  const int64_t rows = logits.view().dim(0), vocab = logits.view().dim(1);
+  CHECK(static_cast<int64_t>(sampling.rows.size()) <= rows && sampling.drafts.size() == sampling.rows.size(),
+        "{} sampled rows ({} drafts) of {} logits rows", sampling.rows.size(), sampling.drafts.size(), rows);
+  auto row = [&](int64_t r) {
+    return std::span<float>(logits.data_as<float>() + r * vocab, static_cast<size_t>(vocab));
+  };
+  SampledStep out;
+  out.fetched = Tensor(DType::kF32, {static_cast<int64_t>(sampling.fetch_rows.size()), vocab});
+  for (size_t i = 0; i < sampling.fetch_rows.size(); ++i) {
+    const int32_t r = sampling.fetch_rows[i];
+    CHECK(r >= 0 && r < rows, "fetch row {} of {}", r, rows);
+    std::copy_n(row(r).data(), vocab, out.fetched.data_as<float>() + static_cast<int64_t>(i) * vocab);
+  }
+  for (const ops::LogitAdjustment& a : sampling.adjustments) {
+    CHECK(a.row >= 0 && a.row < rows && a.token >= 0 && a.token < vocab, "adjustment of ({}, {})", a.row, a.token);
+    float& x = row(a.row)[static_cast<size_t>(a.token)];
+    x = ops::adjusted_logit(x, a);
+  }
+  for (size_t r = 0; r < sampling.rows.size(); ++r) {
+    const RowSampling& s = sampling.rows[r];
+    const int32_t draft = sampling.drafts[r];
+    const auto logits_row = row(static_cast<int64_t>(r));
+    int32_t token = -1;
+    bool accepted = false;
+    if (draft < 0) {
+      token = sample_token(logits_row, s.params, s.seed, s.step);
+    } else if (s.params.is_greedy()) {
+      token = argmax(logits_row);
+      accepted = token == draft;
+    } else {
+      const RejectionResult result = rejection_step(sampling_distribution(logits_row, s.params), {}, draft,
+                                                    uniform_draw(s.seed ^ kAcceptSalt, s.step),
+                                                    uniform_draw(s.seed, s.step));
+      token = result.token;
+      accepted = result.accepted;
     }
-    const std::vector<double> p = sampling_distribution(row(j), params);
-    const RejectionResult r = rejection_step(p, {}, drafts[j], uniform_draw(seed ^ kAcceptSalt, first_step + j),
-                                             uniform_draw(seed, first_step + j));
-    run.push_back(r.token);
-    if (!r.accepted) return run;
+    out.tokens.push_back(token);
+    out.accepted.push_back(accepted ? 1 : 0);
   }
-  run.push_back(sample_token(row(drafts.size()), params, seed, first_step + drafts.size()));
-  return run;
+  return out;
 }
 
-std::vector<std::vector<int32_t>> sample_runs(const StepPlan& plan, const model::ForwardBatch& batch,
-                                              const Tensor& logits, std::span<const RowSampling> rows) {
-  const int64_t vocab = logits.view().dim(1);
-  std::vector<std::vector<int32_t>> runs;
-  int64_t logits_row = 0;
-  size_t next = 0;
-  for (size_t c = 0; c < plan.chunks.size(); ++c) {
-    const ScheduledChunk& chunk = plan.chunks[c];
-    if (!chunk.sample) continue;
-    CHECK(next < rows.size(), "sampling parameters for every sampling chunk");
-    const RowSampling& s = rows[next++];
-    const auto num_rows = static_cast<size_t>(chunk.num_drafts + 1);
-    std::span<const float> chunk_logits(logits.data_as<float>() + logits_row * vocab, num_rows * vocab);
-    const int32_t end = batch.query_start[c + 1];
-    std::span<const int32_t> drafts(batch.token_ids.data() + end - chunk.num_drafts, static_cast<size_t>(chunk.num_drafts));
-    runs.push_back(verify_drafts(chunk_logits, vocab, drafts, s.params, s.seed, s.step));
-    logits_row += static_cast<int64_t>(num_rows);
+void add_chunk_rows(StepSampling& sampling, const StepPlan& plan, const model::ForwardBatch& batch, size_t c,
+                    const RowSampling& first) {
+  const ScheduledChunk& chunk = plan.chunks[c];
+  CHECK(chunk.sample, "rows of a chunk that does not sample");
+  const int32_t* drafts = batch.token_ids.data() + batch.query_start[c + 1] - chunk.num_drafts;
+  for (int32_t j = 0; j <= chunk.num_drafts; ++j) {
+    sampling.rows.push_back({first.params, first.seed, first.step + static_cast<uint64_t>(j)});
+    sampling.drafts.push_back(j < chunk.num_drafts ? drafts[j] : -1);
   }
-  CHECK(logits_row == logits.view().dim(0), "{} logits rows used of {}", logits_row, logits.view().dim(0));
-  return runs;
 }
 
-std::vector<std::vector<int32_t>> greedy_runs(const StepPlan& plan, const model::ForwardBatch& batch,
-                                              std::span<const int32_t> argmax_ids) {
+std::vector<int32_t> every_row(const model::ForwardBatch& batch) {
+  std::vector<int32_t> rows(static_cast<size_t>(batch.num_tokens()));
+  std::iota(rows.begin(), rows.end(), 0);
+  return rows;
+}
+
+std::vector<std::vector<int32_t>> runs_from_samples(const StepPlan& plan, const SampledStep& sampled) {
   std::vector<std::vector<int32_t>> runs;
   size_t row = 0;
-  for (size_t c = 0; c < plan.chunks.size(); ++c) {
-    const ScheduledChunk& chunk = plan.chunks[c];
+  for (const ScheduledChunk& chunk : plan.chunks) {
     if (!chunk.sample) continue;
-    const int32_t* drafts = batch.token_ids.data() + batch.query_start[c + 1] - chunk.num_drafts;
-    CHECK(row + chunk.num_drafts < argmax_ids.size(), "an argmax id for every verified row");
+    CHECK(row + chunk.num_drafts < sampled.tokens.size(), "a sample for every verified row");
     std::vector<int32_t> run;
-    for (int32_t j = 0; j <= chunk.num_drafts; ++j) {  // accept while the draft is the target's token
-      run.push_back(argmax_ids[row + j]);
-      if (j < chunk.num_drafts && run.back() != drafts[j]) break;
+    for (int32_t j = 0; j <= chunk.num_drafts; ++j) {  // the accepted drafts, then one sample
+      run.push_back(sampled.tokens[row + j]);
+      if (j == chunk.num_drafts || !sampled.accepted[row + j]) break;
     }
     runs.push_back(std::move(run));
     row += static_cast<size_t>(chunk.num_drafts) + 1;
   }
-  CHECK(row == argmax_ids.size(), "{} argmax ids used of {}", row, argmax_ids.size());
+  CHECK(row == sampled.tokens.size(), "{} samples used of {}", row, sampled.tokens.size());
   return runs;
 }
 

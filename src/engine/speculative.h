@@ -71,24 +71,25 @@ struct RejectionResult {
 RejectionResult rejection_step(std::span<const double> p, std::span<const double> q, int32_t draft, double u_accept,
                                double u_resample);
 
-// Verifies one sequence's drafts: `rows` holds the target's logits for the
-// 1 + drafts.size() verified positions ([rows, vocab], row j predicting the
-// token after draft j - 1). Returns the emitted run (accepted drafts, then
-// one token). Draws for sampled requests are keyed by (seed, first_step + j).
-std::vector<int32_t> verify_drafts(std::span<const float> rows, int64_t vocab, std::span<const int32_t> drafts,
-                                   const SamplingParams& params, uint64_t seed, uint64_t first_step);
+// StepSampling (engine/sampler.h) on the host, from a step's logits
+// ([logits rows, vocab]; adjusted rows are changed in place): a row's sample
+// is sample_token's for (seed, step); a draft row's acceptance draws for
+// (seed ^ kAcceptSalt, step), its resample (rejection_step) for (seed, step).
+inline constexpr uint64_t kAcceptSalt = 0x5370656341636370ull;
+SampledStep sample_on_host(Tensor& logits, const StepSampling& sampling);
 
-// The tokens of every sampling chunk of `plan` from the target's logits
-// (batch.logits_rows order: a chunk with drafts has 1 + num_drafts rows):
-// a plain sample for chunks without drafts, verify_drafts otherwise.
-// `rows` gives each sampling chunk's sampling, in plan order.
-std::vector<std::vector<int32_t>> sample_runs(const StepPlan& plan, const model::ForwardBatch& batch,
-                                              const Tensor& logits, std::span<const RowSampling> rows);
+// Appends the rows of sampling chunk `c` of `plan` to `sampling`: one per
+// draft, verifying it, and one after, with steps first.step, first.step + 1, ...
+void add_chunk_rows(StepSampling& sampling, const StepPlan& plan, const model::ForwardBatch& batch, size_t c,
+                    const RowSampling& first);
+// 0 .. num_tokens - 1: the hidden-state rows a drafting step needs.
+std::vector<int32_t> every_row(const model::ForwardBatch& batch);
 
-// sample_runs when every sampling chunk of `plan` is greedy, from the argmax
-// token of each logits row (batch.logits_rows order) instead of the logits.
-std::vector<std::vector<int32_t>> greedy_runs(const StepPlan& plan, const model::ForwardBatch& batch,
-                                              std::span<const int32_t> argmax_ids);
+// The tokens of every sampling chunk of `plan` from its rows' samples
+// (batch.logits_rows order: a chunk with drafts has 1 + num_drafts rows, the
+// last without a draft): the accepted drafts in order, then the sample of the
+// first row whose draft was rejected, or of the last row.
+std::vector<std::vector<int32_t>> runs_from_samples(const StepPlan& plan, const SampledStep& sampled);
 
 // Per-step speculation counts, for metrics.
 struct SpecStepStats {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <future>
+#include <set>
 #include <thread>
 
 #include "fake_runner.h"
@@ -251,37 +252,65 @@ INSTANTIATE_TEST_SUITE_P(StatusOrException, FailingForward, testing::Bool());
 namespace moe::engine {
 namespace {
 
-// A runner that samples on its device is used for steps without logprobs;
-// a request that wants logprobs takes the logits path. Tokens are the
-// oracle's either way.
-TEST(Engine, DeviceSamplingRunnerIsUsedUnlessLogprobsAreWanted) {
+// Each step hands the runner one sampled row per sequence, fetches back only
+// the rows of requests that want logprobs, and adjusts only the rows of
+// requests with penalties (a GPU runner samples the rest on its device).
+// Tokens are the oracle's: greedy, and greedy after the presence penalty.
+TEST(Engine, StepSamplingFetchesOnlyTheRowsLogprobsNeed) {
   auto runner = std::make_unique<FakeRunner>(kVocab, 4, 256);
-  runner->device_sampling = true;
+  runner->record_sampling = true;
+  runner->step_delay_ms = 5;  // so that the three requests share steps
   FakeRunner* fake = runner.get();
   Engine engine(std::move(runner), options());
   const std::vector<int32_t> prompt = {3, 1, 4, 1, 5};
-  for (int num_logprobs : {-1, 2}) {
+  constexpr int kTokens = 6;
+  std::vector<std::promise<std::vector<int32_t>>> done(3);
+  std::vector<std::vector<int32_t>> tokens(3);
+  for (int i = 0; i < 3; ++i) {
     EngineRequest r;
     r.prompt = prompt;
-    r.max_tokens = 6;
+    r.prompt.push_back(i);
+    r.max_tokens = kTokens;
     r.sampling.temperature = 0;
     r.ignore_eos = true;
-    r.num_logprobs = num_logprobs;
-    const int before = fake->num_device_samples.load();
-    std::promise<std::vector<int32_t>> done;
-    std::vector<int32_t> tokens;
-    auto id = engine.submit(r, [&](const EngineOutput& out) {
-      if (out.token >= 0) tokens.push_back(out.token);
-      if (out.finish != FinishReason::kNone) done.set_value(tokens);
-    });
-    ASSERT_TRUE(id.has_value());
-    EXPECT_EQ(done.get_future().get(), testing_fake::oracle_greedy(prompt, 6, kVocab));
-    if (num_logprobs < 0) {
-      EXPECT_GE(fake->num_device_samples.load() - before, 6);
-    } else {
-      EXPECT_EQ(fake->num_device_samples.load(), before);
-    }
+    if (i == 1) r.num_logprobs = 2;
+    if (i == 2) r.sampling.presence_penalty = 2.0f;
+    ASSERT_TRUE(engine.submit(r, [&, i](const EngineOutput& out) {
+      if (out.token >= 0) tokens[i].push_back(out.token);
+      if (out.finish != FinishReason::kNone) done[i].set_value(tokens[i]);
+    }).has_value());
   }
+  std::vector<std::vector<int32_t>> got;
+  for (auto& d : done) got.push_back(d.get_future().get());
+  for (int i = 0; i < 2; ++i) {
+    std::vector<int32_t> p = prompt;
+    p.push_back(i);
+    EXPECT_EQ(got[i], testing_fake::oracle_greedy(p, kTokens, kVocab)) << "request " << i;
+  }
+  std::vector<int32_t> context = prompt, penalized;
+  context.push_back(2);
+  for (int t = 0; t < kTokens; ++t) {
+    auto logits = testing_fake::next_token_logits(context, kVocab);
+    SamplingParams params;
+    params.presence_penalty = 2.0f;
+    adjust_logits(logits, params, context, penalized.size(), {});
+    penalized.push_back(argmax(logits));
+    context.push_back(penalized.back());
+  }
+  EXPECT_EQ(got[2], penalized);
+  int fetched = 0, adjusted_rows = 0, shared_steps = 0;
+  for (const StepSampling& s : fake->samplings) {
+    EXPECT_LE(s.fetch_rows.size(), 1u);
+    fetched += static_cast<int>(s.fetch_rows.size());
+    std::set<int32_t> rows;
+    for (const auto& a : s.adjustments) rows.insert(a.row);
+    EXPECT_LE(rows.size(), 1u);
+    adjusted_rows += static_cast<int>(rows.size());
+    shared_steps += s.rows.size() == 3;
+  }
+  EXPECT_EQ(fetched, kTokens);        // request 1's rows only
+  EXPECT_EQ(adjusted_rows, kTokens - 1);  // request 2's rows once it has output (the penalty counts output tokens)
+  EXPECT_GT(shared_steps, 0);
 }
 
 }  // namespace

@@ -50,21 +50,15 @@ class FakeRunner final : public ModelRunner {
   int64_t vocab_size() const override { return vocab_; }
   std::atomic<int> step_delay_ms{0};
   std::atomic<int> num_forwards{0};
-  // Acts as a runner that samples on its device (the sampling itself is
-  // sample_token here), counting the steps it sampled.
-  bool device_sampling = false;
-  std::atomic<int> num_device_samples{0};
+  // Each step's sampling as the engine asked for it (then sampled on the
+  // host, as ModelRunner does), when record_sampling is set.
+  bool record_sampling = false;
+  std::vector<StepSampling> samplings;
 
-  bool samples_on_device() const override { return device_sampling; }
-  Expected<std::vector<int32_t>> forward_and_sample(const model::ForwardBatch& batch,
-                                                    std::span<const RowSampling> rows) override {
-    MOE_ASSIGN_OR_RETURN(Tensor logits, forward(batch));
-    ++num_device_samples;
-    std::vector<int32_t> tokens;
-    for (size_t r = 0; r < rows.size(); ++r)
-      tokens.push_back(sample_token(std::span<const float>(logits.data_as<float>() + r * vocab_, vocab_), rows[r].params,
-                                    rows[r].seed, rows[r].step));
-    return tokens;
+  Expected<SampledStep> forward_sample(const model::ForwardBatch& batch, const StepSampling& sampling,
+                                       std::span<const int32_t> hidden_rows, Tensor& hidden) override {
+    if (record_sampling) samplings.push_back(sampling);
+    return ModelRunner::forward_sample(batch, sampling, hidden_rows, hidden);
   }
 
   Expected<Tensor> forward(const model::ForwardBatch& batch) override {

@@ -88,8 +88,29 @@ TEST(RejectionSampling, KeepsTheTargetDistribution) {
   }
 }
 
-// verify_drafts end to end: the first emitted token of a sampled request is
-// distributed as p whatever the draft.
+// One sequence's run from its verified rows ([1 + drafts, vocab]) through the
+// step's sampling on the host (sample_on_host, runs_from_samples).
+std::vector<int32_t> verify(const std::vector<float>& rows, int64_t vocab, std::vector<int32_t> drafts,
+                            const SamplingParams& params, uint64_t seed, uint64_t first_step) {
+  StepPlan plan;
+  ScheduledChunk chunk;
+  chunk.num_drafts = static_cast<int32_t>(drafts.size());
+  chunk.num_tokens = chunk.num_drafts + 1;
+  chunk.sample = true;
+  plan.chunks.push_back(chunk);
+  model::ForwardBatch batch;
+  batch.token_ids = {0};
+  batch.token_ids.insert(batch.token_ids.end(), drafts.begin(), drafts.end());
+  batch.query_start = {0, chunk.num_tokens};
+  StepSampling sampling;
+  add_chunk_rows(sampling, plan, batch, 0, {params, seed, first_step});
+  Tensor logits(DType::kF32, {chunk.num_tokens, vocab});
+  std::copy(rows.begin(), rows.end(), logits.data_as<float>());
+  return runs_from_samples(plan, sample_on_host(logits, sampling)).at(0);
+}
+
+// The step's sampling end to end: the first emitted token of a sampled
+// request is distributed as p whatever the draft.
 TEST(RejectionSampling, VerifyDraftsFirstTokenFollowsTheTarget) {
   const std::vector<float> row = testing_oracle::standard_logits();
   std::vector<float> rows = row;
@@ -101,7 +122,7 @@ TEST(RejectionSampling, VerifyDraftsFirstTokenFollowsTheTarget) {
   std::vector<int> counts(p.size());
   for (int i = 0; i < kDraws; ++i) {
     const int32_t draft = 1;
-    const auto run = verify_drafts(rows, 8, std::span<const int32_t>(&draft, 1), params, 1000 + i, 0);
+    const auto run = verify(rows, 8, {draft}, params, 1000 + i, 0);
     ++counts[static_cast<size_t>(run[0])];
     ASSERT_TRUE(run.size() == 1 || (run.size() == 2 && run[0] == draft));
   }
@@ -115,15 +136,15 @@ TEST(RejectionSampling, GreedyAcceptsWhileDraftsMatchTheArgmax) {
   for (const auto* r : {&a, &b, &c}) rows.insert(rows.end(), r->begin(), r->end());
   SamplingParams greedy;
   greedy.temperature = 0;
-  EXPECT_EQ(verify_drafts(rows, 3, std::vector<int32_t>{1, 0}, greedy, 0, 0), (std::vector<int32_t>{1, 0, 2}));
-  EXPECT_EQ(verify_drafts(rows, 3, std::vector<int32_t>{1, 2}, greedy, 0, 0), (std::vector<int32_t>{1, 0}));
-  EXPECT_EQ(verify_drafts(rows, 3, std::vector<int32_t>{2, 0}, greedy, 0, 0), (std::vector<int32_t>{1}));
+  EXPECT_EQ(verify(rows, 3, {1, 0}, greedy, 0, 0), (std::vector<int32_t>{1, 0, 2}));
+  EXPECT_EQ(verify(rows, 3, {1, 2}, greedy, 0, 0), (std::vector<int32_t>{1, 0}));
+  EXPECT_EQ(verify(rows, 3, {2, 0}, greedy, 0, 0), (std::vector<int32_t>{1}));
 }
 
-// Greedy verification from argmax ids (what a GPU runner sends back) equals
-// verification from the logits, over chunks with and without drafts,
-// accepted and rejected, and a chunk that does not sample.
-TEST(RejectionSampling, GreedyRunsFromArgmaxIdsEqualSampleRuns) {
+// A step's runs over chunks with and without drafts, accepted and rejected,
+// and a chunk that does not sample, equal greedy verification by definition
+// (the argmax while it equals the draft), chunk by chunk.
+TEST(RejectionSampling, StepRunsAreEachChunksGreedyVerification) {
   const int64_t vocab = 11;
   StepPlan plan;
   model::ForwardBatch batch;
@@ -143,8 +164,10 @@ TEST(RejectionSampling, GreedyRunsFromArgmaxIdsEqualSampleRuns) {
   for (uint64_t seed = 0; seed < 50; ++seed) {
     std::vector<float> logits;
     std::vector<int32_t> ids;
+    std::vector<std::vector<int32_t>> expected;
     for (size_t c = 0; c < chunks.size(); ++c) {
       if (!chunks[c].second) continue;
+      const size_t first = ids.size();
       for (int r = 0; r <= chunks[c].first; ++r) {
         std::vector<float> row(vocab);
         // Rows whose argmax often equals the draft at that row, so runs of accepted drafts happen.
@@ -154,13 +177,23 @@ TEST(RejectionSampling, GreedyRunsFromArgmaxIdsEqualSampleRuns) {
         ids.push_back(argmax(row));
         logits.insert(logits.end(), row.begin(), row.end());
       }
+      const int32_t* drafts = batch.token_ids.data() + batch.query_start[c + 1] - chunks[c].first;
+      std::vector<int32_t> run;
+      for (int j = 0; j <= chunks[c].first; ++j) {
+        run.push_back(ids[first + j]);
+        if (j == chunks[c].first || run.back() != drafts[j]) break;
+      }
+      expected.push_back(run);
     }
     const int64_t rows = static_cast<int64_t>(ids.size());
     Tensor t(DType::kF32, {rows, vocab});
     std::copy(logits.begin(), logits.end(), t.data_as<float>());
-    std::vector<RowSampling> sampling(4);  // greedy (temperature 0)
-    for (auto& r : sampling) r.params.temperature = 0;
-    EXPECT_EQ(greedy_runs(plan, batch, ids), sample_runs(plan, batch, t, sampling)) << "seed " << seed;
+    StepSampling sampling;
+    RowSampling greedy;
+    greedy.params.temperature = 0;
+    for (size_t c = 0; c < chunks.size(); ++c)
+      if (chunks[c].second) add_chunk_rows(sampling, plan, batch, c, greedy);
+    EXPECT_EQ(runs_from_samples(plan, sample_on_host(t, sampling)), expected) << "seed " << seed;
   }
 }
 

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <numeric>
 #include <random>
 #include <set>
@@ -23,26 +24,34 @@ bool have_gpu() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
-// Samples `rows` rows of `logits` (repeated) with params, seeds and steps per row.
+// Samples `rows` rows of `logits` (repeated) with params, seeds and steps per
+// row; with a draft, every row verifies it and `accepted` gets the verdicts.
 std::vector<int32_t> sample_on_gpu(const std::vector<float>& logits, int rows, const SamplingParams& params,
-                                   uint64_t seed) {
+                                   uint64_t seed, int32_t draft = -1, std::vector<uint8_t>* accepted = nullptr) {
   const int vocab = static_cast<int>(logits.size());
   std::vector<float> all(static_cast<size_t>(rows) * vocab);
   for (int r = 0; r < rows; ++r) std::copy(logits.begin(), logits.end(), all.begin() + static_cast<int64_t>(r) * vocab);
   std::vector<SampleRow> row_params(rows);
   for (int r = 0; r < rows; ++r)
-    row_params[r] = {params.temperature, params.top_k, params.top_p, params.min_p, seed, static_cast<uint64_t>(r)};
+    row_params[r] = {params.temperature, params.top_k, params.top_p, params.min_p, seed, static_cast<uint64_t>(r),
+                     seed ^ 0x9e37u, draft};
   auto d_logits = DeviceBuffer::allocate(all.size() * sizeof(float));
   auto d_rows = DeviceBuffer::allocate(row_params.size() * sizeof(SampleRow));
   auto d_tokens = DeviceBuffer::allocate(rows * sizeof(int32_t));
-  EXPECT_TRUE(d_logits && d_rows && d_tokens);
+  auto d_accepted = DeviceBuffer::allocate(rows);
+  EXPECT_TRUE(d_logits && d_rows && d_tokens && d_accepted);
   cudaMemcpy(d_logits->data(), all.data(), all.size() * sizeof(float), cudaMemcpyHostToDevice);
   cudaMemcpy(d_rows->data(), row_params.data(), row_params.size() * sizeof(SampleRow), cudaMemcpyHostToDevice);
-  EXPECT_EQ(sample({d_logits->data_as<float>(), d_rows->data_as<SampleRow>(), d_tokens->data_as<int32_t>(), rows, vocab},
+  EXPECT_EQ(sample({d_logits->data_as<float>(), d_rows->data_as<SampleRow>(), d_tokens->data_as<int32_t>(),
+                    d_accepted->data_as<uint8_t>(), rows, vocab},
                    nullptr),
             cudaSuccess);
   std::vector<int32_t> tokens(rows);
   EXPECT_EQ(cudaMemcpy(tokens.data(), d_tokens->data(), rows * sizeof(int32_t), cudaMemcpyDeviceToHost), cudaSuccess);
+  if (accepted != nullptr) {
+    accepted->resize(static_cast<size_t>(rows));
+    EXPECT_EQ(cudaMemcpy(accepted->data(), d_accepted->data(), rows, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
   return tokens;
 }
 
@@ -63,6 +72,97 @@ TEST(CudaSampling, MatchesTheFilteredDistribution) {
     const double stat = engine::testing_oracle::chi_square(counts, probs, kDraws, &dof);
     EXPECT_LT(stat, engine::testing_oracle::kChiSquare999) << "case " << c << " dof " << dof;
   }
+}
+
+// Rejection sampling of a proposed-as-certain draft: the emitted token is
+// distributed as the target whatever the draft (a likely and an unlikely
+// one), and a row reports its draft accepted exactly when it emits it (the
+// resample never returns the draft). Greedy rows accept the argmax only.
+TEST(CudaSampling, DraftVerificationKeepsTheTargetDistribution) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<float> logits = engine::testing_oracle::standard_logits();
+  const std::vector<SamplingParams> cases = engine::testing_oracle::standard_cases();
+  constexpr int kDraws = 40000;
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const auto probs = engine::testing_oracle::expected_distribution(logits, cases[c]);
+    for (int32_t draft : {7, 4}) {
+      std::vector<uint8_t> accepted;
+      const std::vector<int32_t> tokens = sample_on_gpu(logits, kDraws, cases[c], 500 + c, draft, &accepted);
+      std::vector<int> counts(logits.size());
+      int num_accepted = 0;
+      for (int i = 0; i < kDraws; ++i) {
+        ASSERT_GE(tokens[i], 0);
+        ASSERT_LT(tokens[i], static_cast<int32_t>(logits.size()));
+        ASSERT_EQ(accepted[i] != 0, tokens[i] == draft) << "case " << c << " draw " << i;
+        ++counts[tokens[i]];
+        num_accepted += accepted[i];
+      }
+      int dof = 0;
+      const double stat = engine::testing_oracle::chi_square(counts, probs, kDraws, &dof);
+      EXPECT_LT(stat, engine::testing_oracle::kChiSquare999) << "case " << c << " draft " << draft << " dof " << dof;
+      // The acceptance rate is the draft's probability (5 standard deviations).
+      const double p = probs[static_cast<size_t>(draft)];
+      EXPECT_NEAR(num_accepted / double{kDraws}, p, 5 * std::sqrt(p * (1 - p) / kDraws) + 1e-9) << "case " << c;
+    }
+  }
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  const int32_t best = engine::argmax(logits);
+  for (int32_t draft : {best, (best + 1) % static_cast<int32_t>(logits.size())}) {
+    std::vector<uint8_t> accepted;
+    const auto tokens = sample_on_gpu(logits, 4, greedy, 1, draft, &accepted);
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(tokens[i], best);
+      EXPECT_EQ(accepted[i] != 0, draft == best);
+    }
+  }
+}
+
+// Penalties, bias and min_tokens' ban as sparse entries on the GPU equal the
+// CPU's adjust_logits on Qwen3-sized rows (the same float operations).
+TEST(CudaSampling, AdjustLogitsEqualsTheCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  constexpr int kVocab = 151936, kRows = 4;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::uniform_int_distribution<int32_t> token(0, kVocab - 1);
+  std::vector<float> logits(static_cast<size_t>(kRows) * kVocab);
+  for (auto& v : logits) v = normal(rng);
+  std::vector<float> expected = logits;
+  std::vector<LogitAdjustment> entries;
+  for (int r = 0; r < kRows; ++r) {
+    SamplingParams p;
+    p.repetition_penalty = r == 0 ? 1.0f : 1.3f;
+    p.presence_penalty = r == 1 ? 0.0f : 0.7f;
+    p.frequency_penalty = r == 3 ? -0.4f : 0.5f;
+    p.min_tokens = r == 2 ? 200 : 0;  // 120 output tokens: row 2 bans the stop tokens
+    p.logit_bias = {{token(rng), 5.0f}, {token(rng), -100.0f}, {7, 1.5f}};
+    std::vector<int32_t> tokens;
+    for (int i = 0; i < 300; ++i) tokens.push_back(i % 3 == 0 ? token(rng) % 50 : token(rng));  // repeats among 0..49
+    const std::vector<int32_t> stop = {7, 151645};
+    const auto row = engine::logit_adjustments(r, p, tokens, 120, stop, kVocab);
+    ASSERT_FALSE(row.empty());
+    entries.insert(entries.end(), row.begin(), row.end());
+    engine::adjust_logits(std::span<float>(expected.data() + static_cast<int64_t>(r) * kVocab, kVocab), p, tokens, 120,
+                          stop);
+  }
+  auto d_logits = DeviceBuffer::allocate(logits.size() * sizeof(float));
+  auto d_entries = DeviceBuffer::allocate(entries.size() * sizeof(LogitAdjustment));
+  ASSERT_TRUE(d_logits && d_entries);
+  cudaMemcpy(d_logits->data(), logits.data(), logits.size() * sizeof(float), cudaMemcpyHostToDevice);
+  cudaMemcpy(d_entries->data(), entries.data(), entries.size() * sizeof(LogitAdjustment), cudaMemcpyHostToDevice);
+  ASSERT_EQ(adjust_logits({d_logits->data_as<float>(), d_entries->data_as<LogitAdjustment>(),
+                           static_cast<int>(entries.size()), kVocab},
+                          nullptr),
+            cudaSuccess);
+  std::vector<float> got(logits.size());
+  ASSERT_EQ(cudaMemcpy(got.data(), d_logits->data(), got.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  int changed = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_EQ(got[i], expected[i]) << "row " << i / kVocab << " token " << i % kVocab;
+    changed += got[i] != logits[i];
+  }
+  EXPECT_GT(changed, 4 * 50);
 }
 
 TEST(CudaSampling, GreedyAndKeptSetsAtFullVocabulary) {

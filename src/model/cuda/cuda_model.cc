@@ -380,6 +380,7 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
       {&s->logit_rows, DType::kBF16, {T, H}},
       {&s->logits, DType::kF32, {T, c.vocab_size}},
       {&s->greedy, DType::kI32, {T}},
+      {&s->sample_accepted, DType::kU8, {T}},
       {&s->token_ids, DType::kI32, {T}},
       {&s->positions, DType::kI32, {T}},
       {&s->token_seq, DType::kI32, {T}},

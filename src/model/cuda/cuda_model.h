@@ -78,9 +78,23 @@ class CudaQwen3MoeModel {
   // Runs the batch (its KV written into this model's pages) and returns the
   // logits of batch.logits_rows [rows, vocab] f32 on the host.
   Expected<Tensor> forward(const ForwardBatch& batch);
-  // The same forward, with each logits row's token sampled on the GPU
-  // (ops/cuda/kernels.h: sample), so the logits never leave the device.
-  Expected<std::vector<int32_t>> forward_sample(const ForwardBatch& batch, std::span<const ops::cuda::SampleRow> rows);
+  // The same forward, with the first rows.size() logits rows sampled on the
+  // GPU (ops/cuda/kernels.h: sample; a row with a draft verifies it), after
+  // the adjustments (adjust_logits); only the tokens, the verdicts and the
+  // fetch_rows (as the model produced them) come to the host. hidden_rows as
+  // forward_with_hidden.
+  struct DeviceSampling {
+    std::span<const ops::cuda::SampleRow> rows;
+    std::span<const ops::LogitAdjustment> adjustments;
+    std::span<const int32_t> fetch_rows;
+  };
+  struct DeviceSamples {
+    std::vector<int32_t> tokens;
+    std::vector<uint8_t> accepted;
+    Tensor fetched;  // [fetch_rows, vocab] f32
+  };
+  Expected<DeviceSamples> forward_sample(const ForwardBatch& batch, const DeviceSampling& sampling,
+                                         std::span<const int32_t> hidden_rows, Tensor& hidden);
   // The same forward, also returning the last hidden state of `hidden_rows`
   // (row indices into the batch's tokens) in `hidden` [rows, hidden] f32:
   // after the final norm, what lm_head reads (bf16 on the GPU, widened), the

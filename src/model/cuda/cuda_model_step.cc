@@ -631,25 +631,64 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
   return out;
 }
 
-Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_sample(const ForwardBatch& batch,
-                                                                  std::span<const ops::cuda::SampleRow> rows) {
-  if (rows.size() != batch.logits_rows.size())
-    return invalid_argument("{} sampling rows for {} logits rows", rows.size(), batch.logits_rows.size());
+Expected<CudaQwen3MoeModel::DeviceSamples> CudaQwen3MoeModel::forward_sample(const ForwardBatch& batch,
+                                                                             const DeviceSampling& sampling,
+                                                                             std::span<const int32_t> hidden_rows,
+                                                                             Tensor& hidden) {
   State& s = *state_;
-  MOE_RETURN_IF_ERROR(run(batch));  // first: it makes the model's device current for the allocation below
-  if (s.sample_rows.data() == nullptr || s.sample_rows.num_bytes() < rows.size_bytes()) {
-    MOE_ASSIGN_OR_RETURN(s.sample_rows, DeviceTensor::allocate(DType::kU8, {static_cast<int64_t>(rows.size_bytes())}));
+  const int64_t vocab = config().vocab_size;
+  const auto num_logits_rows = static_cast<int32_t>(batch.logits_rows.size());
+  const auto num_rows = static_cast<int32_t>(sampling.rows.size());
+  if (num_rows > num_logits_rows) return invalid_argument("{} sampled rows of {} logits rows", num_rows, num_logits_rows);
+  for (int32_t r : sampling.fetch_rows)
+    if (r < 0 || r >= num_logits_rows) return invalid_argument("fetched row {} of {} logits rows", r, num_logits_rows);
+  for (const ops::LogitAdjustment& a : sampling.adjustments)
+    if (a.row < 0 || a.row >= num_rows || a.token < 0 || a.token >= vocab)
+      return invalid_argument("logit adjustment of row {}, token {} ({} rows, vocabulary {})", a.row, a.token, num_rows,
+                              vocab);
+  MOE_RETURN_IF_ERROR(check_batch(batch, hidden_rows));
+  MOE_RETURN_IF_ERROR(run(batch));  // first: it makes the model's device current for the allocations below
+  auto grow = [](DeviceTensor& t, size_t bytes) -> Status {
+    if (t.data() != nullptr && t.num_bytes() >= bytes) return Status::ok();
+    MOE_ASSIGN_OR_RETURN(t, DeviceTensor::allocate(DType::kU8, {static_cast<int64_t>(std::max<size_t>(bytes, 1))}));
+    return Status::ok();
+  };
+  DeviceSamples out;
+  out.fetched = Tensor(DType::kF32, {static_cast<int64_t>(sampling.fetch_rows.size()), vocab});
+  const size_t row_bytes = static_cast<size_t>(vocab) * sizeof(float);
+  const std::span<const int32_t> fetch = sampling.fetch_rows;
+  for (size_t i = 0; i < fetch.size();) {  // before the adjustments; a run of consecutive rows in one copy
+    size_t n = 1;
+    while (i + n < fetch.size() && fetch[i + n] == fetch[i] + static_cast<int32_t>(n)) ++n;
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.fetched.data_as<uint8_t>() + i * row_bytes,
+                                             s.logits.data_as<uint8_t>() + fetch[i] * row_bytes, n * row_bytes,
+                                             cudaMemcpyDeviceToHost, s.stream));
+    i += n;
   }
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.sample_rows.data(), rows.data(), rows.size_bytes(), cudaMemcpyHostToDevice,
-                                           s.stream));
-  MOE_CUDA_RETURN_IF_ERROR(ops::cuda::sample({s.logits.data_as<float>(), s.sample_rows.data_as<ops::cuda::SampleRow>(),
-                                              s.greedy.data_as<int32_t>(), static_cast<int>(rows.size()),
-                                              static_cast<int>(config().vocab_size)}, s.stream));
-  std::vector<int32_t> tokens(rows.size());
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(tokens.data(), s.greedy.data(), tokens.size() * sizeof(int32_t),
-                                           cudaMemcpyDeviceToHost, s.stream));
-  MOE_RETURN_IF_ERROR(finish_step());
-  return tokens;
+  if (!sampling.adjustments.empty()) {
+    MOE_RETURN_IF_ERROR(grow(s.logit_adjustments, sampling.adjustments.size_bytes()));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.logit_adjustments.data(), sampling.adjustments.data(),
+                                             sampling.adjustments.size_bytes(), cudaMemcpyHostToDevice, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(ops::cuda::adjust_logits(
+        {s.logits.data_as<float>(), s.logit_adjustments.data_as<ops::LogitAdjustment>(),
+         static_cast<int>(sampling.adjustments.size()), static_cast<int>(vocab)}, s.stream));
+  }
+  out.tokens.resize(sampling.rows.size());
+  out.accepted.resize(sampling.rows.size());
+  if (num_rows > 0) {
+    MOE_RETURN_IF_ERROR(grow(s.sample_rows, sampling.rows.size_bytes()));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.sample_rows.data(), sampling.rows.data(), sampling.rows.size_bytes(),
+                                             cudaMemcpyHostToDevice, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(ops::cuda::sample({s.logits.data_as<float>(), s.sample_rows.data_as<ops::cuda::SampleRow>(),
+                                                s.greedy.data_as<int32_t>(), s.sample_accepted.data_as<uint8_t>(),
+                                                num_rows, static_cast<int>(vocab)}, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.tokens.data(), s.greedy.data(), out.tokens.size() * sizeof(int32_t),
+                                             cudaMemcpyDeviceToHost, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.accepted.data(), s.sample_accepted.data(), out.accepted.size(),
+                                             cudaMemcpyDeviceToHost, s.stream));
+  }
+  MOE_RETURN_IF_ERROR(sync_and_fetch_hidden(batch.num_tokens(), hidden_rows, hidden));
+  return out;
 }
 
 Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy(const ForwardBatch& batch) {

@@ -13,6 +13,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "ops/logit_adjust.h"
+
 namespace moe::ops::cuda {
 
 using bf16 = __nv_bfloat16;
@@ -311,7 +313,12 @@ struct ArgmaxParams {
 cudaError_t argmax(const ArgmaxParams& p, cudaStream_t stream);
 
 // Sampling on the GPU (sampling.cu): per row the filters of engine/sampler.h
-// and the draw for (seed, step); temperature 0 is the argmax.
+// and the draw for (seed, step); temperature 0 is the argmax. A row with a
+// draft (>= 0) verifies it (engine/sampler.h StepSampling): accepted[r] = 1
+// and tokens[r] = draft with the probability the row gives the draft (the
+// uniform for (accept_seed, step)); else a draw for (seed, step) from the
+// row's distribution without the draft. Greedy rows accept a draft equal to
+// their argmax.
 struct SampleRow {
   float temperature;
   int top_k;      // <= 0: off
@@ -319,14 +326,26 @@ struct SampleRow {
   float min_p;    // 0: off
   uint64_t seed;
   uint64_t step;
+  uint64_t accept_seed = 0;
+  int32_t draft = -1;
 };
 struct SampleParams {
   const float* logits;    // [num_rows, vocab]
   const SampleRow* rows;  // [num_rows]
   int32_t* tokens;        // [num_rows]
+  uint8_t* accepted;      // [num_rows]; may be null when no row has a draft
   int num_rows, vocab;
 };
 cudaError_t sample(const SampleParams& p, cudaStream_t stream);
+
+// logits[e.row, e.token] = adjusted_logit(that, e) for each entry
+// (ops/logit_adjust.h; at most one entry per (row, token)).
+struct AdjustLogitsParams {
+  float* logits;  // [rows, vocab]
+  const LogitAdjustment* entries;
+  int num_entries, vocab;
+};
+cudaError_t adjust_logits(const AdjustLogitsParams& p, cudaStream_t stream);
 
 // dst[r] = src[index[r]] for rows of row_bytes (a multiple of 4) and r <
 // min(rows, *live_rows) (live_rows optional, on the device): the rows that

@@ -13,6 +13,15 @@
 // the two may return different tokens for the same seed. Tokens tied with the
 // top-k or top-p boundary are all kept (the CPU keeps the lower ids).
 // Greedy rows (temperature 0) take the argmax, lowest id on ties, as the CPU.
+//
+// Speculative verification (a row with a draft) rides on the same pass: the
+// prefix sum leaves the draft out, so its total is the kept mass without it;
+// the draft's own weight w gives the acceptance test u * (total + w) < w, and
+// a rejected row draws from the sums as they are (p without the draft, which
+// is rejection sampling's residual for a one-hot draft distribution).
+//
+// Penalties and logit_bias arrive as sparse entries (adjust_logits, one
+// thread each) applied in place before this kernel.
 #include <cfloat>
 
 #include "ops/cuda/common.cuh"
@@ -33,6 +42,12 @@ __device__ __forceinline__ uint64_t splitmix(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
+}
+
+// The uniform double in [0, 1) of engine/sampler.h uniform_draw, as a float.
+__device__ __forceinline__ float uniform(uint64_t seed, uint64_t step) {
+  const uint64_t bits = splitmix(splitmix(seed) ^ step);
+  return static_cast<float>(static_cast<double>(bits >> 11) * (1.0 / 9007199254740992.0));
 }
 
 // Radix select: the largest key K such that weight{key >= K} >= target, over
@@ -101,8 +116,12 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   }
   __syncthreads();
   const float max_logit = warp_best[0];
+  const bool verifies = s.draft >= 0 && s.draft < p.vocab;
   if (s.temperature == 0.0f) {
-    if (threadIdx.x == 0) p.tokens[r] = warp_index[0];
+    if (threadIdx.x == 0) {
+      p.tokens[r] = warp_index[0];
+      if (p.accepted != nullptr) p.accepted[r] = verifies && warp_index[0] == s.draft;
+    }
     return;
   }
   const float inv_t = 1.0f / s.temperature;
@@ -121,12 +140,17 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   }
   // min-p: p / p_max >= min_p, i.e. logit >= max + T ln(min_p).
   if (s.min_p > 0.0f) floor_key = max(floor_key, order_key(max_logit + s.temperature * logf(s.min_p)));
-  // Inverse CDF in vocabulary order: each thread owns a contiguous slice.
+  // Inverse CDF in vocabulary order: each thread owns a contiguous slice. A
+  // draft row leaves its draft out of the sums: `total` is the kept mass
+  // without it, which the resample draws from.
+  const int excluded = verifies ? s.draft : -1;
+  auto weight = [&](int i) {
+    return i != excluded && order_key(row[i]) >= floor_key ? __expf((row[i] - max_logit) * inv_t) : 0.0f;
+  };
   const int per_thread = (p.vocab + kThreads - 1) / kThreads;
   const int begin = threadIdx.x * per_thread, end = min(p.vocab, begin + per_thread);
   float local = 0.0f;
-  for (int i = begin; i < end; ++i)
-    if (order_key(row[i]) >= floor_key) local += __expf((row[i] - max_logit) * inv_t);
+  for (int i = begin; i < end; ++i) local += weight(i);
   scan[threadIdx.x] = local;
   __syncthreads();
   for (int offset = 1; offset < kThreads; offset <<= 1) {  // inclusive Hillis-Steele scan
@@ -136,24 +160,46 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
     __syncthreads();
   }
   const float total = scan[kThreads - 1];
-  const uint64_t bits = splitmix(splitmix(s.seed) ^ s.step);
-  const float target = static_cast<float>(static_cast<double>(bits >> 11) * (1.0 / 9007199254740992.0)) * total;
+  if (verifies) {
+    // Accept with the draft's probability w / (total + w) (every thread decides alike).
+    const float w = order_key(row[s.draft]) >= floor_key ? __expf((row[s.draft] - max_logit) * inv_t) : 0.0f;
+    const bool accept = uniform(s.accept_seed, s.step) * (total + w) < w;
+    if (threadIdx.x == 0) {
+      if (p.accepted != nullptr) p.accepted[r] = accept;
+      if (accept) p.tokens[r] = s.draft;
+    }
+    if (accept) return;
+  } else if (threadIdx.x == 0 && p.accepted != nullptr) {
+    p.accepted[r] = 0;
+  }
+  const float target = uniform(s.seed, s.step) * total;
   const float before = threadIdx.x == 0 ? 0.0f : scan[threadIdx.x - 1];
   if (target >= before && (target < scan[threadIdx.x] || threadIdx.x == kThreads - 1)) {
     float cumulative = before;
     int chosen = -1, last_kept = -1;
     for (int i = begin; i < end; ++i) {
-      if (order_key(row[i]) < floor_key) continue;
+      const float w = weight(i);
+      if (w <= 0.0f) continue;
       last_kept = i;
-      cumulative += __expf((row[i] - max_logit) * inv_t);
+      cumulative += w;
       if (target < cumulative) {
         chosen = i;
         break;
       }
     }
-    if (chosen < 0) chosen = last_kept >= 0 ? last_kept : warp_index[0];  // rounding at the very end
-    p.tokens[r] = chosen;
+    if (chosen < 0) chosen = last_kept;  // rounding at the very end
+    for (int i = p.vocab - 1; chosen < 0 && i >= 0; --i)  // ... past this slice's last kept token
+      if (weight(i) > 0.0f) chosen = i;
+    p.tokens[r] = chosen >= 0 ? chosen : warp_index[0];
   }
+}
+
+__global__ void adjust_logits_kernel(AdjustLogitsParams p) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= p.num_entries) return;
+  const LogitAdjustment a = p.entries[e];
+  float& x = p.logits[static_cast<int64_t>(a.row) * p.vocab + a.token];
+  x = adjusted_logit(x, a);
 }
 
 }  // namespace
@@ -161,6 +207,12 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
 cudaError_t sample(const SampleParams& p, cudaStream_t stream) {
   if (p.num_rows == 0) return cudaSuccess;
   sample_kernel<<<p.num_rows, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t adjust_logits(const AdjustLogitsParams& p, cudaStream_t stream) {
+  if (p.num_entries == 0) return cudaSuccess;
+  adjust_logits_kernel<<<(p.num_entries + 255) / 256, 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
