@@ -15,12 +15,15 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "bench/gpu/bench_util.h"
 #include "bench/gpu/l2_bench.h"
 #include "core/cuda/device_buffer.h"
+#include "engine/sampler.h"
+#include "engine/speculative.h"
 #include "model/config.h"
 #include "model/cuda/cuda_model.h"
 #include "ops/cuda/gemm.h"
@@ -669,6 +672,124 @@ void bench_verify(const std::string& config_path, int num_layers) {
   }
 }
 
+// A decode step's sampling on dummy Qwen3-235B layers (full vocabulary),
+// batch 64, context 2048: the same step sampled on the GPU
+// (CudaQwen3MoeModel::forward_sample: only tokens and fetched rows come back)
+// and as the engine did before 2026-12-02 whenever a request wanted logprobs
+// or penalties, or any request sampled with MTP drafts: every logits row
+// copied to the host, then engine::sample_on_host. Floor column: the
+// all-greedy step on the GPU.
+void bench_sampling(const std::string& config_path, int num_layers) {
+  std::ifstream in(config_path);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  auto config = model::parse_model_config(text);
+  check(config.status());
+  config->num_layers = num_layers;
+  const int context = 2048, page = 16, batch = 64;
+  const int64_t vocab = config->vocab_size;
+  model::CudaModelOptions options;
+  options.page_size = page;
+  options.num_pages = batch * (context / page + 1);
+  options.max_num_tokens = 2 * batch;
+  options.max_num_seqs = batch;
+  options.use_cuda_graphs = true;
+  auto m = model::CudaQwen3MoeModel::create_dummy(*config, 1, options);
+  check(m.status());
+  check((*m)->fill_kv_random(5));
+  auto step_of = [&](int k) {  // k drafts per sequence, every row sampled
+    model::ForwardBatch step;
+    step.max_pages_per_seq = context / page + 1;
+    step.query_start.push_back(0);
+    for (int b = 0; b < batch; ++b) {
+      for (int j = 0; j <= k; ++j) {
+        step.logits_rows.push_back(static_cast<int32_t>(step.token_ids.size()));
+        step.token_ids.push_back(1000 + b + 7 * j);
+        step.positions.push_back(context - 1 - k + j);
+      }
+      step.query_start.push_back(static_cast<int32_t>(step.token_ids.size()));
+      for (int p = 0; p < step.max_pages_per_seq; ++p) step.page_table.push_back(b * step.max_pages_per_seq + p);
+    }
+    return step;
+  };
+  struct Case {
+    const char* name;
+    int drafts;  // per sequence
+    engine::SamplingParams params;
+    bool logprobs_row;  // row 0 fetched
+    int iterations;     // of the host path
+  };
+  engine::SamplingParams greedy, qwen, plain, penalized;
+  greedy.temperature = 0;
+  qwen.temperature = 0.6f, qwen.top_k = 20, qwen.top_p = 0.95f;  // Qwen3's generation_config
+  plain.temperature = 1.0f;                                      // OpenAI's default: no top-k / top-p
+  penalized = qwen;
+  penalized.presence_penalty = 1.5f;  // Qwen3's model card, against endless repetition
+  const std::vector<Case> cases = {
+      {"greedy, one request with logprobs", 0, greedy, true, 8},
+      {"Qwen3 sampling + presence_penalty 1.5", 0, penalized, false, 4},
+      {"Qwen3 sampling, MTP k=1", 1, qwen, false, 4},
+      {"temperature 1, MTP k=1", 1, plain, false, 2},
+  };
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab) - 1);
+  double greedy_ms = 0;
+  for (const Case& c : cases) {
+    const model::ForwardBatch step = step_of(c.drafts);
+    engine::StepSampling sampling;
+    for (int b = 0; b < batch; ++b) {
+      for (int j = 0; j <= c.drafts; ++j) {
+        const int row = static_cast<int>(sampling.rows.size());
+        sampling.rows.push_back({c.params, 100u + b, static_cast<uint64_t>(j)});
+        sampling.drafts.push_back(j < c.drafts ? step.token_ids[row + 1] : -1);
+      }
+      if (c.params.adjusts_logits()) {  // a 2048-token history, half of it output
+        std::vector<int32_t> history(context);
+        for (auto& t : history) t = token(rng) % 20000;
+        const auto e = engine::logit_adjustments(b, c.params, history, context / 2, {}, vocab);
+        sampling.adjustments.insert(sampling.adjustments.end(), e.begin(), e.end());
+      }
+    }
+    if (c.logprobs_row) sampling.fetch_rows.push_back(0);
+    std::vector<ops::cuda::SampleRow> rows;
+    for (size_t r = 0; r < sampling.rows.size(); ++r) {
+      const auto& s = sampling.rows[r];
+      rows.push_back({s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p, s.seed, s.step,
+                      s.seed ^ engine::kAcceptSalt, sampling.drafts[r]});
+    }
+    auto median_ms = [&](int iterations, const std::function<void()>& run) {
+      std::vector<double> ms;
+      for (int i = 0; i < iterations + 2; ++i) {
+        check(cudaDeviceSynchronize(), "sync");
+        const auto start = std::chrono::steady_clock::now();
+        run();
+        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      }
+      std::sort(ms.begin() + 2, ms.end());  // the first two capture the graph / warm up
+      return ms[2 + (ms.size() - 2) / 2];
+    };
+    Tensor unused;
+    if (greedy_ms == 0) {
+      std::vector<ops::cuda::SampleRow> greedy_rows(static_cast<size_t>(batch), ops::cuda::SampleRow{0, 0, 1, 0, 0, 0});
+      const model::ForwardBatch plain_step = step_of(0);
+      greedy_ms = median_ms(8, [&] { check((*m)->forward_sample(plain_step, {greedy_rows, {}, {}}, {}, unused).status()); });
+    }
+    const double device_ms = median_ms(8, [&] {
+      check((*m)->forward_sample(step, {rows, sampling.adjustments, sampling.fetch_rows}, {}, unused).status());
+    });
+    const double host_ms = median_ms(c.iterations, [&] {
+      auto logits = (*m)->forward(step);
+      check(logits.status());
+      engine::sample_on_host(*logits, sampling);
+    });
+    char shape[160], extra[200];
+    std::snprintf(shape, sizeof shape, "%d layers, batch %d, ctx %d: %s (%zu rows, %zu adjustments)", num_layers, batch,
+                  context, c.name, rows.size(), sampling.adjustments.size());
+    std::snprintf(extra, sizeof extra, "all rows to the host + CPU sampling (before): %.2f ms = %.1fx", host_ms,
+                  host_ms / device_ms);
+    report("sampling_step", shape, device_ms, greedy_ms, extra);
+  }
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -678,7 +799,7 @@ int main(int argc, char** argv) {
   int attention_batch = 0, attention_context = 0;  // --attention-shape BATCH,CONTEXT: one decode shape
   int moe_tokens = 0;                              // --moe-tokens N: one FP8 tokens-per-expert count
   int model_batch = 0;                             // --model-batch N: one decode-step batch size
-  std::string only;  // sections to run (comma-separated): moe, moe_fp8, moe_prefill, decode_attention, prefill_attention, model, model_fp8, verify
+  std::string only;  // sections to run (comma-separated): moe, moe_fp8, moe_prefill, decode_attention, prefill_attention, model, model_fp8, verify, sampling
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) json_path = argv[++i];
@@ -717,6 +838,7 @@ int main(int argc, char** argv) {
   if ((wanted("model") || wanted("model_fp8")) && moe::ops::cuda::hopper_kernels_available())
     moe::bench_model(config_path, layers, copy_gbs, moe::ops::QuantFormat::kFp8Block, model_batch);
   if (wanted("verify")) moe::bench_verify(config_path, layers);
+  if (wanted("sampling")) moe::bench_sampling(config_path, layers);
   if (moe::json_out) std::fclose(moe::json_out);
   return 0;
 }

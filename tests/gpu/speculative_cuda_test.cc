@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <map>
 
 #include "engine/cuda_runner.h"
 #include "engine/generator.h"
@@ -295,6 +296,74 @@ TEST_P(CudaSpeculation, DemoTrainedMtpIsAcceptedAndExact) {
                 spec.seconds, plain.seconds / spec.seconds);
     EXPECT_GT(acceptance, k == 1 ? 0.2 : 0.1) << "k " << k;  // random MTP weights accept ~0
   }
+}
+
+// Sampled requests verify their drafts on the GPU (rejection sampling in the
+// sampling kernel): a request's second token (the first verified one) follows
+// the same distribution with MTP drafts as without them -- a two-sample
+// chi-square over 1000 seeded requests each, independent seeds -- and the
+// demo's trained MTP layer still gets drafts accepted at temperature 0.7.
+TEST(CudaSpeculationSampled, VerifiedTokensKeepTheDistribution) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto l = load(source("models/moeserve-demo"), source("models/moeserve-demo-mtp"));
+  ASSERT_NE(l, nullptr);
+  constexpr int kRequests = 1000;
+  auto requests_with_seeds = [&](uint64_t first_seed) {
+    std::vector<GenerationRequest> out;
+    for (int i = 0; i < kRequests; ++i) {
+      GenerationRequest r;
+      r.prompt = {1, 317, 201, 386, 330, 263, 409, 16, 2, 201, 1, 319, 201};
+      r.max_tokens = 3;  // a draft only where more than one token remains
+      r.sampling.temperature = 1.0f;
+      r.sampling.seed = first_seed + static_cast<uint64_t>(i);
+      r.ignore_eos = true;
+      out.push_back(r);
+    }
+    return out;
+  };
+  const GenRun plain = generate(*l, requests_with_seeds(1), 0, 256);  // steps within max_num_tokens
+  const GenRun spec = generate(*l, requests_with_seeds(1000000), 2, 256);
+  ASSERT_EQ(plain.results.size(), static_cast<size_t>(kRequests));
+  ASSERT_EQ(spec.results.size(), static_cast<size_t>(kRequests));
+  std::map<int32_t, std::pair<int, int>> counts;  // second token: (plain, speculative)
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_EQ(plain.results[i].token_ids.size(), 3u);
+    ASSERT_EQ(spec.results[i].token_ids.size(), 3u);
+    ++counts[plain.results[i].token_ids[1]].first;
+    ++counts[spec.results[i].token_ids[1]].second;
+  }
+  // Categories with fewer than 10 draws in all pool into one.
+  std::vector<std::pair<double, double>> bins(1, {0, 0});
+  for (const auto& [token, c] : counts) {
+    if (c.first + c.second >= 10) bins.emplace_back(c.first, c.second);
+    else bins[0].first += c.first, bins[0].second += c.second;
+  }
+  if (bins[0].first + bins[0].second == 0) bins.erase(bins.begin());
+  double stat = 0;
+  for (const auto& [a, b] : bins) {  // equal sample sizes: expected (a + b) / 2 each
+    const double e = (a + b) / 2;
+    stat += (a - e) * (a - e) / e + (b - e) * (b - e) / e;
+  }
+  const double dof = static_cast<double>(bins.size()) - 1;
+  // Wilson-Hilferty: the chi-square quantile at 0.999 (z = 3.09).
+  const double h = 2.0 / (9.0 * dof), critical = dof * std::pow(1 - h + 3.09 * std::sqrt(h), 3);
+  std::printf("second token: %zu categories, chi-square %.1f (critical %.1f at 0.001); %lld drafts, %lld accepted\n",
+              bins.size(), stat, critical, static_cast<long long>(spec.stats.num_draft_tokens),
+              static_cast<long long>(spec.stats.num_accepted_tokens));
+  ASSERT_GE(bins.size(), 3u) << "the second token should vary at temperature 1";
+  EXPECT_LT(stat, critical);
+  EXPECT_GT(spec.stats.num_draft_tokens, kRequests / 2);
+
+  std::vector<GenerationRequest> longer = requests_with_seeds(7);
+  longer.resize(3);
+  for (auto& r : longer) r.max_tokens = 64, r.sampling.temperature = 0.7f;
+  const GenRun sampled = generate(*l, longer, 2, 0);
+  for (const auto& r : sampled.results) EXPECT_EQ(r.token_ids.size(), 64u);
+  const double acceptance = static_cast<double>(sampled.stats.num_accepted_tokens) /
+                            static_cast<double>(std::max<int64_t>(1, sampled.stats.num_draft_tokens));
+  std::printf("demo, temperature 0.7, k=2: %lld drafts, %.1f%% accepted\n",
+              static_cast<long long>(sampled.stats.num_draft_tokens), 100 * acceptance);
+  EXPECT_GT(acceptance, 0.1);
 }
 
 INSTANTIATE_TEST_SUITE_P(MtpPlacement, CudaSpeculation, testing::Values(true, false),
