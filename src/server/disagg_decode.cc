@@ -194,6 +194,7 @@ void DecodeService::activate(uint32_t id) {
     return;
   }
   engine::EngineRequest request = disagg::to_engine_request(it->second.request.spec);
+  request.num_prompt_logprobs = -1;  // the prefill instance computed them
   engine::PrefilledPrompt prompt{r->pages, r->first_token, std::move(r->last_hidden)};
   auto engine_id = engine_.submit_prefilled(
       std::move(request), std::move(prompt), [this, id](const engine::EngineOutput& out) {

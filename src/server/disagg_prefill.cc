@@ -300,6 +300,7 @@ void PrefillService::on_prefilled(const std::string& key, const engine::EngineOu
   result.first_token = out.token;
   result.stop = out.finish == engine::FinishReason::kStop;
   result.logprobs = out.logprobs;
+  result.prompt_logprobs = out.prompt_logprobs;
   commit(key, std::move(result));
 }
 

@@ -154,6 +154,7 @@ GenerationSpec read_spec(Reader& r) {
   s.ignore_eos = r.boolean("ignore_eos");
   s.stop_token_ids = r.ints("stop_token_ids", 1024, 0, kMaxTokenId, false);
   s.num_logprobs = static_cast<int>(r.integer("num_logprobs", -1, 1 << 20, false, -1));
+  s.num_prompt_logprobs = static_cast<int>(r.integer("num_prompt_logprobs", -1, 1 << 20, false, -1));
   s.timeout_s = r.number("timeout_s", 0, 1e7, false, 0);
   return s;
 }
@@ -169,6 +170,7 @@ const std::set<std::string> kSpecFields = {"request_id",
                                            "ignore_eos",
                                            "stop_token_ids",
                                            "num_logprobs",
+                                           "num_prompt_logprobs",
                                            "timeout_s",
                                            "presence_penalty",
                                            "min_tokens",
@@ -185,7 +187,7 @@ std::set<std::string> with_spec(std::set<std::string> more) {
 json logprobs_json(const engine::TokenLogprobs& lp) {
   json top = json::array();
   for (const auto& [id, p] : lp.top) top.push_back({id, p});
-  return {{"token", lp.token}, {"logprob", lp.logprob}, {"top", top}};
+  return {{"token", lp.token}, {"logprob", lp.logprob}, {"rank", lp.rank}, {"top", top}};
 }
 
 Expected<engine::TokenLogprobs> parse_logprobs(const json& j) {
@@ -195,6 +197,11 @@ Expected<engine::TokenLogprobs> parse_logprobs(const json& j) {
   engine::TokenLogprobs lp;
   lp.token = j["token"].get<int32_t>();
   lp.logprob = j["logprob"].get<float>();
+  if (j.contains("rank")) {
+    if (!j["rank"].is_number_integer() || j["rank"].get<int64_t>() < 0 || j["rank"].get<int64_t>() > kMaxTokenId)
+      return invalid_argument("'logprobs.rank' is malformed");
+    lp.rank = j["rank"].get<int32_t>();
+  }
   for (const auto& e : j["top"]) {
     if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer() || !e[1].is_number())
       return invalid_argument("'logprobs.top' is malformed");
@@ -218,6 +225,7 @@ json to_json(const GenerationSpec& s) {
             {"min_p", s.sampling.min_p},      {"seed", s.sampling.seed.value_or(0)},
             {"ignore_eos", s.ignore_eos},     {"stop_token_ids", s.stop_token_ids},
             {"num_logprobs", s.num_logprobs}, {"timeout_s", s.timeout_s}};
+  if (s.num_prompt_logprobs >= 0) j["num_prompt_logprobs"] = s.num_prompt_logprobs;
   const engine::SamplingParams& sampling = s.sampling;
   if (sampling.presence_penalty != 0) j["presence_penalty"] = sampling.presence_penalty;
   if (sampling.frequency_penalty != 0) j["frequency_penalty"] = sampling.frequency_penalty;
@@ -324,18 +332,32 @@ Expected<PrefillRequest> parse_prefill_request(const std::string& body) {
 json to_json(const PrefillResult& r) {
   json j = {{"first_token", r.first_token}, {"stop", r.stop}};
   j["logprobs"] = r.logprobs ? logprobs_json(*r.logprobs) : json(nullptr);
+  if (!r.prompt_logprobs.empty()) {
+    json prompt = json::array();
+    for (const auto& lp : r.prompt_logprobs) prompt.push_back(logprobs_json(lp));
+    j["prompt_logprobs"] = std::move(prompt);
+  }
   return j;
 }
 
 Expected<PrefillResult> parse_prefill_result(const std::string& body) {
   MOE_ASSIGN_OR_RETURN(json j, parse_body(body, "prefill result"));
-  Reader r(j, "prefill result", {"first_token", "stop", "logprobs"});
+  Reader r(j, "prefill result", {"first_token", "stop", "logprobs", "prompt_logprobs"});
   PrefillResult p;
   p.first_token = static_cast<int32_t>(r.integer("first_token", 0, kMaxTokenId));
   p.stop = r.boolean("stop");
   MOE_RETURN_IF_ERROR(r.status());
   if (j.contains("logprobs") && !j["logprobs"].is_null()) {
     MOE_ASSIGN_OR_RETURN(p.logprobs, parse_logprobs(j["logprobs"]));
+  }
+  if (j.contains("prompt_logprobs")) {
+    const json& prompt = j["prompt_logprobs"];
+    if (!prompt.is_array() || prompt.size() > static_cast<size_t>(kMaxPromptTokens))
+      return invalid_argument("'prompt_logprobs' is malformed");
+    for (const auto& e : prompt) {
+      MOE_ASSIGN_OR_RETURN(engine::TokenLogprobs lp, parse_logprobs(e));
+      p.prompt_logprobs.push_back(std::move(lp));
+    }
   }
   return p;
 }
@@ -484,6 +506,7 @@ engine::EngineRequest to_engine_request(const GenerationSpec& s) {
   r.ignore_eos = s.ignore_eos;
   r.stop_token_ids = s.stop_token_ids;
   r.num_logprobs = s.num_logprobs;
+  r.num_prompt_logprobs = s.num_prompt_logprobs;
   r.timeout_s = s.timeout_s;
   return r;
 }

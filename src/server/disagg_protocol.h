@@ -41,6 +41,7 @@ struct GenerationSpec {
   bool ignore_eos = false;
   std::vector<int32_t> stop_token_ids;
   int num_logprobs = -1;
+  int num_prompt_logprobs = -1;  // computed by the prefill instance, sent back with the first token
   double timeout_s = 0;
 };
 
@@ -78,6 +79,7 @@ struct PrefillResult {
   int32_t first_token = -1;
   bool stop = false;  // the first token is eos or a stop token id
   std::optional<engine::TokenLogprobs> logprobs;
+  std::vector<engine::TokenLogprobs> prompt_logprobs;  // spec.num_prompt_logprobs >= 0: prompt tokens 1 .. n-1
 };
 
 struct CommitRequest {

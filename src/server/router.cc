@@ -85,7 +85,7 @@ class Router::Job {
   // The final output for a failed call: cancelled, past the deadline, or `error`.
   void fail(const Status& error);
   void emit(int32_t token, std::optional<engine::TokenLogprobs> logprobs, engine::FinishReason finish,
-            Status error = {});
+            Status error = {}, std::vector<engine::TokenLogprobs> prompt_logprobs = {});
   void abort_reservation(const std::string& decode_url, uint32_t reservation);
 
   Router& router_;
@@ -104,12 +104,13 @@ class Router::Job {
 };
 
 void Router::Job::emit(int32_t token, std::optional<engine::TokenLogprobs> logprobs,
-                       engine::FinishReason finish, Status error) {
+                       engine::FinishReason finish, Status error, std::vector<engine::TokenLogprobs> prompt_logprobs) {
   if (finished_) return;
   engine::EngineOutput out;
   out.id = id_;
   out.token = token;
   out.logprobs = std::move(logprobs);
+  out.prompt_logprobs = std::move(prompt_logprobs);
   out.finish = finish;
   out.error = std::move(error);
   if (!out.error.is_ok()) out.finish = engine::FinishReason::kAbort;
@@ -160,6 +161,7 @@ void Router::Job::run() {
   spec.ignore_eos = request_.ignore_eos;
   spec.stop_token_ids = request_.stop_token_ids;
   spec.num_logprobs = request_.num_logprobs;
+  spec.num_prompt_logprobs = request_.num_prompt_logprobs;
   std::set<std::string> excluded;
   for (int i = 0; i <= router_.options_.max_prefill_retries && !finished_; ++i) {
     if (i > 0) ++router_.num_retries_;
@@ -233,7 +235,11 @@ Router::Job::Outcome Router::Job::attempt(const disagg::GenerationSpec& spec, st
   else if (spec.max_tokens <= 1 ||
            static_cast<int64_t>(spec.prompt.size()) + 1 >= router_.options_.max_model_len)
     finish = engine::FinishReason::kLength;
-  emit(result->first_token, result->logprobs, finish);
+  if (spec.num_prompt_logprobs >= 0 && result->prompt_logprobs.size() + 1 != spec.prompt.size())
+    return fail(internal_error("the prefill instance sent {} prompt logprobs for a {}-token prompt",
+                               result->prompt_logprobs.size(), spec.prompt.size())),
+           Outcome::kDone;
+  emit(result->first_token, result->logprobs, finish, {}, std::move(result->prompt_logprobs));
   if (finished_) {
     d_call->abort();  // the decode instance frees the reservation
     return Outcome::kDone;
@@ -308,10 +314,6 @@ Expected<uint64_t> Router::submit(engine::EngineRequest request, engine::OutputC
   if (request.max_tokens < 1)
     return invalid_argument("max_tokens must be at least 1, got {}", request.max_tokens);
   MOE_RETURN_IF_ERROR(engine::validate_sampling(request.sampling, options_.vocab_size));
-  if (request.num_prompt_logprobs >= 0)
-    return invalid_argument(
-        "prompt logprobs (echo with logprobs) are not served by disaggregated instances yet: "
-        "ask a colocated `serve`");
   if (!pool_.has_healthy(InstanceRole::kDecode)) return unavailable("no healthy decode instance");
   if (!pool_.has_healthy(InstanceRole::kPrefill)) return unavailable("no healthy prefill instance");
   pool_.count_input_tokens(static_cast<int64_t>(request.prompt.size()));

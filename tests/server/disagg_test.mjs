@@ -151,10 +151,26 @@ test('serve --disagg on the golden model moe_basic gives transformers greedy tok
       return_token_ids: true, ...c.params })));
     adjusted.forEach((r, i) => assert.deepEqual(r.choices[0].token_ids, penalties.cases[i].greedy,
                                                 `${penalties.cases[i].name} prompt ${penalties.cases[i].prompt_index}`));
-    // Prompt logprobs are not served here yet: a clear 400, not a wrong answer.
-    await assert.rejects(client.completions.create({ model: 'moe_basic', prompt: golden.prompts[2].ids, max_tokens: 1,
-                                                     echo: true, logprobs: 1 }),
-                         (e) => e instanceof OpenAI.BadRequestError && /prompt logprobs/.test(e.message));
+    // Prompt logprobs come from the prefill instance with the first token
+    // (echo + logprobs, lm-eval's loglikelihood request; and vLLM's
+    // prompt_logprobs): transformers' log-softmax at every prompt position.
+    const all = golden.all_positions;
+    const ids = golden.prompts[all.prompt_index].ids;
+    const echoed = await client.completions.create({ model: 'moe_basic', prompt: ids, max_tokens: 2, temperature: 0,
+                                                     echo: true, logprobs: 1, prompt_logprobs: 1 });
+    const lp = echoed.choices[0].logprobs;
+    assert.equal(lp.tokens.length, ids.length + 2);
+    assert.equal(lp.token_logprobs[0], null);
+    const pl = echoed.choices[0].prompt_logprobs;
+    for (let p = 0; p + 1 < ids.length; p++) {
+      const row = all.logits[p];
+      const max = Math.max(...row);
+      const logZ = Math.log(row.reduce((acc, x) => acc + Math.exp(x - max), 0)) + max;
+      assert.ok(Math.abs(lp.token_logprobs[p + 1] - (row[ids[p + 1]] - logZ)) < 2e-3, `position ${p + 1}`);
+      const rank = 1 + row.filter((x, i) => x > row[ids[p + 1]] || (x === row[ids[p + 1]] && i < ids[p + 1])).length;
+      assert.equal(pl[p + 1][ids[p + 1]].rank, rank, `position ${p + 1}`);
+    }
+    assert.deepEqual(lp.tokens.slice(ids.length), golden.prompts[all.prompt_index].greedy.slice(0, 2).map((t) => `token_id:${t}`));
   } finally {
     assert.equal(await cluster.stop(), 0);
   }
