@@ -398,13 +398,14 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
     const auto row = static_cast<int32_t>(sampling.rows.size());
     add_chunk_rows(sampling, plan, batch, c, {a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
     if (a.request.sampling.adjusts_logits()) {
-      CHECK(chunk.num_drafts == 0, "drafts for a request that adjusts its logits");
       std::vector<int32_t> stop_ids = a.request.stop_token_ids;
       if (!a.request.ignore_eos)
         stop_ids.insert(stop_ids.end(), options_.eos_token_ids.begin(), options_.eos_token_ids.end());
-      const auto entries = logit_adjustments(row, a.request.sampling, scheduler_.tokens_of(chunk.id),
-                                             static_cast<size_t>(a.num_output_tokens), stop_ids, vocab_size_);
-      sampling.adjustments.insert(sampling.adjustments.end(), entries.begin(), entries.end());
+      add_chunk_adjustments(sampling, row, a.request.sampling, scheduler_.tokens_of(chunk.id),
+                            static_cast<size_t>(a.num_output_tokens),
+                            std::span<const int32_t>(batch.token_ids.data() + batch.query_start[c + 1] - chunk.num_drafts,
+                                                     static_cast<size_t>(chunk.num_drafts)),
+                            stop_ids, vocab_size_);
     }
     if (a.request.num_logprobs >= 0) {
       CHECK(chunk.num_drafts == 0, "drafts for a request that wants logprobs");
@@ -451,7 +452,7 @@ bool Engine::may_speculate(uint64_t id) const {
   auto it = active_.find(id);
   if (it == active_.end()) return false;
   const Active& a = it->second;
-  return a.request.num_logprobs < 0 && !a.request.sampling.adjusts_logits() && !a.request.kv_export &&
+  return a.request.num_logprobs < 0 && !a.request.kv_export &&
          (a.first_token < 0 || a.has_mtp_state);
 }
 

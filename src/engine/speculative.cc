@@ -142,6 +142,18 @@ void add_chunk_rows(StepSampling& sampling, const StepPlan& plan, const model::F
   }
 }
 
+void add_chunk_adjustments(StepSampling& sampling, int32_t first_row, const SamplingParams& params,
+                           std::span<const int32_t> tokens, size_t num_output, std::span<const int32_t> drafts,
+                           std::span<const int32_t> stop_ids, int64_t vocab_size) {
+  std::vector<int32_t> history(tokens.begin(), tokens.end());
+  for (size_t j = 0; j <= drafts.size(); ++j) {
+    if (j > 0) history.push_back(drafts[j - 1]);
+    const auto entries = logit_adjustments(first_row + static_cast<int32_t>(j), params, history, num_output + j,
+                                           stop_ids, vocab_size);
+    sampling.adjustments.insert(sampling.adjustments.end(), entries.begin(), entries.end());
+  }
+}
+
 std::vector<int32_t> every_row(const model::ForwardBatch& batch) {
   std::vector<int32_t> rows(static_cast<size_t>(batch.num_tokens()));
   std::iota(rows.begin(), rows.end(), 0);

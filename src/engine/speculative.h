@@ -82,6 +82,13 @@ SampledStep sample_on_host(Tensor& logits, const StepSampling& sampling);
 // draft, verifying it, and one after, with steps first.step, first.step + 1, ...
 void add_chunk_rows(StepSampling& sampling, const StepPlan& plan, const model::ForwardBatch& batch, size_t c,
                     const RowSampling& first);
+// The adjustments (logit_adjustments) of a sampling chunk's rows from
+// `first_row` on: row first_row + j sees drafts[0 .. j) as output after the
+// sequence's `tokens` (its last num_output the output so far), as the plain
+// step after accepting those drafts would.
+void add_chunk_adjustments(StepSampling& sampling, int32_t first_row, const SamplingParams& params,
+                           std::span<const int32_t> tokens, size_t num_output, std::span<const int32_t> drafts,
+                           std::span<const int32_t> stop_ids, int64_t vocab_size);
 // 0 .. num_tokens - 1: the hidden-state rows a drafting step needs.
 std::vector<int32_t> every_row(const model::ForwardBatch& batch);
 

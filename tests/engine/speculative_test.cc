@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <limits>
 #include <filesystem>
 #include <future>
 #include <thread>
@@ -139,6 +140,44 @@ TEST(RejectionSampling, GreedyAcceptsWhileDraftsMatchTheArgmax) {
   EXPECT_EQ(verify(rows, 3, {1, 0}, greedy, 0, 0), (std::vector<int32_t>{1, 0, 2}));
   EXPECT_EQ(verify(rows, 3, {1, 2}, greedy, 0, 0), (std::vector<int32_t>{1, 0}));
   EXPECT_EQ(verify(rows, 3, {2, 0}, greedy, 0, 0), (std::vector<int32_t>{1}));
+}
+
+// A chunk's rows with drafts get the adjustments of the plain step that would
+// follow accepting the drafts before them: output counts, the repetition set
+// and min_tokens' ban move with each draft.
+TEST(RejectionSampling, DraftRowsAdjustAsIfTheirDraftsWereAccepted) {
+  SamplingParams params;
+  params.presence_penalty = 0.5f, params.frequency_penalty = 0.25f, params.repetition_penalty = 1.2f;
+  params.min_tokens = 3;
+  params.logit_bias = {{4, 2.0f}, {9, -1.0f}};
+  const std::vector<int32_t> tokens = {1, 2, 3, 2, 5, 7, 8};  // prompt of 5, output of 2
+  const std::vector<int32_t> drafts = {7, 7, 9}, stop = {0, 9};
+  constexpr int64_t kVocab = 16;
+  StepSampling sampling;
+  add_chunk_adjustments(sampling, 4, params, tokens, 2, drafts, stop, kVocab);
+  std::vector<int32_t> history = tokens;
+  size_t next = 0;
+  for (int32_t j = 0; j <= 3; ++j) {
+    if (j > 0) history.push_back(drafts[j - 1]);
+    for (const ops::LogitAdjustment& want : logit_adjustments(4 + j, params, history, 2 + j, stop, kVocab)) {
+      ASSERT_LT(next, sampling.adjustments.size());
+      const ops::LogitAdjustment& got = sampling.adjustments[next++];
+      EXPECT_EQ(got.row, want.row);
+      EXPECT_EQ(got.token, want.token) << "row " << want.row;
+      EXPECT_EQ(got.bias, want.bias) << "row " << want.row << " token " << want.token;
+      EXPECT_EQ(got.repetition, want.repetition) << "row " << want.row << " token " << want.token;
+      EXPECT_EQ(got.subtract, want.subtract) << "row " << want.row << " token " << want.token;
+    }
+  }
+  EXPECT_EQ(next, sampling.adjustments.size());
+  // Row 4 (2 outputs) still bans the stop tokens, row 5 (3) no longer does.
+  auto bias_of = [&](int32_t row, int32_t token) {
+    for (const auto& a : sampling.adjustments)
+      if (a.row == row && a.token == token) return a.bias;
+    return 0.0f;
+  };
+  EXPECT_EQ(bias_of(4, 0), -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(bias_of(5, 0), 0.0f);
 }
 
 // A step's runs over chunks with and without drafts, accepted and rejected,
@@ -427,6 +466,40 @@ TEST(EngineSpeculation, MixedBatchWithAcceptedDraftsOnTheDemo) {
   requests.push_back(requests[0]);
   requests.push_back(requests[1]);
   check_mixed_batch(*l, requests, true);
+}
+
+// Penalties, logit_bias and min_tokens with drafts: each verified row counts
+// the drafts before it as output (the adjustments of rows 0..k differ), so
+// greedy outputs equal the plain engine's, with drafts accepted; a sampled
+// penalized request completes.
+TEST(EngineSpeculation, PenalizedRequestsSpeculateAndEqualPlain) {
+  auto l = load(demo_dir(), demo_mtp_dir(), false);
+  auto requests = engine_requests(demo_requests(24));
+  requests[0].sampling.presence_penalty = 2.0f;
+  requests[0].sampling.logit_bias = {{397, -100.0f}};  // the demo's first greedy token: a new continuation
+  requests[1].sampling.frequency_penalty = 0.8f, requests[1].sampling.repetition_penalty = 1.3f;
+  requests[2].sampling.min_tokens = 10, requests[2].ignore_eos = false;
+  requests[2].sampling.logit_bias = {{201, 4.0f}, {16, -3.0f}};
+  EngineRequest sampled = requests[0];
+  sampled.sampling.temperature = 0.8f, sampled.sampling.seed = 3;
+  requests.push_back(sampled);
+  const EngineRun plain = run_engine(*l, requests, 0);
+  for (int k : {1, 2}) {
+    const EngineRun spec = run_engine(*l, requests, k);
+    for (size_t i = 0; i + 1 < requests.size(); ++i) {
+      EXPECT_EQ(spec.tokens[i], plain.tokens[i]) << "k " << k << " request " << i;
+      EXPECT_GT(spec.drafts[i], 0) << "k " << k << " request " << i;
+    }
+    EXPECT_EQ(spec.tokens.back().size(), static_cast<size_t>(requests.back().max_tokens));
+    EXPECT_GT(spec.metrics.spec_decode_num_accepted_tokens_total, 0) << "k " << k;
+    EXPECT_EQ(spec.metrics.kv_cache_usage_perc, 0.0) << "pages leaked, k " << k;
+    std::printf("penalized, k=%d: %lld drafts, %lld accepted\n", k,
+                static_cast<long long>(spec.metrics.spec_decode_num_draft_tokens_total),
+                static_cast<long long>(spec.metrics.spec_decode_num_accepted_tokens_total));
+  }
+  for (size_t i = 0; i + 1 < requests.size(); ++i)  // the adjustments change the demo's greedy output
+    EXPECT_NE(plain.tokens[i], run_engine(*l, {engine_requests(demo_requests(24))[i]}, 0).tokens[0]) << i;
+
 }
 
 }  // namespace
