@@ -44,12 +44,12 @@ wait_up() {
   for _ in $(seq 1 300); do curl -sf "localhost:$1/health" > /dev/null && return 0; kill -0 "$2" 2>/dev/null || return 1; sleep 0.2; done
   return 1
 }
-# Greedy token ids of three prompts (MAX_TOKENS each, default 24) from the
-# servers on ports A and B, compared.
+# Greedy token ids of three prompts (MAX_TOKENS each, default 24; EXTRA: more
+# request fields) from the servers on ports A and B, compared.
 compare() {
-  local label=$1 a_port=$2 b_port=$3 max_tokens=${4:-24}
+  local label=$1 a_port=$2 b_port=$3 max_tokens=${4:-24} extra=${5:-}
   for prompt in "Tell me a fortune." "The sea is" "A computer once said"; do
-    body='{"model": "moeserve-demo", "prompt": "'"$prompt"'", "max_tokens": '$max_tokens', "temperature": 0, "return_token_ids": true}'
+    body='{"model": "moeserve-demo", "prompt": "'"$prompt"'", "max_tokens": '$max_tokens', "temperature": 0, "return_token_ids": true'"${extra:+, $extra}"'}'
     a=$(curl -s localhost:$a_port/v1/completions -H 'Content-Type: application/json' -d "$body" | python3 -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["token_ids"])')
     b=$(curl -s localhost:$b_port/v1/completions -H 'Content-Type: application/json' -d "$body" | python3 -c 'import json,sys; print(json.load(sys.stdin)["choices"][0]["token_ids"])')
     [[ -n "$a" && "$a" == "$b" ]] && echo "$label: equal ($prompt)" || echo "$label: DIFFER ($prompt): $a vs $b"
@@ -62,6 +62,23 @@ compare() {
 "$BIN/moeserve" serve --device cuda --gpu 0 --kv-cache-gb 2 --port 18557 > /dev/null 2> "$OUT/serve_one.log" &
 single=$!
 wait_up 18557 $single || echo "the single-GPU server did not start (serve_one.log)"
+
+# MTP speculative decoding on the GPU (the demo's trained MTP layer, k = 2):
+# greedy outputs, plain and with penalties / logit_bias (each verified row
+# adjusted as the plain step after its drafts), equal the plain server's.
+echo "=== serve --speculative-config (MTP, k=2) against plain decoding"
+"$BIN/moeserve" serve --device cuda --gpu 0 --kv-cache-gb 2 --port 18558 \
+  --speculative-config '{"method":"mtp","num_speculative_tokens":2}' --speculative-model models/moeserve-demo-mtp \
+  > /dev/null 2> "$OUT/serve_spec.log" &
+server=$!
+if wait_up 18558 $server; then
+  compare "MTP k=2" 18558 18557 48
+  compare "MTP k=2, penalties" 18558 18557 48 '"presence_penalty": 1.5, "repetition_penalty": 1.3, "logit_bias": {"397": -100}'
+  curl -s localhost:18558/metrics | grep -E "^moeserve:spec_decode_num_(draft|accepted)_tokens_total" | head -2
+else
+  echo "the speculative server did not start (serve_spec.log)"
+fi
+kill -INT $server; wait $server; echo "serve --speculative-config exit: $?"
 
 # GPU ranks (docs/parallel.md, "On GPUs"): the demo model on two GPUs against
 # one; with one GPU, both ranks on it (--gpus 0,0: time-sliced, a correctness
