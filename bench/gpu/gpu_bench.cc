@@ -707,7 +707,8 @@ void bench_sampling(const std::string& config_path, int num_layers) {
         step.positions.push_back(context - 1 - k + j);
       }
       step.query_start.push_back(static_cast<int32_t>(step.token_ids.size()));
-      for (int p = 0; p < step.max_pages_per_seq; ++p) step.page_table.push_back(b * step.max_pages_per_seq + p);
+      for (int p = 0; p < step.max_pages_per_seq; ++p)
+        step.page_table.push_back(b * step.max_pages_per_seq + p);
     }
     return step;
   };
@@ -762,19 +763,24 @@ void bench_sampling(const std::string& config_path, int num_layers) {
         check(cudaDeviceSynchronize(), "sync");
         const auto start = std::chrono::steady_clock::now();
         run();
-        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+        ms.push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
       }
       std::sort(ms.begin() + 2, ms.end());  // the first two capture the graph / warm up
       return ms[2 + (ms.size() - 2) / 2];
     };
     Tensor unused;
     if (greedy_ms == 0) {
-      std::vector<ops::cuda::SampleRow> greedy_rows(static_cast<size_t>(batch), ops::cuda::SampleRow{0, 0, 1, 0, 0, 0});
+      std::vector<ops::cuda::SampleRow> greedy_rows(static_cast<size_t>(batch),
+                                                    ops::cuda::SampleRow{0, 0, 1, 0, 0, 0});
       const model::ForwardBatch plain_step = step_of(0);
-      greedy_ms = median_ms(8, [&] { check((*m)->forward_sample(plain_step, {greedy_rows, {}, {}}, {}, unused).status()); });
+      greedy_ms = median_ms(8, [&] {
+        check((*m)->forward_sample(plain_step, {greedy_rows, {}, {}}, {}, unused).status());
+      });
     }
     const double device_ms = median_ms(8, [&] {
-      check((*m)->forward_sample(step, {rows, sampling.adjustments, sampling.fetch_rows}, {}, unused).status());
+      check(
+          (*m)->forward_sample(step, {rows, sampling.adjustments, sampling.fetch_rows}, {}, unused).status());
     });
     const double host_ms = median_ms(c.iterations, [&] {
       auto logits = (*m)->forward(step);
@@ -782,10 +788,10 @@ void bench_sampling(const std::string& config_path, int num_layers) {
       engine::sample_on_host(*logits, sampling);
     });
     char shape[160], extra[200];
-    std::snprintf(shape, sizeof shape, "%d layers, batch %d, ctx %d: %s (%zu rows, %zu adjustments)", num_layers, batch,
-                  context, c.name, rows.size(), sampling.adjustments.size());
-    std::snprintf(extra, sizeof extra, "all rows to the host + CPU sampling (before): %.2f ms = %.1fx", host_ms,
-                  host_ms / device_ms);
+    std::snprintf(shape, sizeof shape, "%d layers, batch %d, ctx %d: %s (%zu rows, %zu adjustments)",
+                  num_layers, batch, context, c.name, rows.size(), sampling.adjustments.size());
+    std::snprintf(extra, sizeof extra, "all rows to the host + CPU sampling (before): %.2f ms = %.1fx",
+                  host_ms, host_ms / device_ms);
     report("sampling_step", shape, device_ms, greedy_ms, extra);
   }
 }
@@ -799,7 +805,8 @@ int main(int argc, char** argv) {
   int attention_batch = 0, attention_context = 0;  // --attention-shape BATCH,CONTEXT: one decode shape
   int moe_tokens = 0;                              // --moe-tokens N: one FP8 tokens-per-expert count
   int model_batch = 0;                             // --model-batch N: one decode-step batch size
-  std::string only;  // sections to run (comma-separated): moe, moe_fp8, moe_prefill, decode_attention, prefill_attention, model, model_fp8, verify, sampling
+  std::string only;  // sections to run (comma-separated): moe, moe_fp8, moe_prefill, decode_attention,
+                     // prefill_attention, model, model_fp8, verify, sampling
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--json" && i + 1 < argc) json_path = argv[++i];

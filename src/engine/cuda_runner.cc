@@ -200,7 +200,8 @@ Status run_cuda_follower(model::CudaQwen3MoeModel& model, int plan_fd) {
   }
 }
 
-Expected<SampledStep> CudaRunner::forward_sample(const model::ForwardBatch& batch, const StepSampling& sampling,
+Expected<SampledStep> CudaRunner::forward_sample(const model::ForwardBatch& batch,
+                                                 const StepSampling& sampling,
                                                  std::span<const int32_t> hidden_rows, Tensor& hidden) {
   if (sampling.drafts.size() != sampling.rows.size())
     return invalid_argument("{} drafts for {} sampled rows", sampling.drafts.size(), sampling.rows.size());
@@ -212,8 +213,8 @@ Expected<SampledStep> CudaRunner::forward_sample(const model::ForwardBatch& batc
     rows.push_back({s.params.temperature, s.params.top_k, s.params.top_p, s.params.min_p, s.seed, s.step,
                     s.seed ^ kAcceptSalt, sampling.drafts[r]});
   }
-  auto sampled = end_step(model_->forward_sample(batch, {rows, sampling.adjustments, sampling.fetch_rows}, hidden_rows,
-                                                 hidden));
+  auto sampled = end_step(
+      model_->forward_sample(batch, {rows, sampling.adjustments, sampling.fetch_rows}, hidden_rows, hidden));
   if (!sampled) return sampled.status();
   return SampledStep{std::move(sampled->tokens), std::move(sampled->accepted), std::move(sampled->fetched)};
 }

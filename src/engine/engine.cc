@@ -321,8 +321,9 @@ void Engine::take_prompt_logprobs(const StepPlan& plan, const float* rows, int64
       CHECK(row < num_rows, "prompt logits row {} of {}", row, num_rows);
       auto& slot = a.prompt_logprobs[static_cast<size_t>(p)];  // the logprob of token p + 1
       if (slot) continue;
-      slot = compute_logprobs(std::span<const float>(rows + row * vocab_size_, static_cast<size_t>(vocab_size_)),
-                              prompt[static_cast<size_t>(p) + 1], a.request.num_prompt_logprobs);
+      slot =
+          compute_logprobs(std::span<const float>(rows + row * vocab_size_, static_cast<size_t>(vocab_size_)),
+                           prompt[static_cast<size_t>(p) + 1], a.request.num_prompt_logprobs);
     }
   }
   CHECK(row == num_rows, "{} prompt logits rows used of {}", row, num_rows);
@@ -396,16 +397,18 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
     if (!chunk.sample) continue;
     const Active& a = active_.at(chunk.id);
     const auto row = static_cast<int32_t>(sampling.rows.size());
-    add_chunk_rows(sampling, plan, batch, c, {a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
+    add_chunk_rows(sampling, plan, batch, c,
+                   {a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
     if (a.request.sampling.adjusts_logits()) {
       std::vector<int32_t> stop_ids = a.request.stop_token_ids;
       if (!a.request.ignore_eos)
         stop_ids.insert(stop_ids.end(), options_.eos_token_ids.begin(), options_.eos_token_ids.end());
-      add_chunk_adjustments(sampling, row, a.request.sampling, scheduler_.tokens_of(chunk.id),
-                            static_cast<size_t>(a.num_output_tokens),
-                            std::span<const int32_t>(batch.token_ids.data() + batch.query_start[c + 1] - chunk.num_drafts,
-                                                     static_cast<size_t>(chunk.num_drafts)),
-                            stop_ids, vocab_size_);
+      add_chunk_adjustments(
+          sampling, row, a.request.sampling, scheduler_.tokens_of(chunk.id),
+          static_cast<size_t>(a.num_output_tokens),
+          std::span<const int32_t>(batch.token_ids.data() + batch.query_start[c + 1] - chunk.num_drafts,
+                                   static_cast<size_t>(chunk.num_drafts)),
+          stop_ids, vocab_size_);
     }
     if (a.request.num_logprobs >= 0) {
       CHECK(chunk.num_drafts == 0, "drafts for a request that wants logprobs");
@@ -414,7 +417,8 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
     }
   }
   const auto num_logprob_rows = static_cast<int64_t>(sampling.fetch_rows.size());
-  for (auto r = static_cast<int32_t>(sampling.rows.size()); r < static_cast<int32_t>(batch.logits_rows.size()); ++r)
+  for (auto r = static_cast<int32_t>(sampling.rows.size());
+       r < static_cast<int32_t>(batch.logits_rows.size()); ++r)
     sampling.fetch_rows.push_back(r);
   const std::vector<int32_t> hidden_rows = drafter_ ? every_row(batch) : std::vector<int32_t>{};
   Status status;
@@ -428,10 +432,11 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
       for (size_t i = 0; i < logprob_chunks.size(); ++i) {
         const auto& [id, index] = logprob_chunks[i];
         const Active& a = active_.at(id);
-        logprobs.emplace_back(id, compute_logprobs(std::span<const float>(fetched + index * vocab_size_,
-                                                                          static_cast<size_t>(vocab_size_)),
-                                                   sampled->tokens[static_cast<size_t>(sampling.fetch_rows[index])],
-                                                   a.request.num_logprobs));
+        logprobs.emplace_back(
+            id,
+            compute_logprobs(
+                std::span<const float>(fetched + index * vocab_size_, static_cast<size_t>(vocab_size_)),
+                sampled->tokens[static_cast<size_t>(sampling.fetch_rows[index])], a.request.num_logprobs));
       }
       take_prompt_logprobs(plan, fetched + num_logprob_rows * vocab_size_,
                            static_cast<int64_t>(sampling.fetch_rows.size()) - num_logprob_rows);
@@ -452,8 +457,7 @@ bool Engine::may_speculate(uint64_t id) const {
   auto it = active_.find(id);
   if (it == active_.end()) return false;
   const Active& a = it->second;
-  return a.request.num_logprobs < 0 && !a.request.kv_export &&
-         (a.first_token < 0 || a.has_mtp_state);
+  return a.request.num_logprobs < 0 && !a.request.kv_export && (a.first_token < 0 || a.has_mtp_state);
 }
 
 // Disaggregated prefill with a drafter: the chunks that complete an

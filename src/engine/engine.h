@@ -192,8 +192,8 @@ class Engine {
   std::function<void(int)> export_hook(const StepPlan& plan);
   void after_export(const StepPlan& plan);
   void export_mtp(const StepPlan& plan, const model::ForwardBatch& batch, const Tensor& hidden);
-  Status run_forward(const StepPlan& plan, const model::ForwardBatch& batch, std::vector<std::vector<int32_t>>& runs,
-                     ChunkLogprobs& logprobs, Tensor& hidden);
+  Status run_forward(const StepPlan& plan, const model::ForwardBatch& batch,
+                     std::vector<std::vector<int32_t>>& runs, ChunkLogprobs& logprobs, Tensor& hidden);
   bool may_speculate(uint64_t id) const;
   void record_speculation(const StepPlan& plan, std::span<const std::vector<int32_t>> runs);
   void loop();

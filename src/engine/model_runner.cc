@@ -4,9 +4,11 @@
 
 namespace moe::engine {
 
-Expected<SampledStep> ModelRunner::forward_sample(const model::ForwardBatch& batch, const StepSampling& sampling,
+Expected<SampledStep> ModelRunner::forward_sample(const model::ForwardBatch& batch,
+                                                  const StepSampling& sampling,
                                                   std::span<const int32_t> hidden_rows, Tensor& hidden) {
-  MOE_ASSIGN_OR_RETURN(Tensor logits, hidden_rows.empty() ? forward(batch) : forward_with_hidden(batch, hidden_rows, hidden));
+  MOE_ASSIGN_OR_RETURN(
+      Tensor logits, hidden_rows.empty() ? forward(batch) : forward_with_hidden(batch, hidden_rows, hidden));
   return sample_on_host(logits, sampling);
 }
 

@@ -51,8 +51,8 @@ class ModelRunner {
   // the last hidden state of `hidden_rows` ([rows, hidden] f32, after the
   // final norm) in `hidden`. Runners without it say so here.
   virtual bool supports_hidden_states() const { return false; }
-  virtual Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch, std::span<const int32_t> hidden_rows,
-                                               Tensor& hidden);
+  virtual Expected<Tensor> forward_with_hidden(const model::ForwardBatch& batch,
+                                               std::span<const int32_t> hidden_rows, Tensor& hidden);
 };
 
 // The Qwen3-MoE CPU forward over its own paged KV cache.

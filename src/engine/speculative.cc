@@ -103,7 +103,8 @@ SampledStep sample_on_host(Tensor& logits, const StepSampling& sampling) {
     std::copy_n(row(r).data(), vocab, out.fetched.data_as<float>() + static_cast<int64_t>(i) * vocab);
   }
   for (const ops::LogitAdjustment& a : sampling.adjustments) {
-    CHECK(a.row >= 0 && a.row < rows && a.token >= 0 && a.token < vocab, "adjustment of ({}, {})", a.row, a.token);
+    CHECK(a.row >= 0 && a.row < rows && a.token >= 0 && a.token < vocab, "adjustment of ({}, {})", a.row,
+          a.token);
     float& x = row(a.row)[static_cast<size_t>(a.token)];
     x = ops::adjusted_logit(x, a);
   }
@@ -119,9 +120,9 @@ SampledStep sample_on_host(Tensor& logits, const StepSampling& sampling) {
       token = argmax(logits_row);
       accepted = token == draft;
     } else {
-      const RejectionResult result = rejection_step(sampling_distribution(logits_row, s.params), {}, draft,
-                                                    uniform_draw(s.seed ^ kAcceptSalt, s.step),
-                                                    uniform_draw(s.seed, s.step));
+      const RejectionResult result =
+          rejection_step(sampling_distribution(logits_row, s.params), {}, draft,
+                         uniform_draw(s.seed ^ kAcceptSalt, s.step), uniform_draw(s.seed, s.step));
       token = result.token;
       accepted = result.accepted;
     }
@@ -143,13 +144,14 @@ void add_chunk_rows(StepSampling& sampling, const StepPlan& plan, const model::F
 }
 
 void add_chunk_adjustments(StepSampling& sampling, int32_t first_row, const SamplingParams& params,
-                           std::span<const int32_t> tokens, size_t num_output, std::span<const int32_t> drafts,
-                           std::span<const int32_t> stop_ids, int64_t vocab_size) {
+                           std::span<const int32_t> tokens, size_t num_output,
+                           std::span<const int32_t> drafts, std::span<const int32_t> stop_ids,
+                           int64_t vocab_size) {
   std::vector<int32_t> history(tokens.begin(), tokens.end());
   for (size_t j = 0; j <= drafts.size(); ++j) {
     if (j > 0) history.push_back(drafts[j - 1]);
-    const auto entries = logit_adjustments(first_row + static_cast<int32_t>(j), params, history, num_output + j,
-                                           stop_ids, vocab_size);
+    const auto entries = logit_adjustments(first_row + static_cast<int32_t>(j), params, history,
+                                           num_output + j, stop_ids, vocab_size);
     sampling.adjustments.insert(sampling.adjustments.end(), entries.begin(), entries.end());
   }
 }

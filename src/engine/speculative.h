@@ -87,8 +87,9 @@ void add_chunk_rows(StepSampling& sampling, const StepPlan& plan, const model::F
 // sequence's `tokens` (its last num_output the output so far), as the plain
 // step after accepting those drafts would.
 void add_chunk_adjustments(StepSampling& sampling, int32_t first_row, const SamplingParams& params,
-                           std::span<const int32_t> tokens, size_t num_output, std::span<const int32_t> drafts,
-                           std::span<const int32_t> stop_ids, int64_t vocab_size);
+                           std::span<const int32_t> tokens, size_t num_output,
+                           std::span<const int32_t> drafts, std::span<const int32_t> stop_ids,
+                           int64_t vocab_size);
 // 0 .. num_tokens - 1: the hidden-state rows a drafting step needs.
 std::vector<int32_t> every_row(const model::ForwardBatch& batch);
 

@@ -198,7 +198,8 @@ Expected<engine::TokenLogprobs> parse_logprobs(const json& j) {
   lp.token = j["token"].get<int32_t>();
   lp.logprob = j["logprob"].get<float>();
   if (j.contains("rank")) {
-    if (!j["rank"].is_number_integer() || j["rank"].get<int64_t>() < 0 || j["rank"].get<int64_t>() > kMaxTokenId)
+    if (!j["rank"].is_number_integer() || j["rank"].get<int64_t>() < 0 ||
+        j["rank"].get<int64_t>() > kMaxTokenId)
       return invalid_argument("'logprobs.rank' is malformed");
     lp.rank = j["rank"].get<int32_t>();
   }

@@ -79,7 +79,8 @@ struct PrefillResult {
   int32_t first_token = -1;
   bool stop = false;  // the first token is eos or a stop token id
   std::optional<engine::TokenLogprobs> logprobs;
-  std::vector<engine::TokenLogprobs> prompt_logprobs;  // spec.num_prompt_logprobs >= 0: prompt tokens 1 .. n-1
+  // spec.num_prompt_logprobs >= 0: the logprobs of prompt tokens 1 .. n-1.
+  std::vector<engine::TokenLogprobs> prompt_logprobs;
 };
 
 struct CommitRequest {

@@ -104,7 +104,8 @@ class Router::Job {
 };
 
 void Router::Job::emit(int32_t token, std::optional<engine::TokenLogprobs> logprobs,
-                       engine::FinishReason finish, Status error, std::vector<engine::TokenLogprobs> prompt_logprobs) {
+                       engine::FinishReason finish, Status error,
+                       std::vector<engine::TokenLogprobs> prompt_logprobs) {
   if (finished_) return;
   engine::EngineOutput out;
   out.id = id_;

@@ -275,10 +275,11 @@ TEST(Engine, StepSamplingFetchesOnlyTheRowsLogprobsNeed) {
     r.ignore_eos = true;
     if (i == 1) r.num_logprobs = 2;
     if (i == 2) r.sampling.presence_penalty = 2.0f;
-    ASSERT_TRUE(engine.submit(r, [&, i](const EngineOutput& out) {
+    auto on_output = [&, i](const EngineOutput& out) {
       if (out.token >= 0) tokens[i].push_back(out.token);
       if (out.finish != FinishReason::kNone) done[i].set_value(tokens[i]);
-    }).has_value());
+    };
+    ASSERT_TRUE(engine.submit(r, on_output).has_value());
   }
   std::vector<std::vector<int32_t>> got;
   for (auto& d : done) got.push_back(d.get_future().get());
@@ -308,8 +309,9 @@ TEST(Engine, StepSamplingFetchesOnlyTheRowsLogprobsNeed) {
     adjusted_rows += static_cast<int>(rows.size());
     shared_steps += s.rows.size() == 3;
   }
-  EXPECT_EQ(fetched, kTokens);        // request 1's rows only
-  EXPECT_EQ(adjusted_rows, kTokens - 1);  // request 2's rows once it has output (the penalty counts output tokens)
+  EXPECT_EQ(fetched, kTokens);  // request 1's rows only
+  EXPECT_EQ(adjusted_rows,
+            kTokens - 1);  // request 2's rows once it has output (the penalty counts output tokens)
   EXPECT_GT(shared_steps, 0);
 }
 

@@ -6,20 +6,19 @@
 // with random MTP weights and on the demo model with its trained MTP layer.
 #include "engine/speculative.h"
 
-#include "tests/engine/sampling_oracle.h"
-
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <limits>
 #include <filesystem>
 #include <future>
+#include <limits>
 #include <thread>
 
 #include "engine/engine.h"
 #include "engine/generator.h"
 #include "model/config.h"
 #include "model/weights.h"
+#include "tests/engine/sampling_oracle.h"
 
 namespace moe::engine {
 namespace {
@@ -499,7 +498,6 @@ TEST(EngineSpeculation, PenalizedRequestsSpeculateAndEqualPlain) {
   }
   for (size_t i = 0; i + 1 < requests.size(); ++i)  // the adjustments change the demo's greedy output
     EXPECT_NE(plain.tokens[i], run_engine(*l, {engine_requests(demo_requests(24))[i]}, 0).tokens[0]) << i;
-
 }
 
 }  // namespace

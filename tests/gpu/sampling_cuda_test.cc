@@ -27,14 +27,15 @@ bool have_gpu() {
 // Samples `rows` rows of `logits` (repeated) with params, seeds and steps per
 // row; with a draft, every row verifies it and `accepted` gets the verdicts.
 std::vector<int32_t> sample_on_gpu(const std::vector<float>& logits, int rows, const SamplingParams& params,
-                                   uint64_t seed, int32_t draft = -1, std::vector<uint8_t>* accepted = nullptr) {
+                                   uint64_t seed, int32_t draft = -1,
+                                   std::vector<uint8_t>* accepted = nullptr) {
   const int vocab = static_cast<int>(logits.size());
   std::vector<float> all(static_cast<size_t>(rows) * vocab);
   for (int r = 0; r < rows; ++r) std::copy(logits.begin(), logits.end(), all.begin() + static_cast<int64_t>(r) * vocab);
   std::vector<SampleRow> row_params(rows);
   for (int r = 0; r < rows; ++r)
-    row_params[r] = {params.temperature, params.top_k, params.top_p, params.min_p, seed, static_cast<uint64_t>(r),
-                     seed ^ 0x9e37u, draft};
+    row_params[r] = {params.temperature,       params.top_k,   params.top_p, params.min_p, seed,
+                     static_cast<uint64_t>(r), seed ^ 0x9e37u, draft};
   auto d_logits = DeviceBuffer::allocate(all.size() * sizeof(float));
   auto d_rows = DeviceBuffer::allocate(row_params.size() * sizeof(SampleRow));
   auto d_tokens = DeviceBuffer::allocate(rows * sizeof(int32_t));
@@ -99,10 +100,12 @@ TEST(CudaSampling, DraftVerificationKeepsTheTargetDistribution) {
       }
       int dof = 0;
       const double stat = engine::testing_oracle::chi_square(counts, probs, kDraws, &dof);
-      EXPECT_LT(stat, engine::testing_oracle::kChiSquare999) << "case " << c << " draft " << draft << " dof " << dof;
+      EXPECT_LT(stat, engine::testing_oracle::kChiSquare999)
+          << "case " << c << " draft " << draft << " dof " << dof;
       // The acceptance rate is the draft's probability (5 standard deviations).
       const double p = probs[static_cast<size_t>(draft)];
-      EXPECT_NEAR(num_accepted / double{kDraws}, p, 5 * std::sqrt(p * (1 - p) / kDraws) + 1e-9) << "case " << c;
+      EXPECT_NEAR(num_accepted / double{kDraws}, p, 5 * std::sqrt(p * (1 - p) / kDraws) + 1e-9)
+          << "case " << c;
     }
   }
   SamplingParams greedy;
@@ -138,25 +141,28 @@ TEST(CudaSampling, AdjustLogitsEqualsTheCpu) {
     p.min_tokens = r == 2 ? 200 : 0;  // 120 output tokens: row 2 bans the stop tokens
     p.logit_bias = {{token(rng), 5.0f}, {token(rng), -100.0f}, {7, 1.5f}};
     std::vector<int32_t> tokens;
-    for (int i = 0; i < 300; ++i) tokens.push_back(i % 3 == 0 ? token(rng) % 50 : token(rng));  // repeats among 0..49
+    for (int i = 0; i < 300; ++i)
+      tokens.push_back(i % 3 == 0 ? token(rng) % 50 : token(rng));  // repeats among 0..49
     const std::vector<int32_t> stop = {7, 151645};
     const auto row = engine::logit_adjustments(r, p, tokens, 120, stop, kVocab);
     ASSERT_FALSE(row.empty());
     entries.insert(entries.end(), row.begin(), row.end());
-    engine::adjust_logits(std::span<float>(expected.data() + static_cast<int64_t>(r) * kVocab, kVocab), p, tokens, 120,
-                          stop);
+    engine::adjust_logits(std::span<float>(expected.data() + static_cast<int64_t>(r) * kVocab, kVocab), p,
+                          tokens, 120, stop);
   }
   auto d_logits = DeviceBuffer::allocate(logits.size() * sizeof(float));
   auto d_entries = DeviceBuffer::allocate(entries.size() * sizeof(LogitAdjustment));
   ASSERT_TRUE(d_logits && d_entries);
   cudaMemcpy(d_logits->data(), logits.data(), logits.size() * sizeof(float), cudaMemcpyHostToDevice);
-  cudaMemcpy(d_entries->data(), entries.data(), entries.size() * sizeof(LogitAdjustment), cudaMemcpyHostToDevice);
+  cudaMemcpy(d_entries->data(), entries.data(), entries.size() * sizeof(LogitAdjustment),
+             cudaMemcpyHostToDevice);
   ASSERT_EQ(adjust_logits({d_logits->data_as<float>(), d_entries->data_as<LogitAdjustment>(),
                            static_cast<int>(entries.size()), kVocab},
                           nullptr),
             cudaSuccess);
   std::vector<float> got(logits.size());
-  ASSERT_EQ(cudaMemcpy(got.data(), d_logits->data(), got.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got.data(), d_logits->data(), got.size() * sizeof(float), cudaMemcpyDeviceToHost),
+            cudaSuccess);
   int changed = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     ASSERT_EQ(got[i], expected[i]) << "row " << i / kVocab << " token " << i % kVocab;

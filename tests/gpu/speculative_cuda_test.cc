@@ -335,8 +335,10 @@ TEST(CudaSpeculationSampled, VerifiedTokensKeepTheDistribution) {
   // Categories with fewer than 10 draws in all pool into one.
   std::vector<std::pair<double, double>> bins(1, {0, 0});
   for (const auto& [token, c] : counts) {
-    if (c.first + c.second >= 10) bins.emplace_back(c.first, c.second);
-    else bins[0].first += c.first, bins[0].second += c.second;
+    if (c.first + c.second >= 10)
+      bins.emplace_back(c.first, c.second);
+    else
+      bins[0].first += c.first, bins[0].second += c.second;
   }
   if (bins[0].first + bins[0].second == 0) bins.erase(bins.begin());
   double stat = 0;
@@ -347,9 +349,10 @@ TEST(CudaSpeculationSampled, VerifiedTokensKeepTheDistribution) {
   const double dof = static_cast<double>(bins.size()) - 1;
   // Wilson-Hilferty: the chi-square quantile at 0.999 (z = 3.09).
   const double h = 2.0 / (9.0 * dof), critical = dof * std::pow(1 - h + 3.09 * std::sqrt(h), 3);
-  std::printf("second token: %zu categories, chi-square %.1f (critical %.1f at 0.001); %lld drafts, %lld accepted\n",
-              bins.size(), stat, critical, static_cast<long long>(spec.stats.num_draft_tokens),
-              static_cast<long long>(spec.stats.num_accepted_tokens));
+  std::printf(
+      "second token: %zu categories, chi-square %.1f (critical %.1f at 0.001); %lld drafts, %lld accepted\n",
+      bins.size(), stat, critical, static_cast<long long>(spec.stats.num_draft_tokens),
+      static_cast<long long>(spec.stats.num_accepted_tokens));
   ASSERT_GE(bins.size(), 3u) << "the second token should vary at temperature 1";
   EXPECT_LT(stat, critical);
   EXPECT_GT(spec.stats.num_draft_tokens, kRequests / 2);

@@ -631,26 +631,28 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
   return out;
 }
 
-Expected<CudaQwen3MoeModel::DeviceSamples> CudaQwen3MoeModel::forward_sample(const ForwardBatch& batch,
-                                                                             const DeviceSampling& sampling,
-                                                                             std::span<const int32_t> hidden_rows,
-                                                                             Tensor& hidden) {
+Expected<CudaQwen3MoeModel::DeviceSamples> CudaQwen3MoeModel::forward_sample(
+    const ForwardBatch& batch, const DeviceSampling& sampling, std::span<const int32_t> hidden_rows,
+    Tensor& hidden) {
   State& s = *state_;
   const int64_t vocab = config().vocab_size;
   const auto num_logits_rows = static_cast<int32_t>(batch.logits_rows.size());
   const auto num_rows = static_cast<int32_t>(sampling.rows.size());
-  if (num_rows > num_logits_rows) return invalid_argument("{} sampled rows of {} logits rows", num_rows, num_logits_rows);
+  if (num_rows > num_logits_rows)
+    return invalid_argument("{} sampled rows of {} logits rows", num_rows, num_logits_rows);
   for (int32_t r : sampling.fetch_rows)
-    if (r < 0 || r >= num_logits_rows) return invalid_argument("fetched row {} of {} logits rows", r, num_logits_rows);
+    if (r < 0 || r >= num_logits_rows)
+      return invalid_argument("fetched row {} of {} logits rows", r, num_logits_rows);
   for (const ops::LogitAdjustment& a : sampling.adjustments)
     if (a.row < 0 || a.row >= num_rows || a.token < 0 || a.token >= vocab)
-      return invalid_argument("logit adjustment of row {}, token {} ({} rows, vocabulary {})", a.row, a.token, num_rows,
-                              vocab);
+      return invalid_argument("logit adjustment of row {}, token {} ({} rows, vocabulary {})", a.row, a.token,
+                              num_rows, vocab);
   MOE_RETURN_IF_ERROR(check_batch(batch, hidden_rows));
   MOE_RETURN_IF_ERROR(run(batch));  // first: it makes the model's device current for the allocations below
   auto grow = [](DeviceTensor& t, size_t bytes) -> Status {
     if (t.data() != nullptr && t.num_bytes() >= bytes) return Status::ok();
-    MOE_ASSIGN_OR_RETURN(t, DeviceTensor::allocate(DType::kU8, {static_cast<int64_t>(std::max<size_t>(bytes, 1))}));
+    MOE_ASSIGN_OR_RETURN(
+        t, DeviceTensor::allocate(DType::kU8, {static_cast<int64_t>(std::max<size_t>(bytes, 1))}));
     return Status::ok();
   };
   DeviceSamples out;
@@ -661,31 +663,36 @@ Expected<CudaQwen3MoeModel::DeviceSamples> CudaQwen3MoeModel::forward_sample(con
     size_t n = 1;
     while (i + n < fetch.size() && fetch[i + n] == fetch[i] + static_cast<int32_t>(n)) ++n;
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.fetched.data_as<uint8_t>() + i * row_bytes,
-                                             s.logits.data_as<uint8_t>() + fetch[i] * row_bytes, n * row_bytes,
-                                             cudaMemcpyDeviceToHost, s.stream));
+                                             s.logits.data_as<uint8_t>() + fetch[i] * row_bytes,
+                                             n * row_bytes, cudaMemcpyDeviceToHost, s.stream));
     i += n;
   }
   if (!sampling.adjustments.empty()) {
     MOE_RETURN_IF_ERROR(grow(s.logit_adjustments, sampling.adjustments.size_bytes()));
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.logit_adjustments.data(), sampling.adjustments.data(),
-                                             sampling.adjustments.size_bytes(), cudaMemcpyHostToDevice, s.stream));
+                                             sampling.adjustments.size_bytes(), cudaMemcpyHostToDevice,
+                                             s.stream));
     MOE_CUDA_RETURN_IF_ERROR(ops::cuda::adjust_logits(
         {s.logits.data_as<float>(), s.logit_adjustments.data_as<ops::LogitAdjustment>(),
-         static_cast<int>(sampling.adjustments.size()), static_cast<int>(vocab)}, s.stream));
+         static_cast<int>(sampling.adjustments.size()), static_cast<int>(vocab)},
+        s.stream));
   }
   out.tokens.resize(sampling.rows.size());
   out.accepted.resize(sampling.rows.size());
   if (num_rows > 0) {
     MOE_RETURN_IF_ERROR(grow(s.sample_rows, sampling.rows.size_bytes()));
-    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.sample_rows.data(), sampling.rows.data(), sampling.rows.size_bytes(),
-                                             cudaMemcpyHostToDevice, s.stream));
-    MOE_CUDA_RETURN_IF_ERROR(ops::cuda::sample({s.logits.data_as<float>(), s.sample_rows.data_as<ops::cuda::SampleRow>(),
-                                                s.greedy.data_as<int32_t>(), s.sample_accepted.data_as<uint8_t>(),
-                                                num_rows, static_cast<int>(vocab)}, s.stream));
-    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.tokens.data(), s.greedy.data(), out.tokens.size() * sizeof(int32_t),
-                                             cudaMemcpyDeviceToHost, s.stream));
-    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.accepted.data(), s.sample_accepted.data(), out.accepted.size(),
-                                             cudaMemcpyDeviceToHost, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.sample_rows.data(), sampling.rows.data(),
+                                             sampling.rows.size_bytes(), cudaMemcpyHostToDevice, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(
+        ops::cuda::sample({s.logits.data_as<float>(), s.sample_rows.data_as<ops::cuda::SampleRow>(),
+                           s.greedy.data_as<int32_t>(), s.sample_accepted.data_as<uint8_t>(), num_rows,
+                           static_cast<int>(vocab)},
+                          s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.tokens.data(), s.greedy.data(),
+                                             out.tokens.size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                             s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.accepted.data(), s.sample_accepted.data(),
+                                             out.accepted.size(), cudaMemcpyDeviceToHost, s.stream));
   }
   MOE_RETURN_IF_ERROR(sync_and_fetch_hidden(batch.num_tokens(), hidden_rows, hidden));
   return out;

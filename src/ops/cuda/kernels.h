@@ -7,11 +7,12 @@
 // CPU op of the same name in src/ops/*.h as its reference.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <span>
 #include <vector>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
 #include "ops/logit_adjust.h"
 

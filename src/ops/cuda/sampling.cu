@@ -74,9 +74,9 @@ __device__ __forceinline__ void for_each_logit(const float* row, int vocab, F&& 
 // histogram serialised all 1024 threads on those few bins (measured on an
 // H200, 2026-12-02: 11 us a row for top-k + top-p, 1.4 ms for 128 rows).
 template <bool kByMass>
-__device__ uint32_t radix_select(const float* row, int vocab, uint32_t floor_key, float target, float max_logit,
-                                 float inv_temperature, float* hist, float (*warp_hist)[256], uint32_t* shared_prefix,
-                                 float* shared_remaining) {
+__device__ uint32_t radix_select(const float* row, int vocab, uint32_t floor_key, float target,
+                                 float max_logit, float inv_temperature, float* hist, float (*warp_hist)[256],
+                                 uint32_t* shared_prefix, float* shared_remaining) {
   uint32_t prefix = 0, mask = 0;
   if (threadIdx.x == 0) *shared_remaining = target;
   float* own = warp_hist[threadIdx.x >> 5];
@@ -159,16 +159,16 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   // In the CPU sampler's order: top-k, then top-p over what top-k kept, then min-p.
   uint32_t floor_key = 0;
   if (s.top_k > 0 && s.top_k < p.vocab)
-    floor_key = radix_select<false>(row, p.vocab, 0, static_cast<float>(s.top_k), max_logit, inv_t, hist, warp_hist,
-                                    &shared_prefix, &shared_remaining);
+    floor_key = radix_select<false>(row, p.vocab, 0, static_cast<float>(s.top_k), max_logit, inv_t, hist,
+                                    warp_hist, &shared_prefix, &shared_remaining);
   if (s.top_p < 1.0f) {
     float mass = 0.0f;
     for_each_logit(row, p.vocab, [&](int, float logit) {
       if (order_key(logit) >= floor_key) mass += __expf((logit - max_logit) * inv_t);
     });
     mass = block_sum(mass, scratch);
-    floor_key = max(floor_key, radix_select<true>(row, p.vocab, floor_key, s.top_p * mass, max_logit, inv_t, hist,
-                                                  warp_hist, &shared_prefix, &shared_remaining));
+    floor_key = max(floor_key, radix_select<true>(row, p.vocab, floor_key, s.top_p * mass, max_logit, inv_t,
+                                                  hist, warp_hist, &shared_prefix, &shared_remaining));
   }
   // min-p: p / p_max >= min_p, i.e. logit >= max + T ln(min_p).
   if (s.min_p > 0.0f) floor_key = max(floor_key, order_key(max_logit + s.temperature * logf(s.min_p)));
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
         break;
       }
     }
-    if (chosen < 0) chosen = last_kept;  // rounding at the very end
+    if (chosen < 0) chosen = last_kept;                   // rounding at the very end
     for (int i = p.vocab - 1; chosen < 0 && i >= 0; --i)  // ... past this slice's last kept token
       if (weight(i) > 0.0f) chosen = i;
     p.tokens[r] = chosen >= 0 ? chosen : warp_index[0];
