@@ -532,31 +532,46 @@ void bench_prefill_attention() {
   }
 }
 
-// Whole decoder layers of dummy Qwen3-235B at decode batch sizes, context 2048.
-// only_batch (0: all): one batch size, e.g. for a profiler.
-void bench_model(const std::string& config_path, int num_layers, double copy_gbs, ops::QuantFormat experts,
-                 int only_batch) {
+// The model config at `config_path` with its first `num_layers` layers.
+model::ModelConfig config_cut_to(const std::string& config_path, int num_layers) {
   std::ifstream in(config_path);
   std::string text((std::istreambuf_iterator<char>(in)), {});
   auto config = model::parse_model_config(text);
   check(config.status());
   config->num_layers = num_layers;
+  return *config;
+}
+
+// A dummy-weight model for decode steps of `batch` sequences at `context`
+// (random KV), `tokens_per_seq` query tokens each at most.
+std::unique_ptr<model::CudaQwen3MoeModel> decode_model(const model::ModelConfig& config, int batch,
+                                                       int context, int page, int tokens_per_seq, bool graphs,
+                                                       ops::QuantFormat experts = ops::QuantFormat::kNone) {
+  model::CudaModelOptions options;
+  options.page_size = page;
+  options.num_pages = batch * (context / page + 1);
+  options.max_num_tokens = batch * tokens_per_seq;
+  options.max_num_seqs = batch;
+  options.use_cuda_graphs = graphs;
+  options.dummy_expert_format = experts;
+  auto m = model::CudaQwen3MoeModel::create_dummy(config, 1, options);
+  check(m.status());
+  check((*m)->fill_kv_random(5));
+  return std::move(*m);
+}
+
+// Whole decoder layers of dummy Qwen3-235B at decode batch sizes, context 2048.
+// only_batch (0: all): one batch size, e.g. for a profiler.
+void bench_model(const std::string& config_path, int num_layers, double copy_gbs, ops::QuantFormat experts,
+                 int only_batch) {
+  const model::ModelConfig config = config_cut_to(config_path, num_layers);
   const int context = 2048, page = 16;
   for (int batch : {64, 128, 256}) {
     if (only_batch != 0 && batch != only_batch) continue;
     double step_ms = 0, eager_ms = 0;
     model::ForwardBatch step;
     for (bool graphs : {true, false}) {
-      model::CudaModelOptions options;
-      options.page_size = page;
-      options.num_pages = batch * (context / page + 1);
-      options.max_num_tokens = batch;
-      options.max_num_seqs = batch;
-      options.use_cuda_graphs = graphs;
-      options.dummy_expert_format = experts;
-      auto m = model::CudaQwen3MoeModel::create_dummy(*config, 1, options);
-      check(m.status());
-      check((*m)->fill_kv_random(5));
+      auto m = decode_model(config, batch, context, page, 1, graphs, experts);
       step = {};
       step.max_pages_per_seq = context / page + 1;
       step.query_start.push_back(0);
@@ -573,13 +588,13 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
           std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
       for (int i = 0; i < 10; ++i) {
         const auto start = std::chrono::steady_clock::now();
-        check((*m)->forward_greedy(step).status());
+        check(m->forward_greedy(step).status());
         ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
       }
       std::sort(ms.begin() + 2, ms.end());  // the first two capture the graph / warm up
       (graphs ? step_ms : eager_ms) = ms[2 + (ms.size() - 2) / 2];
     }
-    const model::ModelConfig& c = *config;
+    const model::ModelConfig& c = config;
     // Expert and attention projection bytes: bf16, or (dummy fp8-block: both
     // quantized) E4M3 plus one f32 scale per 128 x 128 block.
     const double bytes_per_weight = experts == ops::QuantFormat::kFp8Block ? 1.0 + 4.0 / (128 * 128) : 2.0;
@@ -599,6 +614,25 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
   }
 }
 
+// A decode step of `batch` sequences at `context` verifying k drafts each
+// (k + 1 tokens, every row a logits row), pages numbered per sequence.
+model::ForwardBatch verify_step(int batch, int k, int context, int page) {
+  model::ForwardBatch step;
+  step.max_pages_per_seq = context / page + 1;
+  step.query_start.push_back(0);
+  for (int b = 0; b < batch; ++b) {
+    for (int j = 0; j <= k; ++j) {
+      step.logits_rows.push_back(static_cast<int32_t>(step.token_ids.size()));
+      step.token_ids.push_back(1000 + b + 7 * j);
+      step.positions.push_back(context - 1 - k + j);
+    }
+    step.query_start.push_back(static_cast<int32_t>(step.token_ids.size()));
+    for (int p = 0; p < step.max_pages_per_seq; ++p)
+      step.page_table.push_back(b * step.max_pages_per_seq + p);
+  }
+  return step;
+}
+
 // Speculative verification on dummy Qwen3-235B layers (issue 10): one step
 // that verifies k drafts per sequence (k + 1 query tokens each, logits at
 // every row, eager: the CUDA graphs cover one token per sequence) against a
@@ -607,43 +641,17 @@ void bench_model(const std::string& config_path, int num_layers, double copy_gbs
 // tokens on average; the break-even a is where that equals the time ratio
 // (the MTP drafter's own k passes not counted: about one layer each).
 void bench_verify(const std::string& config_path, int num_layers) {
-  std::ifstream in(config_path);
-  std::string text((std::istreambuf_iterator<char>(in)), {});
-  auto config = model::parse_model_config(text);
-  check(config.status());
-  config->num_layers = num_layers;
+  const model::ModelConfig config = config_cut_to(config_path, num_layers);
   const int context = 2048, page = 16, max_k = 4;
   for (int batch : {32, 64, 128, 256}) {
-    model::CudaModelOptions options;
-    options.page_size = page;
-    options.num_pages = batch * (context / page + 1);
-    options.max_num_tokens = batch * (max_k + 1);
-    options.max_num_seqs = batch;
-    options.use_cuda_graphs = true;
-    auto m = model::CudaQwen3MoeModel::create_dummy(*config, 1, options);
-    check(m.status());
-    check((*m)->fill_kv_random(5));
-    auto step_of = [&](int k) {
-      model::ForwardBatch step;
-      step.max_pages_per_seq = context / page + 1;
-      step.query_start.push_back(0);
-      for (int b = 0; b < batch; ++b) {
-        for (int j = 0; j <= k; ++j) {
-          step.logits_rows.push_back(static_cast<int32_t>(step.token_ids.size()));
-          step.token_ids.push_back(1000 + b + 7 * j);
-          step.positions.push_back(context - 1 - k + j);
-        }
-        step.query_start.push_back(static_cast<int32_t>(step.token_ids.size()));
-        for (int p = 0; p < step.max_pages_per_seq; ++p) step.page_table.push_back(b * step.max_pages_per_seq + p);
-      }
-      return step;
-    };
+    auto m = decode_model(config, batch, context, page, max_k + 1, true);
+    auto step_of = [&](int k) { return verify_step(batch, k, context, page); };
     auto median_step_ms = [&](const model::ForwardBatch& step) {
       std::vector<double> ms;
       for (int i = 0; i < 10; ++i) {
         check(cudaDeviceSynchronize(), "sync");
         const auto start = std::chrono::steady_clock::now();
-        check((*m)->forward_greedy(step).status());
+        check(m->forward_greedy(step).status());
         ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
       }
       std::sort(ms.begin() + 2, ms.end());  // the first two capture the graph / warm up
@@ -680,38 +688,11 @@ void bench_verify(const std::string& config_path, int num_layers) {
 // copied to the host, then engine::sample_on_host. Floor column: the
 // all-greedy step on the GPU.
 void bench_sampling(const std::string& config_path, int num_layers) {
-  std::ifstream in(config_path);
-  std::string text((std::istreambuf_iterator<char>(in)), {});
-  auto config = model::parse_model_config(text);
-  check(config.status());
-  config->num_layers = num_layers;
+  const model::ModelConfig config = config_cut_to(config_path, num_layers);
   const int context = 2048, page = 16, batch = 64;
-  const int64_t vocab = config->vocab_size;
-  model::CudaModelOptions options;
-  options.page_size = page;
-  options.num_pages = batch * (context / page + 1);
-  options.max_num_tokens = 2 * batch;
-  options.max_num_seqs = batch;
-  options.use_cuda_graphs = true;
-  auto m = model::CudaQwen3MoeModel::create_dummy(*config, 1, options);
-  check(m.status());
-  check((*m)->fill_kv_random(5));
-  auto step_of = [&](int k) {  // k drafts per sequence, every row sampled
-    model::ForwardBatch step;
-    step.max_pages_per_seq = context / page + 1;
-    step.query_start.push_back(0);
-    for (int b = 0; b < batch; ++b) {
-      for (int j = 0; j <= k; ++j) {
-        step.logits_rows.push_back(static_cast<int32_t>(step.token_ids.size()));
-        step.token_ids.push_back(1000 + b + 7 * j);
-        step.positions.push_back(context - 1 - k + j);
-      }
-      step.query_start.push_back(static_cast<int32_t>(step.token_ids.size()));
-      for (int p = 0; p < step.max_pages_per_seq; ++p)
-        step.page_table.push_back(b * step.max_pages_per_seq + p);
-    }
-    return step;
-  };
+  const int64_t vocab = config.vocab_size;
+  auto m = decode_model(config, batch, context, page, 2, true);
+  auto step_of = [&](int k) { return verify_step(batch, k, context, page); };
   struct Case {
     const char* name;
     int drafts;  // per sequence
@@ -775,15 +756,14 @@ void bench_sampling(const std::string& config_path, int num_layers) {
                                                     ops::cuda::SampleRow{0, 0, 1, 0, 0, 0});
       const model::ForwardBatch plain_step = step_of(0);
       greedy_ms = median_ms(8, [&] {
-        check((*m)->forward_sample(plain_step, {greedy_rows, {}, {}}, {}, unused).status());
+        check(m->forward_sample(plain_step, {greedy_rows, {}, {}}, {}, unused).status());
       });
     }
     const double device_ms = median_ms(8, [&] {
-      check(
-          (*m)->forward_sample(step, {rows, sampling.adjustments, sampling.fetch_rows}, {}, unused).status());
+      check(m->forward_sample(step, {rows, sampling.adjustments, sampling.fetch_rows}, {}, unused).status());
     });
     const double host_ms = median_ms(c.iterations, [&] {
-      auto logits = (*m)->forward(step);
+      auto logits = m->forward(step);
       check(logits.status());
       engine::sample_on_host(*logits, sampling);
     });
