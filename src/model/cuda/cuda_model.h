@@ -99,10 +99,8 @@ class CudaQwen3MoeModel {
   // (row indices into the batch's tokens) in `hidden` [rows, hidden] f32:
   // after the final norm, what lm_head reads (bf16 on the GPU, widened), the
   // MTP draft layer's input (model/mtp.h).
-  Expected<Tensor> forward_with_hidden(const ForwardBatch& batch, std::span<const int32_t> hidden_rows, Tensor& hidden);
-  // The same with each logits row's argmax chosen on the GPU (greedy speculative steps).
-  Expected<std::vector<int32_t>> forward_greedy_with_hidden(const ForwardBatch& batch,
-                                                            std::span<const int32_t> hidden_rows, Tensor& hidden);
+  Expected<Tensor> forward_with_hidden(const ForwardBatch& batch, std::span<const int32_t> hidden_rows,
+                                       Tensor& hidden);
   // One MTP forward (model/mtp.h, MtpModel::forward) on the GPU, over the MTP
   // layer's own KV pages (same page ids as the target's): hidden [num_tokens,
   // hidden] f32 on the host, the target's (or the previous MTP step's) output.
@@ -113,7 +111,8 @@ class CudaQwen3MoeModel {
   // each layer, num_pages() + 1 pages.
   void* mtp_kv_pool() const;
   const CudaKvPoolLayout& mtp_kv_pool_layout() const;
-  // The same forward, with the greedy token of each logits row chosen on the GPU.
+  // The same forward, with the greedy token of each logits row chosen on the
+  // GPU (the followers of GPU ranks, benchmarks).
   Expected<std::vector<int32_t>> forward_greedy(const ForwardBatch& batch);
   // What every forward refuses (sizes against max_num_tokens, rows within
   // the batch), for a caller that must know before it commits to the step

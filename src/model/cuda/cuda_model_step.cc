@@ -520,11 +520,9 @@ Expected<Tensor> CudaQwen3MoeModel::forward_with_hidden(const ForwardBatch& batc
   return logits;
 }
 
-Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy_with_hidden(const ForwardBatch& batch,
-                                                                              std::span<const int32_t> hidden_rows,
-                                                                              Tensor& hidden) {
+Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy(const ForwardBatch& batch) {
   State& s = *state_;
-  MOE_RETURN_IF_ERROR(check_batch(batch, hidden_rows));
+  MOE_RETURN_IF_ERROR(check_batch(batch));
   MOE_RETURN_IF_ERROR(run(batch));
   const int rows = static_cast<int>(batch.logits_rows.size());
   MOE_CUDA_RETURN_IF_ERROR(ops::cuda::argmax({s.logits.data_as<float>(), s.greedy.data_as<int32_t>(), rows,
@@ -532,7 +530,7 @@ Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy_with_hidden(con
   std::vector<int32_t> ids(static_cast<size_t>(rows));
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ids.data(), s.greedy.data(), ids.size() * sizeof(int32_t),
                                            cudaMemcpyDeviceToHost, s.stream));
-  MOE_RETURN_IF_ERROR(sync_and_fetch_hidden(batch.num_tokens(), hidden_rows, hidden));
+  MOE_RETURN_IF_ERROR(finish_step());
   return ids;
 }
 
@@ -696,11 +694,6 @@ Expected<CudaQwen3MoeModel::DeviceSamples> CudaQwen3MoeModel::forward_sample(
   }
   MOE_RETURN_IF_ERROR(sync_and_fetch_hidden(batch.num_tokens(), hidden_rows, hidden));
   return out;
-}
-
-Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy(const ForwardBatch& batch) {
-  Tensor unused;
-  return forward_greedy_with_hidden(batch, {}, unused);
 }
 
 }  // namespace moe::model
