@@ -50,7 +50,12 @@
 // pairs sharing activation rows: bf16 3.18-3.24 -> 3.01-3.10 ms; the K loop
 // unrolled by one round of the ring (kKSteps, 2026-12-02; timed interleaved
 // call by call with the runtime loop, medians of 30): FP8 2.135-2.160 ->
-// 1.987-2.013 ms (7.3-7.5%; 3.1% at 1000-2000 rows per expert), bf16 0.4-0.7%.
+// 1.987-2.013 ms (7.3-7.5%; 3.1% at 1000-2000 rows per expert), bf16 0.4-0.7%;
+// the FP8 consumers waiting for the next stage and reading its scales while
+// their MMAs run, descriptors advanced by one add, the stage release
+// predicated (2026-12-02, old and new binaries alternated in one call, three
+// rounds): 1.95-2.05 -> 1.87-1.90 ms interleaved, 0.85-0.87x -> 0.91-0.93x of
+// cuBLASLt's block-scaled FP8 GEMM timed interleaved with it.
 // A cluster-scope release on the consumers' arrivals
 // (mbarrier.arrive.release.cluster) had cost 30-50%: it fences every earlier
 // access of the thread. bf16's gate_up now keeps the tensor pipe 87% busy
@@ -60,6 +65,10 @@
 // MMAs a third of the time and promote another third, and the producer
 // mostly waits for free stages (ncu; bench/results
 // 2026-12-01_gpu_prefill_gemm_v2.md, 2026-12-01_gpu_prefill_fp8_256.md).
+// Since 2026-12-02 gate_up's pipe is 74% busy at 1.52 GHz (1.02 ms): per
+// stage a consumer waits ~60% of its time on its MMAs and spends two
+// promotions of ~200 cycles each, and the SiLU epilogue takes ~14% of its
+// time (2026-12-02_gpu_fp8_prefill_stage_overlap.md).
 //
 // Floor (Qwen3-235B, 128 experts, hidden 4096, moe_intermediate 1536, 375 rows
 // per expert = 6000 tokens x top-8): 2 x 48000 x 4096 x 4608 = 1.81 TFLOP per
@@ -284,26 +293,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     setmaxnreg_inc<224>();
     // Consumer c: rows 64 c + 16 w + g (+ 8) of the tile; accumulator column 8 i + 2 q (+ 1) is weight row 8
     // i + 2 q (+ 1).
-    const int consumer = (warp_id >> 2) - 1, warp = warp_id & 3, g = lane >> 2, q = lane & 3;
+    // (consumer through a shuffle: the compiler then knows it is the same in
+    // a warp, and keeps the descriptors in uniform registers.)
+    const int consumer = __shfl_sync(0xffffffffu, (warp_id >> 2) - 1, 0), warp = warp_id & 3, g = lane >> 2,
+              q = lane & 3;
     const uint32_t a_offset = consumer * 64 * 128;
-    auto release = [&](int stage) {  // the stage is free in every CTA of the cluster
-      if (lane != 0) return;
+    auto release = [&](int stage) {  // the stage is free in every CTA of the cluster (lane 0 of each warp arrives)
       if (ctas == 1) {
-        mbarrier_arrive(empty(stage));
+        mbarrier_arrive_if(empty(stage), lane == 0);
       } else {
-        for (uint32_t cta = 0; cta < ctas; ++cta) mbarrier_arrive_cluster(empty(stage), cta);
+        for (uint32_t cta = 0; cta < ctas; ++cta) mbarrier_arrive_cluster_if(empty(stage), cta, lane == 0);
       }
     };
     int step = 0;
     if constexpr (!kFp8) {
       float acc[128];
+      const uint64_t a_desc = sw128_descriptor(a_tile(0) + a_offset, 16, 1024);
+      const uint64_t b_desc = sw128_descriptor(b_tile(0), 16, 1024);
       auto k_step = [&](int ks, int stage, uint32_t parity) {
         mbarrier_wait(full(stage), parity);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n256k16_ss(acc, sw128_descriptor(a_tile(stage) + a_offset + kk * 32, 16, 1024),
-                              sw128_descriptor(b_tile(stage) + kk * 32, 16, 1024), ks > 0 || kk > 0);
+          wgmma_m64n256k16_ss(acc, advance_descriptor(a_desc, stage * T::kStageBytes + kk * 32),
+                              advance_descriptor(b_desc, stage * T::kStageBytes + kk * 32), ks > 0 || kk > 0);
         wgmma_commit_group();
         wgmma_wait_group<1>();  // the previous stage's MMAs are done: free it
         if (ks > 0) release((stage + T::kStages - 1) % T::kStages);
@@ -328,47 +341,73 @@ __global__ void __launch_bounds__(kThreads, 1)
       // running sum times (activation scale x weight scale). Registers hold
       // only one partial beside the m64n256 sum, so within a warpgroup a
       // half's MMAs and its promotion alternate; the tensor cores run the
-      // other consumer's MMAs meanwhile. Measured on an H200, no gain from
-      // making the two consumers take turns to issue (named barriers, so one
-      // always promotes while the other's MMAs run) nor from the activation
-      // rows in registers (ldmatrix once per K block, RS-mode MMAs); the
-      // promotion's FFMAs issue at one per ~4.4 cycles, about as long as a
-      // consumer waits for its MMAs.
+      // other consumer's MMAs meanwhile, and stay busy only while each
+      // consumer's time between two batches of MMAs (a promotion, 64 FFMAs)
+      // is shorter than the other's batch. So everything else of a stage
+      // change -- waiting for the next stage, reading its scales -- happens
+      // while MMAs run, and the descriptors are one add from a base
+      // (2026-12-02: gate_up's tensor pipe 68 -> 74% busy). Measured on an
+      // H200, no gain from making the two consumers take turns to issue
+      // (named barriers, so one always promotes while the other's MMAs run),
+      // from the activation rows in registers (ldmatrix once per K block,
+      // RS-mode MMAs), nor from starting consumer 1 one or two stages behind
+      // consumer 0 so that their epilogues (SiLU on the SFUs: ~14% of a
+      // consumer's time in gate_up) would not leave the tensor pipe idle
+      // together (2026-12-02, within noise).
       float acc[128], part[64];
-      auto k_step = [&](int stage, uint32_t parity) {  // one stage: both halves, each promoted
-        mbarrier_wait(full(stage), parity);
-        const uint32_t a_stage = a_tile(stage), b_stage = b_tile(stage);
+      const uint64_t a_desc = sw128_descriptor(a_tile(0) + a_offset, 16, 1024);
+      const uint64_t b_desc = sw128_descriptor(b_tile(0), 16, 1024);
+      // A stage's two row scales (rows g and g + 8 of the warp) for each half.
+      struct StageScales {
+        float half[2][2];
+      };
+      auto read_scales = [&](int stage) {
         const float* scales =
             reinterpret_cast<const float*>(smem_raw + (scale_tile(stage) - smem_u32(smem_raw)));
-        const float a_scale[2] = {scales[consumer * 64 + warp * 16 + g],
-                                  scales[consumer * 64 + warp * 16 + g + 8]};
-        const float w_scale[2] = {scales[128], scales[129]};
+        const float a0 = scales[consumer * 64 + warp * 16 + g], a1 = scales[consumer * 64 + warp * 16 + g + 8];
+        const float w0 = scales[128], w1 = scales[129];
+        return StageScales{{{a0 * w0, a1 * w0}, {a0 * w1, a1 * w1}}};
+      };
+      auto issue_half = [&](int stage, int half) {
+        wgmma_fence();
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          wgmma_fence();
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n128k32_e4m3_ss(
+              part, advance_descriptor(a_desc, stage * T::kStageBytes + kk * 32),
+              advance_descriptor(b_desc, stage * T::kStageBytes + half * (T::kBBytes / 2) + kk * 32), kk > 0);
+        wgmma_commit_group();
+      };
+      auto promote = [&](int half, const float (&scale)[2]) {
 #pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            wgmma_m64n128k32_e4m3_ss(part, sw128_descriptor(a_stage + a_offset + kk * 32, 16, 1024),
-                                     sw128_descriptor(b_stage + half * (T::kBBytes / 2) + kk * 32, 16, 1024),
-                                     kk > 0);
-          wgmma_commit_group();
-          wgmma_wait_group<0>();
-          if (half == 1) release(stage);
-          const float row_scale[2] = {a_scale[0] * w_scale[half], a_scale[1] * w_scale[half]};
-#pragma unroll
-          for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i] * row_scale[(i >> 1) & 1];
-        }
+        for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i] * scale[(i >> 1) & 1];
+      };
+      // One stage whose data has arrived: both halves, each promoted; its
+      // scales are read while the first half's MMAs run, and the next stage
+      // of the item (if `has_next`) is waited for while the second half's do.
+      auto k_step = [&](int stage, bool has_next, int next_stage, uint32_t next_parity) {
+        issue_half(stage, 0);
+        const StageScales scales = read_scales(stage);
+        wgmma_wait_group<0>();
+        promote(0, scales.half[0]);
+        issue_half(stage, 1);
+        if (has_next) mbarrier_wait(full(next_stage), next_parity);
+        wgmma_wait_group<0>();
+        release(stage);
+        promote(1, scales.half[1]);
       };
       for (int index = cluster; index < num_items; index += num_clusters) {
         const auto [item, idle, share_weights] = item_of(index);
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+        mbarrier_wait(full(step % T::kStages), (step / T::kStages) & 1);
         if constexpr (kKSteps > 0) {  // step is a multiple of the ring here: ks % kStages is the stage
 #pragma unroll 4
-          for (int ks = 0; ks < kKSteps; ++ks) k_step(ks % T::kStages, ((step + ks) / T::kStages) & 1);
+          for (int ks = 0; ks < kKSteps; ++ks)
+            k_step(ks % T::kStages, ks + 1 < kKSteps, (ks + 1) % T::kStages, ((step + ks + 1) / T::kStages) & 1);
           step += kKSteps;
         } else {
-          for (int ks = 0; ks < num_k_steps; ++ks, ++step) k_step(step % T::kStages, (step / T::kStages) & 1);
+          for (int ks = 0; ks < num_k_steps; ++ks, ++step)
+            k_step(step % T::kStages, ks + 1 < num_k_steps, (step + 1) % T::kStages, ((step + 1) / T::kStages) & 1);
         }
         if (!idle) store_rows<kGateUp>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }

@@ -61,6 +61,15 @@ __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t smem_addr, uint32_
   return desc;
 }
 
+// `desc` with its start address moved by `bytes` (a multiple of 16). The
+// address field is bits 0-13 (address >> 4) and shared-memory addresses stay
+// below 2^18, so the add stays in the low word and never carries out of the
+// field: one integer add where a fresh descriptor costs a mask, a shift and
+// an or.
+__device__ __forceinline__ uint64_t advance_descriptor(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | (static_cast<uint32_t>(desc) + (bytes >> 4));
+}
+
 // mbarrier (shared memory, CTA scope): phases complete when `count` arrivals
 // (and, for cp.async, the copies behind them) have landed.
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
@@ -278,6 +287,26 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t bar, uint32_t c
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
       "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
       "r"(cta)
+      : "memory");
+#endif
+}
+// mbarrier_arrive and mbarrier_arrive_cluster by the threads where `pred`
+// holds, predicated rather than branched: no divergence for a warp to
+// reconverge from in a hot loop.
+__device__ __forceinline__ void mbarrier_arrive_if(uint32_t bar, bool pred) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+      "r"(static_cast<int>(pred))
+      : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_cluster_if(uint32_t bar, uint32_t cta, bool pred) {
+#if MOE_SM90A_DEVICE
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b32 remote;\nsetp.ne.b32 p, %2, 0;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "@p mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(cta), "r"(static_cast<int>(pred))
       : "memory");
 #endif
 }
