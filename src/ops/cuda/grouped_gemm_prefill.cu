@@ -298,7 +298,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int consumer = __shfl_sync(0xffffffffu, (warp_id >> 2) - 1, 0), warp = warp_id & 3, g = lane >> 2,
               q = lane & 3;
     const uint32_t a_offset = consumer * 64 * 128;
-    auto release = [&](int stage) {  // the stage is free in every CTA of the cluster (lane 0 of each warp arrives)
+    // The stage is free in every CTA of the cluster (lane 0 of each warp arrives).
+    auto release = [&](int stage) {
       if (ctas == 1) {
         mbarrier_arrive_if(empty(stage), lane == 0);
       } else {
@@ -364,7 +365,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto read_scales = [&](int stage) {
         const float* scales =
             reinterpret_cast<const float*>(smem_raw + (scale_tile(stage) - smem_u32(smem_raw)));
-        const float a0 = scales[consumer * 64 + warp * 16 + g], a1 = scales[consumer * 64 + warp * 16 + g + 8];
+        const float a0 = scales[consumer * 64 + warp * 16 + g],
+                    a1 = scales[consumer * 64 + warp * 16 + g + 8];
         const float w0 = scales[128], w1 = scales[129];
         return StageScales{{{a0 * w0, a1 * w0}, {a0 * w1, a1 * w1}}};
       };
@@ -377,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               advance_descriptor(b_desc, stage * T::kStageBytes + half * (T::kBBytes / 2) + kk * 32), kk > 0);
         wgmma_commit_group();
       };
-      auto promote = [&](int half, const float (&scale)[2]) {
+      auto promote = [&](int half, const float(&scale)[2]) {
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i] * scale[(i >> 1) & 1];
       };
@@ -403,11 +405,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kKSteps > 0) {  // step is a multiple of the ring here: ks % kStages is the stage
 #pragma unroll 4
           for (int ks = 0; ks < kKSteps; ++ks)
-            k_step(ks % T::kStages, ks + 1 < kKSteps, (ks + 1) % T::kStages, ((step + ks + 1) / T::kStages) & 1);
+            k_step(ks % T::kStages, ks + 1 < kKSteps, (ks + 1) % T::kStages,
+                   ((step + ks + 1) / T::kStages) & 1);
           step += kKSteps;
         } else {
           for (int ks = 0; ks < num_k_steps; ++ks, ++step)
-            k_step(step % T::kStages, ks + 1 < num_k_steps, (step + 1) % T::kStages, ((step + 1) / T::kStages) & 1);
+            k_step(step % T::kStages, ks + 1 < num_k_steps, (step + 1) % T::kStages,
+                   ((step + 1) / T::kStages) & 1);
         }
         if (!idle) store_rows<kGateUp>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }
