@@ -383,18 +383,25 @@ void Engine::after_export(const StepPlan& plan) {
 
 // The step's forward pass and sampling, where the runner's logits are (the
 // GPU samples there and sends back only the rows that logprobs need): one row
-// per sampling chunk and draft, each chunk's first row fetched when the
-// request wants logprobs (of the model's own logits, vLLM's default), its
-// penalties and bias as adjustments, then every prompt-logits row
-// (SequenceSpec::prompt_logits, after the usual rows). One run of tokens per
-// sampling chunk.
+// per sampling chunk and draft, all of a chunk's rows fetched when the
+// request wants logprobs (of the model's own logits, vLLM's default: row j
+// gives the logprob of the run's token j), its penalties and bias as
+// adjustments, then every prompt-logits row (SequenceSpec::prompt_logits,
+// after the usual rows). One run of tokens per sampling chunk.
 Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batch,
-                           std::vector<std::vector<int32_t>>& runs, ChunkLogprobs& logprobs, Tensor& hidden) {
+                           std::vector<std::vector<int32_t>>& runs, StepLogprobs& logprobs, Tensor& hidden) {
   StepSampling sampling;
-  std::vector<std::pair<uint64_t, int>> logprob_chunks;  // (request, its fetched row)
+  struct LogprobChunk {
+    uint64_t id;
+    size_t run;         // its run among the step's
+    int64_t first_row;  // its first fetched row
+  };
+  std::vector<LogprobChunk> logprob_chunks;
+  size_t num_runs = 0;
   for (size_t c = 0; c < plan.chunks.size(); ++c) {
     const ScheduledChunk& chunk = plan.chunks[c];
     if (!chunk.sample) continue;
+    ++num_runs;
     const Active& a = active_.at(chunk.id);
     const auto row = static_cast<int32_t>(sampling.rows.size());
     add_chunk_rows(sampling, plan, batch, c,
@@ -411,9 +418,8 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
           stop_ids, vocab_size_);
     }
     if (a.request.num_logprobs >= 0) {
-      CHECK(chunk.num_drafts == 0, "drafts for a request that wants logprobs");
-      logprob_chunks.emplace_back(chunk.id, static_cast<int>(sampling.fetch_rows.size()));
-      sampling.fetch_rows.push_back(row);
+      logprob_chunks.push_back({chunk.id, num_runs - 1, static_cast<int64_t>(sampling.fetch_rows.size())});
+      for (int32_t j = 0; j <= chunk.num_drafts; ++j) sampling.fetch_rows.push_back(row + j);
     }
   }
   const auto num_logprob_rows = static_cast<int64_t>(sampling.fetch_rows.size());
@@ -429,14 +435,14 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
     if (sampled) {
       runs = runs_from_samples(plan, *sampled);
       const float* fetched = sampled->fetched.data_as<float>();
-      for (size_t i = 0; i < logprob_chunks.size(); ++i) {
-        const auto& [id, index] = logprob_chunks[i];
-        const Active& a = active_.at(id);
-        logprobs.emplace_back(
-            id,
-            compute_logprobs(
-                std::span<const float>(fetched + index * vocab_size_, static_cast<size_t>(vocab_size_)),
-                sampled->tokens[static_cast<size_t>(sampling.fetch_rows[index])], a.request.num_logprobs));
+      for (const auto& [id, run, first_row] : logprob_chunks) {
+        const int k = active_.at(id).request.num_logprobs;
+        std::vector<TokenLogprobs>& out = logprobs[id];
+        for (size_t j = 0; j < runs[run].size(); ++j) {
+          const float* logits = fetched + (first_row + static_cast<int64_t>(j)) * vocab_size_;
+          out.push_back(compute_logprobs(std::span<const float>(logits, static_cast<size_t>(vocab_size_)),
+                                         runs[run][j], k));
+        }
       }
       take_prompt_logprobs(plan, fetched + num_logprob_rows * vocab_size_,
                            static_cast<int64_t>(sampling.fetch_rows.size()) - num_logprob_rows);
@@ -449,15 +455,14 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
   return status;
 }
 
-// Whether a request may carry drafts. Requests with logprobs decode plainly
-// (one forward row per output token keeps their logprobs simple), and so do
-// KV-exporting ones and prefilled ones that came without the MTP state (no
-// MTP KV for a prompt computed elsewhere).
+// Whether a request may carry drafts. KV-exporting requests decode plainly,
+// and so do prefilled ones that came without the MTP state (no MTP KV for a
+// prompt computed elsewhere).
 bool Engine::may_speculate(uint64_t id) const {
   auto it = active_.find(id);
   if (it == active_.end()) return false;
   const Active& a = it->second;
-  return a.request.num_logprobs < 0 && !a.request.kv_export && (a.first_token < 0 || a.has_mtp_state);
+  return !a.request.kv_export && (a.first_token < 0 || a.has_mtp_state);
 }
 
 // Disaggregated prefill with a drafter: the chunks that complete an
@@ -533,7 +538,7 @@ void Engine::step() {
   }
   const model::ForwardBatch batch = scheduler_.build_batch(plan);
   std::vector<std::vector<int32_t>> runs;
-  ChunkLogprobs logprobs;
+  StepLogprobs logprobs;
   Tensor hidden;
   const double forward_start = monotonic_seconds();
   const Status status = run_forward(plan, batch, runs, logprobs, hidden);
@@ -554,7 +559,7 @@ void Engine::step() {
     metrics_.busy_seconds_total += done - forward_start;
   }
   log_throughput(done);
-  size_t next_logprobs = 0;  // logprobs requests emit one token per step, in chunk order
+  std::unordered_map<uint64_t, size_t> logprobs_taken;  // a request's updates come in its run's order
   for (size_t i = 0; i < updates.size(); ++i) {
     const SequenceUpdate& u = updates[i];
     Active& a = active_.at(u.id);
@@ -562,8 +567,11 @@ void Engine::step() {
     EngineOutput out;
     out.id = u.id;
     out.token = u.token;
-    if (next_logprobs < logprobs.size() && logprobs[next_logprobs].first == u.id)
-      out.logprobs = std::move(logprobs[next_logprobs++].second);
+    if (auto it = logprobs.find(u.id); it != logprobs.end()) {
+      size_t& taken = logprobs_taken[u.id];
+      CHECK(taken < it->second.size(), "request {}: more tokens than logprobs", u.id);
+      out.logprobs = std::move(it->second[taken++]);
+    }
     if (!a.prompt_logprobs.empty() && !a.prompt_logprobs_sent) {
       a.prompt_logprobs_sent = true;
       for (auto& lp : a.prompt_logprobs) {

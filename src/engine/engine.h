@@ -185,15 +185,16 @@ class Engine {
     std::vector<std::optional<TokenLogprobs>> prompt_logprobs;
     bool prompt_logprobs_sent = false;
   };
-  // A sampling chunk's logprobs (requests that asked for them).
-  using ChunkLogprobs = std::vector<std::pair<uint64_t, TokenLogprobs>>;
+  // A step's logprobs, per request that asked for them: one per token of its
+  // run (accepted drafts, then the sample), in order.
+  using StepLogprobs = std::unordered_map<uint64_t, std::vector<TokenLogprobs>>;
   Expected<uint64_t> enqueue(Active active);
   void admit(uint64_t id, Active active);
   std::function<void(int)> export_hook(const StepPlan& plan);
   void after_export(const StepPlan& plan);
   void export_mtp(const StepPlan& plan, const model::ForwardBatch& batch, const Tensor& hidden);
   Status run_forward(const StepPlan& plan, const model::ForwardBatch& batch,
-                     std::vector<std::vector<int32_t>>& runs, ChunkLogprobs& logprobs, Tensor& hidden);
+                     std::vector<std::vector<int32_t>>& runs, StepLogprobs& logprobs, Tensor& hidden);
   bool may_speculate(uint64_t id) const;
   void record_speculation(const StepPlan& plan, std::span<const std::vector<int32_t>> runs);
   void loop();

@@ -161,8 +161,7 @@ HttpResponse DecodeService::handle_commit(const HttpRequest& request) {
                              std::move(commit->last_hidden));
     if (!s.is_ok()) return ++num_rejected_, error_reply(s);
     auto it = streams_.find(commit->reservation);
-    const bool would_draft = it != streams_.end() && it->second.request.spec.num_logprobs < 0 &&
-                             it->second.request.spec.max_tokens > 1;
+    const bool would_draft = it != streams_.end() && it->second.request.spec.max_tokens > 1;
     if (layout_.num_mtp_layers > 0 && !with_mtp && would_draft) ++num_commits_without_mtp_;
   }
   ++num_commits_;
@@ -401,7 +400,7 @@ std::string DecodeService::metrics_text() const {
           "Internal messages refused (malformed, unknown ids, wrong state).", num_rejected_);
   if (layout_.num_mtp_layers > 0)
     counter("disagg_commits_without_mtp_total",
-            "Commits of requests that could draft (no logprobs, max_tokens over 1) without the MTP state (a "
+            "Commits of requests that could draft (max_tokens over 1) without the MTP state (a "
             "prefill instance without the MTP layer): they decode without drafts.",
             num_commits_without_mtp_);
   return out;

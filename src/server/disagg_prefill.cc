@@ -264,7 +264,7 @@ void PrefillService::handle_prefill(const HttpRequest& request,
 }
 
 // Whether the MTP state goes with this prompt: both sides speculate, and the
-// decode instance will draft for it (no logprobs, a second token to come).
+// decode instance will draft for it (a second token is to come).
 // Without, the request decodes there without drafts (docs/speculative.md).
 bool PrefillService::sends_mtp(const disagg::PrefillRequest& request) {
   const bool here = mtp_k_region_.has_value(), there = request.target.layout.num_mtp_layers > 0;
@@ -272,7 +272,7 @@ bool PrefillService::sends_mtp(const disagg::PrefillRequest& request) {
     log_warn("prefill: {} has {} MTP layer and this instance {}: its requests decode without drafts "
              "(start both with the same --speculative-config and --speculative-model)",
              request.target.decode_url, there ? "an" : "no", here ? "has one" : "has none");
-  return here && there && request.spec.num_logprobs < 0 && request.spec.max_tokens > 1;
+  return here && there && request.spec.max_tokens > 1;
 }
 
 void PrefillService::on_prefilled(const std::string& key, const engine::EngineOutput& out) {

@@ -366,6 +366,7 @@ TEST(DemoSpeculation, TrainedMtpIsAcceptedAndExact) {
 
 struct EngineRun {
   std::vector<std::vector<int32_t>> tokens;
+  std::vector<std::vector<TokenLogprobs>> logprobs;  // per token, for requests that asked
   std::vector<FinishReason> finish;
   std::vector<int> drafts, accepted;
   EngineMetrics metrics;
@@ -383,11 +384,13 @@ EngineRun run_engine(Loaded& l, const std::vector<EngineRequest>& requests, int 
   Engine engine(std::make_unique<Qwen3Runner>(*l.model, l.pool, layout), options, std::move(drafter));
   EngineRun run;
   const size_t n = requests.size();
-  run.tokens.resize(n), run.finish.resize(n), run.drafts.resize(n), run.accepted.resize(n);
+  run.tokens.resize(n), run.logprobs.resize(n), run.finish.resize(n), run.drafts.resize(n),
+      run.accepted.resize(n);
   std::vector<std::promise<void>> done(n);
   for (size_t i = 0; i < n; ++i) {
     auto id = engine.submit(requests[i], [&run, &done, i](const EngineOutput& out) {
       if (out.token >= 0) run.tokens[i].push_back(out.token);
+      if (out.logprobs) run.logprobs[i].push_back(*out.logprobs);
       if (out.finish != FinishReason::kNone) {
         run.finish[i] = out.finish, run.drafts[i] = out.num_draft_tokens;
         run.accepted[i] = out.num_accepted_draft_tokens;
@@ -404,10 +407,32 @@ EngineRun run_engine(Loaded& l, const std::vector<EngineRequest>& requests, int 
   return run;
 }
 
+// Request i's logprobs with drafts equal plain decoding's: one per token, for
+// the same token, the same value and the same top list (each verified row
+// holds the logits a plain step computes for that position; the CPU model's
+// rows do not depend on the batch around them, up to summation order).
+void expect_same_logprobs(const EngineRun& spec, const EngineRun& plain, size_t i, int k) {
+  ASSERT_EQ(spec.logprobs[i].size(), spec.tokens[i].size()) << "k " << k;
+  ASSERT_EQ(spec.logprobs[i].size(), plain.logprobs[i].size()) << "k " << k;
+  for (size_t t = 0; t < spec.logprobs[i].size(); ++t) {
+    const TokenLogprobs &a = spec.logprobs[i][t], &b = plain.logprobs[i][t];
+    SCOPED_TRACE(testing::Message() << "k " << k << " request " << i << " token " << t);
+    EXPECT_EQ(a.token, spec.tokens[i][t]);
+    EXPECT_EQ(a.token, b.token);
+    EXPECT_NEAR(a.logprob, b.logprob, 1e-4);
+    EXPECT_EQ(a.rank, b.rank);
+    ASSERT_EQ(a.top.size(), b.top.size());
+    for (size_t j = 0; j < a.top.size(); ++j) {
+      EXPECT_EQ(a.top[j].first, b.top[j].first);
+      EXPECT_NEAR(a.top[j].second, b.top[j].second, 1e-4);
+    }
+  }
+}
+
 // Continuous batching with mixed requests: speculating greedy ones, one with
-// logprobs (plain decode), one seeded sampled one, stop ids and max_tokens
-// inside accepted runs. Greedy outputs equal the plain engine's; KV pages
-// are all released at the end.
+// logprobs (drafting too), one seeded sampled one, stop ids and max_tokens
+// inside accepted runs. Greedy outputs and the logprobs equal the plain
+// engine's; KV pages are all released at the end.
 void check_mixed_batch(Loaded& l, std::vector<EngineRequest> requests, bool expect_acceptance) {
   requests[1].num_logprobs = 2;
   requests[3].max_tokens = 2;
@@ -425,7 +450,11 @@ void check_mixed_batch(Loaded& l, std::vector<EngineRequest> requests, bool expe
       EXPECT_EQ(spec.finish[i], plain_stop.finish[i]) << "k " << k << " request " << i;
     }
     EXPECT_EQ(spec.tokens.back().size(), static_cast<size_t>(requests.back().max_tokens));
-    EXPECT_EQ(spec.drafts[1], 0) << "logprobs requests decode plainly";
+    EXPECT_GT(spec.drafts[1], 0) << "logprobs requests draft too";
+    expect_same_logprobs(spec, plain_stop, 1, k);
+    if (expect_acceptance) {
+      EXPECT_GT(spec.accepted[1], 0) << "k " << k << ": no accepted draft of the logprobs request";
+    }
     EXPECT_GT(spec.drafts[0], 0);
     const EngineMetrics& m = spec.metrics;
     EXPECT_GT(m.spec_decode_num_draft_tokens_total, 0);

@@ -6,8 +6,10 @@
 //   from the state the prefill instance sends (usage.speculative, the decode
 //   instance's spec_decode metrics, drafts accepted on the demo's trained MTP
 //   layer; one request at a time, the same drafts and accepted drafts as
-//   colocated `serve` with the same k); logprobs, max_tokens 1 and eos-first
-//   requests decode without drafts; every instance back at its KV baseline.
+//   colocated `serve` with the same k); a logprobs request drafts and its
+//   logprobs (token, value, top 2) equal the oracle's; max_tokens 1 and
+//   eos-first requests decode without drafts; every instance back at its KV
+//   baseline.
 // - `moeserve prefill` + `moeserve decode --router URL`, also with the MTP
 //   layer on one side only (plain decoding, counted on the decode side),
 //   `prefill --tp 2 --ep 2` and `decode --dp 2 --ep 2` with speculation.
@@ -36,13 +38,13 @@ function makeRequests() {
     if (req.stream) req.stream_options = { include_usage: true };
     return req;
   });
-  out.push({ prompt: texts[0], max_tokens: 12, temperature: 0, logprobs: 2, return_token_ids: true });
+  out.push({ prompt: texts[0], max_tokens: 12, temperature: 0, logprobs: 2, ignore_eos: true, return_token_ids: true });
   out.push({ prompt: texts[1], max_tokens: 1, temperature: 0, return_token_ids: true });
   out.push({ messages: [{ role: 'user', content: texts[0] }], max_tokens: 30, temperature: 0, stop: [' you'] });
   return out;
 }
 const requests = makeRequests();
-const logprobsIndex = requests.length - 3, oneTokenIndex = requests.length - 2;
+const logprobsIndex = requests.length - 3;
 
 async function run(c, req) {
   const chat = !!req.messages;
@@ -52,9 +54,10 @@ async function run(c, req) {
     const r = await api.create(params);
     const ch = r.choices[0];
     return { text: chat ? ch.message.content : ch.text, finish: ch.finish_reason, ids: ch.token_ids ?? null,
-             tokens: r.usage.completion_tokens, speculative: r.usage.speculative ?? null };
+             tokens: r.usage.completion_tokens, speculative: r.usage.speculative ?? null,
+             logprobs: ch.logprobs ?? null };
   }
-  const out = { text: '', finish: null, ids: null, tokens: null, speculative: null };
+  const out = { text: '', finish: null, ids: null, tokens: null, speculative: null, logprobs: null };
   for await (const chunk of await api.create(params)) {
     if (chunk.usage) { out.tokens = chunk.usage.completion_tokens; out.speculative = chunk.usage.speculative ?? null; }
     for (const ch of chunk.choices) {
@@ -66,15 +69,30 @@ async function run(c, req) {
   return out;
 }
 
+// Completions logprobs against the oracle's: the same tokens and top-2 tokens,
+// values within float noise (a draft's row is the position's own logits).
+function sameLogprobs(got, want, what) {
+  if (want === null) return assert.equal(got, null, what);
+  assert.deepEqual(got.tokens, want.tokens, `${what}: logprobs tokens`);
+  assert.equal(got.token_logprobs.length, want.token_logprobs.length);
+  got.token_logprobs.forEach((v, t) => assert.ok(Math.abs(v - want.token_logprobs[t]) < 1e-4,
+                                                 `${what}: token ${t} logprob ${v} vs ${want.token_logprobs[t]}`));
+  got.top_logprobs.forEach((top, t) => {
+    assert.deepEqual(Object.keys(top), Object.keys(want.top_logprobs[t]), `${what}: token ${t} top logprobs`);
+    for (const [tok, v] of Object.entries(top)) assert.ok(Math.abs(v - want.top_logprobs[t][tok]) < 1e-4);
+  });
+}
+
 // Every request through `url`, compared with the oracle's; returns the results.
 async function checkAgainstOracle(url, what) {
   const results = await runPool(requests, 4, (r) => run(client(url), r));
   results.forEach((r, i) => {
     assert.ok(r.ok, `${what}: request ${i}: ${r.error}`);
-    const { speculative, ...got } = r.value;
-    const { speculative: none, ...want } = oracle.results[i];
+    const { speculative, logprobs, ...got } = r.value;
+    const { speculative: none, logprobs: wantLogprobs, ...want } = oracle.results[i];
     assert.deepEqual(got, want, `${what}: request ${i} (${JSON.stringify(requests[i]).slice(0, 100)})`);
     assert.equal(none, null, 'the oracle does not speculate');
+    sameLogprobs(logprobs, wantLogprobs, `${what}: request ${i}`);
   });
   return results.map((r) => r.value);
 }
@@ -99,8 +117,8 @@ for (const k of [1, 2, 3, 4]) {
       let drafts = 0, accepted = 0;
       got.forEach((r, i) => {
         // Drafts follow the first token unless the request ends there (max_tokens 1, or eos first:
-        // request 1's prompt) or leaves no room for one; logprobs requests decode without them.
-        const drafting = i !== logprobsIndex && r.tokens >= 2 && requests[i].max_tokens >= 3;
+        // request 1's prompt) or leaves no room for one. The logprobs request drafts too.
+        const drafting = r.tokens >= 2 && requests[i].max_tokens >= 3;
         if (requests[i].stop) return;  // ended by the router at the stop string: either way
         if (!drafting) {
           assert.equal(r.speculative, null, `request ${i} decodes without drafts`);
@@ -111,6 +129,8 @@ for (const k of [1, 2, 3, 4]) {
         accepted += r.speculative.accepted_tokens;
       });
       assert.equal(got[1].tokens, 1, 'request 1 ends at its first token (eos)');
+      assert.ok(got[logprobsIndex].logprobs !== null && got[logprobsIndex].speculative?.draft_tokens > 0,
+                'the logprobs request drafts, with its logprobs');
       // One at a time, the drafts and accepted drafts of each request equal colocated speculation's
       // (a lost or misplaced MTP layer or hidden state changes them, not the greedy tokens).
       const colocated = await startProcess('serve', [...engineFlags, ...speculate(k)]);
@@ -179,8 +199,8 @@ test('MTP on one side only: plain greedy output without drafts', async () => {
     const got = await checkAgainstOracle(url, 'MTP on decode only');
     assert.ok(got.every((r) => r.speculative === null));
     assert.equal(await sum(inst.decode, 'moeserve:spec_decode_num_draft_tokens_total'), 0);
-    assert.equal(await sum(inst.decode, 'moeserve:disagg_commits_without_mtp_total'), requests.length - 2,
-                 'every commit of a request that could draft (not the logprobs or the max_tokens 1 one)');
+    assert.equal(await sum(inst.decode, 'moeserve:disagg_commits_without_mtp_total'), requests.length - 1,
+                 'every commit of a request that could draft (not the max_tokens 1 one)');
   });
 });
 

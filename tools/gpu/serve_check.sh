@@ -55,6 +55,29 @@ compare() {
     [[ -n "$a" && "$a" == "$b" ]] && echo "$label: equal ($prompt)" || echo "$label: DIFFER ($prompt): $a vs $b"
   done
 }
+# Logprobs (2 alternatives) of the same prompts from the servers on ports A
+# and B: the same tokens and top tokens, values within 0.02 (the two servers'
+# batches differ in shape, so their bf16 sums may round differently).
+compare_logprobs() {
+  local label=$1 a_port=$2 b_port=$3
+  for prompt in "Tell me a fortune." "The sea is"; do
+    body='{"model": "moeserve-demo", "prompt": "'"$prompt"'", "max_tokens": 24, "temperature": 0, "logprobs": 2, "ignore_eos": true}'
+    curl -s localhost:$a_port/v1/completions -H 'Content-Type: application/json' -d "$body" > "$OUT/lp_a.json"
+    curl -s localhost:$b_port/v1/completions -H 'Content-Type: application/json' -d "$body" > "$OUT/lp_b.json"
+    python3 - "$OUT/lp_a.json" "$OUT/lp_b.json" "$label: %s ($prompt)" <<'PY'
+import json, sys
+try:
+    a, b = (json.load(open(f))["choices"][0]["logprobs"] for f in sys.argv[1:3])
+    same = a["tokens"] == b["tokens"] and len(a["tokens"]) == 24 and all(
+        abs(x - y) < 0.02 for x, y in zip(a["token_logprobs"], b["token_logprobs"])) and all(
+        sorted(x) == sorted(y) and all(abs(x[t] - y[t]) < 0.02 for t in x)
+        for x, y in zip(a["top_logprobs"], b["top_logprobs"]))
+    print(sys.argv[3] % ("equal" if same else "DIFFER"))
+except Exception as e:
+    print(sys.argv[3] % f"DIFFER ({e})")
+PY
+  done
+}
 
 # The single-GPU server every check below compares with. Fixed KV pools
 # (--kv-cache-gb, per process or rank): processes sharing a GPU must not size
@@ -74,6 +97,7 @@ server=$!
 if wait_up 18558 $server; then
   compare "MTP k=2" 18558 18557 48
   compare "MTP k=2, penalties" 18558 18557 48 '"presence_penalty": 1.5, "repetition_penalty": 1.3, "logit_bias": {"397": -100}'
+  compare_logprobs "MTP k=2, logprobs" 18558 18557
   curl -s localhost:18558/metrics | grep -E "^moeserve:spec_decode_num_(draft|accepted)_tokens_total" | head -2
 else
   echo "the speculative server did not start (serve_spec.log)"
