@@ -259,12 +259,14 @@ struct Result {
   FinishReason finish = FinishReason::kNone;
   Status error;
   int drafts = 0, accepted = 0;
+  int num_logprobs = 0;  // outputs that carried logprobs
 };
 
 // Collects a request's outputs; `done` once the final one arrived.
 OutputCallback collect(Result* result, std::promise<void>* done) {
   return [result, done](const EngineOutput& out) {
     if (out.token >= 0) result->tokens.push_back(out.token);
+    if (out.logprobs) ++result->num_logprobs;
     if (out.finish == FinishReason::kNone) return;
     result->finish = out.finish, result->error = out.error;
     result->drafts = out.num_draft_tokens, result->accepted = out.num_accepted_draft_tokens;
@@ -307,6 +309,7 @@ Result run_disagg(Side& p, Side& d, EngineRequest request, bool send_mtp) {
   EXPECT_GE(head.token, 0);
   EXPECT_EQ(sink->last_hidden_.empty(), !sink->wants_mtp());
   result.tokens.push_back(head.token);
+  if (head.logprobs) ++result.num_logprobs;  // the first token's come from the prefill side
   std::promise<void> done;
   auto id = d.engine->submit_prefilled(request, {*pages, head.token, sink->last_hidden_}, collect(&result, &done));
   EXPECT_TRUE(id.has_value()) << id.status().to_string();
@@ -411,7 +414,7 @@ TEST(DisaggSpeculationDemo, TrainedMtpAcceptsAsColocated) {
 }
 
 // Requests that must not draft on the decode side, mixed with speculating
-// ones, all at once: logprobs (plain decode), max_tokens 1 and a first token
+// ones (one with logprobs), all at once: max_tokens 1 and a first token
 // that is a stop id (the sequence ends at the handover: the drafter never
 // runs on it), max_tokens 2 (no room for a draft); a seeded sampled request.
 // Then the mismatches: MTP on one side only decodes without drafts.
@@ -437,7 +440,8 @@ TEST(DisaggSpeculationEdges, NonDraftingRequestsAndOneSidedMtp) {
   for (auto& f : running) got.push_back(f.get());
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(got[i].tokens, want[i].tokens) << "request " << i;
   EXPECT_GT(got[0].drafts, 0);
-  EXPECT_EQ(got[1].drafts, 0) << "logprobs requests decode plainly";
+  EXPECT_GT(got[1].drafts, 0) << "logprobs requests draft too";
+  EXPECT_EQ(got[1].num_logprobs, static_cast<int>(got[1].tokens.size())) << "one logprobs entry per token";
   EXPECT_EQ(got[4].tokens, std::vector<int32_t>{want[2].tokens[0]});
   EXPECT_EQ(got[4].finish, FinishReason::kLength);
   EXPECT_EQ(got[5].tokens, std::vector<int32_t>{want[3].tokens[0]});
