@@ -10,6 +10,7 @@
 #include <map>
 #include <numeric>
 
+#include "engine/speculative.h"
 #include "tests/engine/sampling_oracle.h"
 
 namespace moe::engine {
@@ -36,6 +37,64 @@ TEST(Sampler, MatchesTheFilteredDistribution) {
     int dof = 0;
     const double stat = chi_square(counts, probs, kDraws, &dof);
     EXPECT_LT(stat, testing_oracle::kChiSquare999) << "case " << c << " dof " << dof;
+  }
+}
+
+// At Qwen3's vocabulary (151,936 logits, a few peaks over a wide tail, ties
+// included), where the candidates are sorted only as far as read: the
+// distribution equals the oracle's, and every draw is the oracle's inverse
+// CDF (descending order, lower id first on ties) at the same uniform draw.
+TEST(Sampler, LargeVocabularyDrawsAreTheOraclesInverseCdf) {
+  constexpr int kVocab = 151936;
+  std::vector<float> logits(kVocab);
+  uint64_t state = 12345;
+  for (int i = 0; i < kVocab; ++i) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const double u = static_cast<double>(state >> 11) * (1.0 / 9007199254740992.0);
+    logits[i] =
+        static_cast<float>(std::round(8 * std::log(u / (1 - u + 1e-12) + 1e-12)) / 8);  // logistic, 1/8 steps
+  }
+  for (int i = 0; i < 40; ++i) logits[(i * 7919) % kVocab] = 14.0f - 0.25f * static_cast<float>(i % 20);
+  std::vector<SamplingParams> cases(5);
+  cases[0].temperature = 1.0f;
+  cases[1].temperature = 0.7f, cases[1].top_p = 0.9f;
+  cases[2].temperature = 1.0f, cases[2].top_p = 0.999f;
+  cases[3].temperature = 0.8f, cases[3].min_p = 0.01f;
+  cases[4].temperature = 0.6f, cases[4].top_k = 2000, cases[4].top_p = 0.95f;
+  for (size_t c = 0; c < cases.size(); ++c) {
+    SCOPED_TRACE(testing::Message() << "case " << c);
+    const std::vector<double> want = expected_distribution(logits, cases[c]);
+    const std::vector<double> got = sampling_distribution(logits, cases[c]);
+    size_t support = 0;
+    for (int i = 0; i < kVocab; ++i) {
+      ASSERT_EQ(got[i] == 0, want[i] == 0) << "token " << i;
+      ASSERT_NEAR(got[i], want[i], 1e-5 * want[i] + 1e-15) << "token " << i;  // the oracle subtracts in float
+      support += want[i] > 0;
+    }
+    std::vector<int32_t> descending(kVocab);
+    std::iota(descending.begin(), descending.end(), 0);
+    std::stable_sort(descending.begin(), descending.end(),
+                     [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+    // The draws' oracle: the kept tokens' softmax in double precision.
+    std::vector<double> p(kVocab, 0.0);
+    double z = 0;
+    for (int32_t t : descending)
+      if (want[t] > 0)
+        z += p[t] = std::exp((static_cast<double>(logits[t]) - logits[descending[0]]) / cases[c].temperature);
+    for (double& v : p) v /= z;
+    constexpr int kDraws = 60;
+    for (int step = 0; step < kDraws; ++step) {
+      const double u = uniform_draw(7 + c, step);
+      double cumulative = 0;
+      int32_t expected = -1;
+      for (int32_t t : descending) {
+        if (p[t] == 0) continue;
+        expected = t;
+        if (u < (cumulative += p[t])) break;
+      }
+      ASSERT_EQ(sample_token(logits, cases[c], 7 + c, step), expected) << "step " << step;
+    }
+    EXPECT_GT(support, 1u);
   }
 }
 
