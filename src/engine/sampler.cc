@@ -118,7 +118,6 @@ class Candidates {
     if (params.top_k > 0 && params.top_k < vocab) {
       sort_prefix(params.top_k);
       order_.resize(static_cast<size_t>(params.top_k));
-      sorted_ = params.top_k;
     }
     max_scaled_ = scaled(id(0));
     for (int32_t t : order_) total_ += std::exp(scaled(t) - max_scaled_);
