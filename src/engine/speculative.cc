@@ -200,6 +200,14 @@ CpuMtpRunner::CpuMtpRunner(const model::MtpModel& mtp, ThreadPool& pool, const k
       cache_(kv::KvCacheLayout{1, mtp.config().num_kv_heads, mtp.config().head_dim, target_layout.page_size,
                                target_layout.num_pages, target_layout.dtype}) {}
 
+Expected<model::MtpOutput> CpuMtpRunner::forward(const model::MtpBatch& batch, TensorView hidden) {
+  model::MtpOutput out = mtp_.forward(pool_, batch, hidden, cache_.layer(0));
+  const int64_t vocab = out.logits.view().dim(1);
+  for (int64_t r = 0; r < out.logits.view().dim(0); ++r)
+    out.greedy.push_back(argmax(std::span<const float>(out.logits.data_as<float>() + r * vocab, vocab)));
+  return out;
+}
+
 MtpDrafter::MtpDrafter(const model::MtpModel& mtp, ThreadPool& pool, const kv::KvCacheLayout& target_layout,
                        int num_speculative_tokens)
     : MtpDrafter(std::make_unique<CpuMtpRunner>(mtp, pool, target_layout), num_speculative_tokens) {}
@@ -265,16 +273,14 @@ std::vector<MtpDrafter::Drafting> MtpDrafter::first_pass(Scheduler& scheduler, c
   }
   if (ids.empty()) return {};
   fill_page_table(scheduler, ids, mb);
+  mb.want_logits = false;
   const int64_t h = hidden_size();
   Tensor input(DType::kF32, {mb.num_tokens(), h});
   for (size_t r = 0; r < hidden_rows.size(); ++r)
     std::copy_n(hidden.data_as<float>() + hidden_rows[r] * h, h, input.data_as<float>() + static_cast<int64_t>(r) * h);
   std::optional<model::MtpOutput> out = run(mb, input);
   if (!out) return {};
-  const int64_t vocab = out->logits.view().dim(1);
-  for (size_t i = 0; i < drafting.size(); ++i)
-    drafting[i].drafts.push_back(
-        argmax(std::span<const float>(out->logits.data_as<float>() + static_cast<int64_t>(i) * vocab, vocab)));
+  for (size_t i = 0; i < drafting.size(); ++i) drafting[i].drafts.push_back(out->greedy[i]);
   out_hidden = std::move(out->hidden);
   return drafting;
 }
@@ -309,15 +315,14 @@ void MtpDrafter::chain(Scheduler& scheduler, std::vector<Drafting>& drafting, Te
                   input.data_as<float>() + static_cast<int64_t>(a) * h);
     }
     fill_page_table(scheduler, ids, mb);
+    mb.want_logits = false;
     std::optional<model::MtpOutput> out = run(mb, input);
     if (!out) {  // keep the drafts made so far
       for (size_t a : active) limit[a] = drafting[a].drafts.size();
       continue;
     }
-    const int64_t vocab = out->logits.view().dim(1);
     for (size_t a = 0; a < active.size(); ++a) {
-      drafting[active[a]].drafts.push_back(
-          argmax(std::span<const float>(out->logits.data_as<float>() + static_cast<int64_t>(a) * vocab, vocab)));
+      drafting[active[a]].drafts.push_back(out->greedy[a]);
       std::copy_n(out->hidden.data_as<float>() + static_cast<int64_t>(a) * h, h,
                   hidden.data_as<float>() + static_cast<int64_t>(active[a]) * h);
     }
@@ -366,12 +371,12 @@ void MtpDrafter::start_prefilled(Scheduler& scheduler, uint64_t id, std::span<co
   mb.output_rows.push_back(0);
   const uint64_t ids[] = {id};
   fill_page_table(scheduler, ids, mb);
+  mb.want_logits = false;
   Tensor input(DType::kF32, {1, h});
   std::copy(last_hidden.begin(), last_hidden.end(), input.data_as<float>());
   std::optional<model::MtpOutput> out = run(mb, input);
   if (!out) return;
-  const int64_t vocab = out->logits.view().dim(1);
-  std::vector<Drafting> drafting = {{id, computed, {argmax(std::span<const float>(out->logits.data_as<float>(), vocab))}}};
+  std::vector<Drafting> drafting = {{id, computed, {out->greedy[0]}}};
   chain(scheduler, drafting, std::move(out->hidden));
   scheduler.set_drafts(id, std::move(drafting[0].drafts));
 }

@@ -109,7 +109,9 @@ SpecStepStats spec_step_stats(const StepPlan& plan, std::span<const std::vector<
 
 // Where the MTP forward runs, over the MTP layer's one-layer KV cache (page
 // ids shared with the target's): the CPU (CpuMtpRunner) or the GPU
-// (engine/cuda_runner.h). forward() fails only on a device error.
+// (engine/cuda_runner.h). forward() fails only on a device error; its output
+// has every output row's greedy token (MtpOutput::greedy), and the logits
+// unless the batch says it does not want them.
 class MtpRunner {
  public:
   virtual ~MtpRunner() = default;
@@ -123,9 +125,7 @@ class CpuMtpRunner final : public MtpRunner {
  public:
   CpuMtpRunner(const model::MtpModel& mtp, ThreadPool& pool, const kv::KvCacheLayout& target_layout);
   int64_t hidden_size() const override { return mtp_.config().hidden_size; }
-  Expected<model::MtpOutput> forward(const model::MtpBatch& batch, TensorView hidden) override {
-    return mtp_.forward(pool_, batch, hidden, cache_.layer(0));
-  }
+  Expected<model::MtpOutput> forward(const model::MtpBatch& batch, TensorView hidden) override;
   const kv::KvCache& cache() const override { return cache_; }
 
  private:

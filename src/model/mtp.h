@@ -115,12 +115,17 @@ struct MtpBatch {
   std::vector<int32_t> page_table;   // [num_seqs, max_pages_per_seq]
   int max_pages_per_seq = 0;
   std::vector<int32_t> output_rows;  // rows whose output (normed hidden, logits) is wanted
+  // false: a runner may leave MtpOutput::logits empty (the drafter reads only
+  // the greedy tokens; on the GPU a row's logits are 4 x vocab bytes to copy,
+  // 0.6 MB at Qwen3's vocabulary).
+  bool want_logits = true;
   int num_tokens() const { return static_cast<int>(token_ids.size()); }
 };
 
 struct MtpOutput {
   Tensor hidden;  // [output_rows, hidden] f32: the normed output, the next chained step's h
-  Tensor logits;  // [output_rows, vocab] f32
+  Tensor logits;  // [output_rows, vocab] f32 (see MtpBatch::want_logits)
+  std::vector<int32_t> greedy;  // [output_rows]: each row's argmax (lowest id on ties); set by MtpRunners
 };
 
 class MtpModel {

@@ -8,10 +8,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <future>
 #include <limits>
+#include <set>
 #include <thread>
 
 #include "engine/engine.h"
@@ -362,6 +365,36 @@ TEST(DemoSpeculation, TrainedMtpIsAcceptedAndExact) {
                 static_cast<long long>(stats.num_accepted_tokens), 100 * acceptance);
     EXPECT_GT(acceptance, k == 1 ? 0.2 : 0.1) << "k " << k;  // random MTP weights accept ~0
   }
+}
+
+// What the drafter reads of an MTP forward: each output row's greedy token,
+// the argmax of the logits the CPU runner computes (lowest id on ties).
+TEST(DemoSpeculation, CpuMtpRunnerGivesEachRowsArgmax) {
+  auto l = load(demo_dir(), demo_mtp_dir(), false);
+  const kv::KvCacheLayout layout{l->config.num_layers, l->config.num_kv_heads, l->config.head_dim, 4, 8,
+                                 DType::kF32};
+  CpuMtpRunner runner(*l->mtp, l->pool, layout);
+  model::MtpBatch batch;
+  batch.token_ids = {317, 201, 386, 35, 1067};
+  batch.positions = {0, 1, 2, 0, 1};
+  batch.query_start = {0, 3, 5};
+  batch.page_table = {0, 1};
+  batch.max_pages_per_seq = 1;
+  batch.output_rows = {1, 2, 4};
+  Tensor hidden(DType::kF32, {5, l->config.hidden_size});
+  for (int64_t i = 0; i < hidden.num_elements(); ++i)
+    hidden.data_as<float>()[i] = std::sin(0.11f * static_cast<float>(i));
+  auto out = runner.forward(batch, hidden.view());
+  ASSERT_TRUE(out.has_value()) << out.status().to_string();
+  ASSERT_EQ(out->greedy.size(), 3u);
+  const int64_t vocab = l->config.vocab_size;
+  std::set<int32_t> distinct;
+  for (int64_t r = 0; r < 3; ++r) {
+    const float* row = out->logits.data_as<float>() + r * vocab;
+    EXPECT_EQ(out->greedy[static_cast<size_t>(r)], std::max_element(row, row + vocab) - row) << "row " << r;
+    distinct.insert(out->greedy[static_cast<size_t>(r)]);
+  }
+  EXPECT_GT(distinct.size(), 1u) << "rows of different inputs draft different tokens";
 }
 
 struct EngineRun {

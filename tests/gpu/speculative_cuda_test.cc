@@ -184,6 +184,19 @@ TEST(CudaMtp, ForwardMatchesTheCpuMtpLayer) {
     for (int r = 0; r < 2; ++r)
       EXPECT_LT(relative_error(got2->logits.data_as<float>() + r * V, want2.logits.data_as<float>() + r * V, V), 3e-2)
           << dir << " chained row " << r;
+    // The greedy tokens (the drafter's): the argmax of the GPU's own logits,
+    // the same without the logits copied back.
+    model::MtpBatch tokens_only = next;
+    tokens_only.want_logits = false;
+    auto got3 = gpu->forward(tokens_only, want.hidden.view());
+    ASSERT_TRUE(got3.has_value()) << got3.status().to_string();
+    ASSERT_EQ(got2->greedy.size(), 2u);
+    for (int r = 0; r < 2; ++r) {
+      const float* row = got2->logits.data_as<float>() + r * V;
+      EXPECT_EQ(got2->greedy[r], std::max_element(row, row + V) - row) << dir << " chained row " << r;
+    }
+    EXPECT_EQ(got3->greedy, got2->greedy) << dir;
+    EXPECT_EQ(got3->logits.num_elements(), 0) << dir << ": no logits when not wanted";
     model::MtpBatch bad = next;
     bad.output_rows = {2};
     EXPECT_FALSE(gpu->forward(bad, want.hidden.view()).has_value()) << "an output row past the batch is refused";

@@ -156,7 +156,12 @@ class CudaQwen3MoeModel {
   Status size_kv_pool_after_warm_up(int tokens);
   Status run(const ForwardBatch& batch);
   Status finish_step();
-  Expected<StepShape> upload_step(const ForwardBatch& batch, int padded_tokens);
+  // A CUDA-graph step: `seqs` sequences (the batch's, padded to a bucket) of
+  // `query` new tokens each. seqs == 0: the step runs eagerly.
+  struct GraphShape {
+    int seqs = 0, query = 1;
+  };
+  Expected<StepShape> upload_step(const ForwardBatch& batch, GraphShape graph);
   Status launch_step(const StepShape& shape);
   struct LayerBuffers;
   // One decoder layer over state's `residual` (in) / `normed` (the input
@@ -166,7 +171,7 @@ class CudaQwen3MoeModel {
   Status layer_boundary(const void* norm_weight, int num_tokens, bool reduce);
   Status exchange_experts(const LayerBuffers& b, int num_tokens, const void* next_norm);
   Status sync_and_fetch_hidden(int num_tokens, std::span<const int32_t> hidden_rows, Tensor& hidden);
-  int graph_bucket(const ForwardBatch& batch) const;
+  GraphShape graph_bucket(const ForwardBatch& batch) const;
   int dense_tile_rows(int num_tokens) const;
   int graph_stride(int max_pages_per_seq) const;
   std::unique_ptr<State> state_;

@@ -76,7 +76,8 @@ struct CudaQwen3MoeModel::State {
   // Disaggregated prefill: called once a layer's KV is in the pool (set_layer_hook).
   std::function<void(int)> layer_hook;
   cudaEvent_t kv_written = nullptr;  // recorded after a layer's KV store while a hook is set
-  std::map<int64_t, cudaGraphExec_t> graphs;  // decode step per (bucket of tokens << 32 | page-table stride)
+  std::map<int64_t, cudaGraphExec_t>
+      graphs;  // decode step per (sequences << 40 | tokens per sequence << 32 | stride)
   int max_pages_per_seq = 0;               // the page-table stride graphs use
   size_t bytes = 0;
   size_t weights_and_activations_bytes = 0;

@@ -28,13 +28,14 @@ Status CudaQwen3MoeModel::finish_step() {
   return state_->options.comm != nullptr ? state_->options.comm->health() : Status::ok();
 }
 
-// Uploads the step's metadata. padded_tokens > 0 (a decode step replayed as a
-// CUDA graph) pads the batch to that many tokens, one sequence per token, the
-// padding reading and writing the scratch KV page, with the page table at the
-// fixed stride the graph was captured with.
-Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, int padded_tokens) {
+// Uploads the step's metadata. A CUDA-graph step (graph.seqs > 0) pads the
+// batch to graph.seqs sequences of graph.query tokens each, the padding
+// reading and writing the scratch KV page (positions 0 .. query - 1), with the
+// page table at the fixed stride the graph was captured with.
+Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, GraphShape graph) {
   State& s = *state_;
   const int T = batch.num_tokens(), num_seqs = static_cast<int>(batch.query_start.size()) - 1;
+  const int padded_tokens = graph.seqs * graph.query;
   StepShape shape;
   shape.num_tokens = padded_tokens > 0 ? padded_tokens : T;
   shape.num_rows = padded_tokens > 0 ? padded_tokens : static_cast<int>(batch.logits_rows.size());
@@ -46,20 +47,23 @@ Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, in
   for (int seq = 0; seq < num_seqs; ++seq)
     for (int t = batch.query_start[seq]; t < batch.query_start[seq + 1]; ++t) token_seq[t] = seq;
   std::vector<int32_t> page_table = batch.page_table, logits_rows = batch.logits_rows;
+  std::vector<int32_t> query_start = batch.query_start;
   if (padded_tokens > 0) {
     const int32_t scratch = s.options.num_pages;  // the extra page past the scheduler's pool
     token_ids.resize(padded_tokens, 0);
-    positions.resize(padded_tokens, 0);
     logits_rows.resize(padded_tokens);
-    page_table.assign(static_cast<size_t>(padded_tokens) * shape.stride, scratch);
-    for (int t = 0; t < padded_tokens; ++t) {
-      logits_rows[t] = t;
-      if (t >= T) token_seq.push_back(t);
-      for (int p = 0; t < T && p < batch.max_pages_per_seq; ++p) {
-        const int32_t page = batch.page_table[static_cast<size_t>(t) * batch.max_pages_per_seq + p];
-        if (page >= 0) page_table[static_cast<size_t>(t) * shape.stride + p] = page;
-      }
+    for (int t = 0; t < padded_tokens; ++t) logits_rows[t] = t;
+    for (int t = T; t < padded_tokens; ++t) {
+      positions.push_back((t - T) % graph.query);
+      token_seq.push_back(num_seqs + (t - T) / graph.query);
     }
+    for (int seq = num_seqs; seq < graph.seqs; ++seq) query_start.push_back((seq + 1) * graph.query);
+    page_table.assign(static_cast<size_t>(graph.seqs) * shape.stride, scratch);
+    for (int seq = 0; seq < num_seqs; ++seq)
+      for (int p = 0; p < batch.max_pages_per_seq; ++p) {
+        const int32_t page = batch.page_table[static_cast<size_t>(seq) * batch.max_pages_per_seq + p];
+        if (page >= 0) page_table[static_cast<size_t>(seq) * shape.stride + p] = page;
+      }
   }
   if (s.page_table.data() == nullptr || s.page_table.num_bytes() < page_table.size() * sizeof(int32_t)) {
     // The captured decode graphs read the old buffer: drop them (each is
@@ -84,11 +88,13 @@ Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, in
     MOE_RETURN_IF_ERROR(copy_in(s.dense_offsets, {0, tokens}));
     MOE_RETURN_IF_ERROR(copy_in(s.dense_tile_offsets, {0, (tokens + tile - 1) / tile}));
   }
-  // Prefill (any sequence with several new tokens) shares K/V chunks between a sequence's tokens.
-  for (int seq = 0; seq < num_seqs; ++seq) shape.prefill |= batch.query_start[seq + 1] - batch.query_start[seq] > 1;
+  // Prefill (any sequence with several new tokens: a prompt chunk, or a
+  // verification of drafts) shares K/V chunks between a sequence's tokens.
+  for (size_t seq = 0; seq + 1 < query_start.size(); ++seq)
+    shape.prefill |= query_start[seq + 1] - query_start[seq] > 1;
   if (shape.prefill) {
-    const std::vector<int32_t> groups =
-        k::prefill_token_groups(batch.query_start, k::prefill_group_tokens(config().num_q_heads, config().num_kv_heads));
+    const std::vector<int32_t> groups = k::prefill_token_groups(
+        query_start, k::prefill_group_tokens(config().num_q_heads, config().num_kv_heads));
     shape.num_groups = static_cast<int>(groups.size()) - 1;
     MOE_RETURN_IF_ERROR(copy_in(s.attention_groups, groups));
   }
@@ -110,18 +116,29 @@ int CudaQwen3MoeModel::graph_stride(int max_pages_per_seq) const {
   return std::min(stride, state_->max_pages_per_seq);
 }
 
-// Decode steps (one new token per sequence, logits for every token) replay a
-// CUDA graph captured once per (bucket of batch sizes, page-table stride).
-int CudaQwen3MoeModel::graph_bucket(const ForwardBatch& batch) const {
+// Decode steps replay a CUDA graph captured once per (bucket of sequence
+// counts, new tokens per sequence, page-table stride): plain decode (one token
+// per sequence) and speculative verification (1 + drafts tokens per sequence,
+// the same for every sequence), logits for every token, at most kGraphTokens
+// tokens after padding (the MoE layers' 64-row kernels, moe_tile_rows).
+CudaQwen3MoeModel::GraphShape CudaQwen3MoeModel::graph_bucket(const ForwardBatch& batch) const {
+  constexpr int kGraphTokens = 512, kMaxQuery = 8;
   const State& s = *state_;
-  const int T = batch.num_tokens();
-  if (!s.options.use_cuda_graphs || s.layer_hook || T == 0 || batch.max_pages_per_seq > s.max_pages_per_seq) return 0;
-  if (static_cast<int>(batch.query_start.size()) != T + 1 || static_cast<int>(batch.logits_rows.size()) != T) return 0;
+  const int T = batch.num_tokens(), num_seqs = static_cast<int>(batch.query_start.size()) - 1;
+  if (!s.options.use_cuda_graphs || s.layer_hook || T == 0 || num_seqs <= 0 ||
+      batch.max_pages_per_seq > s.max_pages_per_seq)
+    return {};
+  const int query = T / num_seqs;
+  if (query > kMaxQuery || query * num_seqs != T || static_cast<int>(batch.logits_rows.size()) != T)
+    return {};
+  for (int seq = 0; seq <= num_seqs; ++seq)
+    if (batch.query_start[seq] != seq * query) return {};
   for (int t = 0; t < T; ++t)
-    if (batch.query_start[t + 1] != t + 1 || batch.logits_rows[t] != t) return 0;
+    if (batch.logits_rows[t] != t) return {};
   for (int bucket : {1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512})
-    if (bucket >= T && bucket <= s.options.max_num_tokens) return bucket;
-  return 0;
+    if (bucket >= num_seqs && bucket * query <= std::min(kGraphTokens, s.options.max_num_tokens))
+      return {bucket, query};
+  return {};
 }
 
 Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
@@ -132,10 +149,11 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
   if (T > s.options.max_num_tokens)
     return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
   if (static_cast<int>(batch.logits_rows.size()) > T) return invalid_argument("more logits rows than tokens");
-  const int bucket = graph_bucket(batch);
+  const GraphShape bucket = graph_bucket(batch);
   MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, bucket));
-  if (bucket == 0) return launch_step(shape);
-  const int64_t key = static_cast<int64_t>(bucket) << 32 | shape.stride;
+  if (bucket.seqs == 0) return launch_step(shape);
+  const int64_t key =
+      static_cast<int64_t>(bucket.seqs) << 40 | static_cast<int64_t>(bucket.query) << 32 | shape.stride;
   if (auto it = s.graphs.find(key); it != s.graphs.end())
     return cuda_status(cudaGraphLaunch(it->second, s.stream), "cudaGraphLaunch");
   // First time at this size: run it eagerly (warming every lazy initialisation), then capture.
@@ -151,7 +169,8 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
   cudaGraphDestroy(graph);
   MOE_CUDA_RETURN_IF_ERROR(instantiated);
   s.graphs[key] = exec;
-  log_debug("captured the decode step for {} tokens, page-table stride {}, as a CUDA graph", bucket, shape.stride);
+  log_debug("captured the decode step for {} sequences of {} tokens, page-table stride {}, as a CUDA graph",
+            bucket.seqs, bucket.query, shape.stride);
   return Status::ok();
 }
 
@@ -579,7 +598,8 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
   if (rows > T) return invalid_argument("{} MTP output rows for {} tokens", rows, T);
   for (int32_t row : mb.output_rows)
     if (row < 0 || row >= T) return invalid_argument("MTP output row {} of a {}-token batch", row, T);
-  MtpOutput out{Tensor(DType::kF32, {rows, c.hidden_size}), Tensor(DType::kF32, {rows, c.vocab_size})};
+  MtpOutput out{Tensor(DType::kF32, {rows, c.hidden_size}),
+                Tensor(DType::kF32, {mb.want_logits ? rows : 0, c.vocab_size}), std::vector<int32_t>(rows)};
   if (T == 0) return out;
   MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(s.options.device));
   ForwardBatch batch;
@@ -589,7 +609,7 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
   batch.page_table = mb.page_table;
   batch.max_pages_per_seq = mb.max_pages_per_seq;
   batch.logits_rows = mb.output_rows;
-  MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, 0));
+  MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, {}));
 #define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
   const size_t row_bytes = static_cast<size_t>(H) * sizeof(bf16);
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.mtp_h.data(), hidden.data(), hidden.num_bytes(), cudaMemcpyHostToDevice,
@@ -617,8 +637,15 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
         s.stream));
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.logit_rows.data_as<bf16>(), s.lm_head.data_as<bf16>(), s.logits.data(),
                                        DType::kF32, rows, static_cast<int>(c.vocab_size), H, s.stream));
-    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.logits.data(), s.logits.data(), out.logits.num_bytes(),
-                                             cudaMemcpyDeviceToHost, s.stream));
+    MOE_LAUNCH(ops::cuda::argmax(
+        {s.logits.data_as<float>(), s.greedy.data_as<int32_t>(), rows, static_cast<int>(c.vocab_size)},
+        s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.greedy.data(), s.greedy.data(),
+                                             out.greedy.size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                             s.stream));
+    if (mb.want_logits)
+      MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.logits.data(), s.logits.data(), out.logits.num_bytes(),
+                                               cudaMemcpyDeviceToHost, s.stream));
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(normed.data(), s.logit_rows.data(), normed.size() * sizeof(uint16_t),
                                              cudaMemcpyDeviceToHost, s.stream));
   }
