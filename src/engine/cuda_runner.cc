@@ -125,6 +125,7 @@ class CudaMtpRunner final : public MtpRunner {
     return model_.forward_mtp(batch, hidden);
   }
   const kv::KvCache& cache() const override { return cache_; }
+  bool keeps_target_hidden() const override { return true; }
 
  private:
   model::CudaQwen3MoeModel& model_;

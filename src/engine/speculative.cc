@@ -275,9 +275,14 @@ std::vector<MtpDrafter::Drafting> MtpDrafter::first_pass(Scheduler& scheduler, c
   fill_page_table(scheduler, ids, mb);
   mb.want_logits = false;
   const int64_t h = hidden_size();
-  Tensor input(DType::kF32, {mb.num_tokens(), h});
-  for (size_t r = 0; r < hidden_rows.size(); ++r)
-    std::copy_n(hidden.data_as<float>() + hidden_rows[r] * h, h, input.data_as<float>() + static_cast<int64_t>(r) * h);
+  Tensor input(DType::kF32, {runner_->keeps_target_hidden() ? 0 : mb.num_tokens(), h});
+  if (runner_->keeps_target_hidden()) {
+    mb.target_rows = std::move(hidden_rows);
+  } else {
+    for (size_t r = 0; r < hidden_rows.size(); ++r)
+      std::copy_n(hidden.data_as<float>() + hidden_rows[r] * h, h,
+                  input.data_as<float>() + static_cast<int64_t>(r) * h);
+  }
   std::optional<model::MtpOutput> out = run(mb, input);
   if (!out) return {};
   for (size_t i = 0; i < drafting.size(); ++i) drafting[i].drafts.push_back(out->greedy[i]);

@@ -118,6 +118,10 @@ class MtpRunner {
   virtual int64_t hidden_size() const = 0;
   virtual Expected<model::MtpOutput> forward(const model::MtpBatch& batch, TensorView hidden) = 0;
   virtual const kv::KvCache& cache() const = 0;
+  // Whether the target's hidden states of its last forward are kept where
+  // this runner reads them (MtpBatch::target_rows): the GPU's, when the target
+  // runs there too.
+  virtual bool keeps_target_hidden() const { return false; }
 };
 
 // MtpModel on the CPU, its KV cache one layer of `target_layout`'s shape and page count.

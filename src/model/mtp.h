@@ -119,6 +119,10 @@ struct MtpBatch {
   // the greedy tokens; on the GPU a row's logits are 4 x vocab bytes to copy,
   // 0.6 MB at Qwen3's vocabulary).
   bool want_logits = true;
+  // Set only for runners that keep the target's hidden states where it ran
+  // (MtpRunner::keeps_target_hidden, the GPU's): row i's input is then row
+  // target_rows[i] of the target's last forward pass, and `hidden` is ignored.
+  std::vector<int32_t> target_rows;
   int num_tokens() const { return static_cast<int>(token_ids.size()); }
 };
 

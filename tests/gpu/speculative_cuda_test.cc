@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <map>
 
@@ -201,6 +202,51 @@ TEST(CudaMtp, ForwardMatchesTheCpuMtpLayer) {
     bad.output_rows = {2};
     EXPECT_FALSE(gpu->forward(bad, want.hidden.view()).has_value()) << "an output row past the batch is refused";
   }
+}
+
+// The MTP's first pass reading the target's hidden rows where they already are
+// (MtpBatch::target_rows, no round trip through the host) computes exactly
+// what it does from the same rows sent up from the host.
+TEST(CudaMtp, TargetRowsOnTheDeviceEqualTheHostRoundTrip) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto l = load(source("models/moeserve-demo"), source("models/moeserve-demo-mtp"));
+  ASSERT_NE(l, nullptr);
+  auto gpu = l->runner->mtp_runner();
+  ASSERT_NE(gpu, nullptr);
+  EXPECT_TRUE(gpu->keeps_target_hidden());
+  model::ForwardBatch batch;
+  batch.token_ids = {1, 317, 201, 386, 330, 263, 409, 16, 2, 201, 35, 1067};
+  batch.positions = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1};
+  batch.query_start = {0, 10, 12};
+  batch.max_pages_per_seq = 1;
+  batch.page_table = {0, 1};
+  batch.logits_rows = {9, 11};
+  const std::vector<int32_t> rows = {9, 4, 0, 11, 10};  // not in order: the rows are gathered
+  Tensor hidden;
+  auto target = l->runner->forward_with_hidden(batch, rows, hidden);
+  ASSERT_TRUE(target.has_value()) << target.status().to_string();
+  model::MtpBatch mb;
+  mb.token_ids = {330, 263, 409, 1067, 17};
+  mb.positions = {0, 1, 2, 0, 1};
+  mb.query_start = {0, 3, 5};
+  mb.page_table = {2, 3};
+  mb.max_pages_per_seq = 1;
+  mb.output_rows = {2, 4};
+  auto via_host = gpu->forward(mb, hidden.view());
+  ASSERT_TRUE(via_host.has_value()) << via_host.status().to_string();
+  mb.target_rows = rows;
+  const Tensor none(DType::kF32, {0, l->config.hidden_size});
+  auto via_device = gpu->forward(mb, none.view());
+  ASSERT_TRUE(via_device.has_value()) << via_device.status().to_string();
+  ASSERT_EQ(via_device->logits.num_bytes(), via_host->logits.num_bytes());
+  EXPECT_EQ(std::memcmp(via_device->logits.data(), via_host->logits.data(), via_host->logits.num_bytes()), 0);
+  EXPECT_EQ(std::memcmp(via_device->hidden.data(), via_host->hidden.data(), via_host->hidden.num_bytes()), 0);
+  EXPECT_EQ(via_device->greedy, via_host->greedy);
+  mb.target_rows = {9, 4, 0, 11, 12};
+  EXPECT_FALSE(gpu->forward(mb, none.view()).has_value())
+      << "a row past the target's last forward is refused";
+  mb.target_rows = {9, 4};
+  EXPECT_FALSE(gpu->forward(mb, none.view()).has_value()) << "one target row per MTP token";
 }
 
 std::vector<GenerationRequest> requests_of(const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {

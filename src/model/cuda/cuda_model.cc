@@ -474,6 +474,8 @@ Status CudaQwen3MoeModel::upload_mtp(const MtpWeights& weights) {
   MOE_RETURN_IF_ERROR(track(s.mtp_h, DeviceTensor::allocate(DType::kF32, {T, H})));
   MOE_RETURN_IF_ERROR(track(s.mtp_g, DeviceTensor::allocate(DType::kBF16, {T, H})));
   MOE_RETURN_IF_ERROR(track(s.mtp_concat, DeviceTensor::allocate(DType::kBF16, {T, 2 * H})));
+  MOE_RETURN_IF_ERROR(track(s.target_hidden, DeviceTensor::allocate(DType::kBF16, {T, H})));
+  MOE_RETURN_IF_ERROR(track(s.target_rows, DeviceTensor::allocate(DType::kI32, {T})));
   s.mtp_layer = std::move(b);
   s.weights_and_activations_bytes = s.bytes;
   log_info("CUDA model: the MTP layer ({} MLP) runs on the GPU", w.is_moe ? "MoE" : "dense");

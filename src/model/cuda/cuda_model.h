@@ -103,7 +103,9 @@ class CudaQwen3MoeModel {
                                        Tensor& hidden);
   // One MTP forward (model/mtp.h, MtpModel::forward) on the GPU, over the MTP
   // layer's own KV pages (same page ids as the target's): hidden [num_tokens,
-  // hidden] f32 on the host, the target's (or the previous MTP step's) output.
+  // hidden] f32 on the host, the target's (or the previous MTP step's) output;
+  // or, with batch.target_rows, rows of the target's last forward that fetched
+  // hidden states, read where they were kept on the device (hidden ignored).
   // Its normed output comes back bf16-rounded. Needs options.mtp.
   Expected<MtpOutput> forward_mtp(const MtpBatch& batch, TensorView hidden);
   bool has_mtp() const;

@@ -67,6 +67,11 @@ struct CudaQwen3MoeModel::State {
   // normed embedding and hidden states meet in mtp_concat [T, 2H] bf16.
   std::unique_ptr<LayerBuffers> mtp_layer;
   DeviceTensor mtp_embed_norm, mtp_hidden_norm, mtp_fc, mtp_final_norm, mtp_h, mtp_g, mtp_concat;
+  // The target's final-normed rows of its last forward that fetched hidden
+  // states (target_tokens of them), kept for the MTP's first pass
+  // (MtpBatch::target_rows), and that pass's row indices.
+  DeviceTensor target_hidden, target_rows;
+  int target_tokens = 0;
   DeviceBuffer mtp_kv_pool;
   CudaKvPoolLayout mtp_kv_layout;
   // Every layer's K and V pages in one allocation (model/cuda/kv_pool.h), so

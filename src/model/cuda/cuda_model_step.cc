@@ -573,6 +573,12 @@ Status CudaQwen3MoeModel::sync_and_fetch_hidden(int num_tokens, std::span<const 
   if (!normed.empty())
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(normed.data(), s.normed.data(), normed.size() * sizeof(uint16_t),
                                              cudaMemcpyDeviceToHost, s.stream));
+  if (!normed.empty() && s.mtp_layer) {  // kept for the MTP's first pass (MtpBatch::target_rows)
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.target_hidden.data(), s.normed.data(),
+                                             normed.size() * sizeof(uint16_t), cudaMemcpyDeviceToDevice,
+                                             s.stream));
+    s.target_tokens = num_tokens;
+  }
   MOE_RETURN_IF_ERROR(finish_step());
   if (hidden_rows.empty()) return Status::ok();
   hidden = Tensor(DType::kF32, {static_cast<int64_t>(hidden_rows.size()), H});
@@ -593,8 +599,18 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
   const auto rows = static_cast<int>(mb.output_rows.size());
   if (T > s.options.max_num_tokens)
     return invalid_argument("MTP batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
-  if (hidden.dtype() != DType::kF32 || hidden.rank() != 2 || hidden.dim(0) != T || hidden.dim(1) != H)
+  const bool from_target = !mb.target_rows.empty();
+  if (from_target) {
+    if (static_cast<int>(mb.target_rows.size()) != T)
+      return invalid_argument("{} target rows for an MTP batch of {} tokens", mb.target_rows.size(), T);
+    for (int32_t row : mb.target_rows)
+      if (row < 0 || row >= s.target_tokens)
+        return invalid_argument("target row {} of the {} rows kept from the last forward", row,
+                                s.target_tokens);
+  } else if (hidden.dtype() != DType::kF32 || hidden.rank() != 2 || hidden.dim(0) != T ||
+             hidden.dim(1) != H) {
     return invalid_argument("MTP hidden states must be [{}, {}] f32", T, H);
+  }
   if (rows > T) return invalid_argument("{} MTP output rows for {} tokens", rows, T);
   for (int32_t row : mb.output_rows)
     if (row < 0 || row >= T) return invalid_argument("MTP output row {} of a {}-token batch", row, T);
@@ -612,8 +628,17 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
   MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, {}));
 #define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
   const size_t row_bytes = static_cast<size_t>(H) * sizeof(bf16);
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.mtp_h.data(), hidden.data(), hidden.num_bytes(), cudaMemcpyHostToDevice,
-                                           s.stream));
+  if (from_target) {  // the target's rows, still on the device: no round trip through the host
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.target_rows.data(), mb.target_rows.data(),
+                                             mb.target_rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                             s.stream));
+    MOE_LAUNCH(k::widen_rows(
+        {s.target_hidden.data_as<bf16>(), s.target_rows.data_as<int32_t>(), s.mtp_h.data_as<float>(), T, H},
+        s.stream));
+  } else {
+    MOE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(s.mtp_h.data(), hidden.data(), hidden.num_bytes(), cudaMemcpyHostToDevice, s.stream));
+  }
   MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
                            static_cast<int>(c.vocab_size)}, s.stream));
   MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.mtp_embed_norm.data_as<bf16>(),

@@ -127,6 +127,12 @@ __global__ void cast_to_bf16_kernel(CastToBf16Params p) {
     p.out[i] = __float2bfloat16(p.in[i]);
 }
 
+__global__ void widen_rows_kernel(WidenRowsParams p) {
+  const bf16* src = p.src + static_cast<int64_t>(p.index[blockIdx.x]) * p.cols;
+  float* dst = p.dst + static_cast<int64_t>(blockIdx.x) * p.cols;
+  for (int c = threadIdx.x; c < p.cols; c += blockDim.x) dst[c] = __bfloat162float(src[c]);
+}
+
 __global__ void argmax_kernel(ArgmaxParams p) {
   __shared__ float best_value[32];
   __shared__ int best_index[32];
@@ -229,6 +235,13 @@ cudaError_t cast_to_bf16(const CastToBf16Params& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((p.n + 255) / 256, 4096);
   cast_to_bf16_kernel<<<static_cast<int>(blocks), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t widen_rows(const WidenRowsParams& p, cudaStream_t stream) {
+  if (p.rows < 0 || p.cols < 0) return cudaErrorInvalidValue;
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+  widen_rows_kernel<<<p.rows, 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

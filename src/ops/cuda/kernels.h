@@ -305,6 +305,16 @@ struct CastToBf16Params {
 };
 cudaError_t cast_to_bf16(const CastToBf16Params& p, cudaStream_t stream);
 
+// dst[r, :] = f32(src[index[r], :]) for rows of `cols` bf16 values (exact):
+// the MTP layer's input hidden states, taken from the target's rows on the device.
+struct WidenRowsParams {
+  const bf16* src;       // [*, cols]
+  const int32_t* index;  // [rows]
+  float* dst;            // [rows, cols]
+  int rows, cols;
+};
+cudaError_t widen_rows(const WidenRowsParams& p, cudaStream_t stream);
+
 // ids[r] = argmax of logits[r, :] (lowest index on ties).
 struct ArgmaxParams {
   const float* logits;  // [num_rows, vocab]
