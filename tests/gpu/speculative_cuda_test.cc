@@ -104,11 +104,8 @@ double relative_error(const float* a, const float* b, int64_t n) {
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
-// The GPU's final-normed hidden states (bf16 there) against the CPU's f32 ones.
-TEST(CudaSpeculation, HiddenStatesMatchTheCpuReference) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  auto l = load(source("models/moeserve-demo"), source("models/moeserve-demo-mtp"));
-  ASSERT_NE(l, nullptr);
+// A chat turn and a text start of the demo model, 10 + 2 tokens on pages 0 and 1.
+model::ForwardBatch demo_batch() {
   model::ForwardBatch batch;
   batch.token_ids = {1, 317, 201, 386, 330, 263, 409, 16, 2, 201, 35, 1067};
   batch.positions = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1};
@@ -116,6 +113,15 @@ TEST(CudaSpeculation, HiddenStatesMatchTheCpuReference) {
   batch.max_pages_per_seq = 1;
   batch.page_table = {0, 1};
   batch.logits_rows = {9, 11};
+  return batch;
+}
+
+// The GPU's final-normed hidden states (bf16 there) against the CPU's f32 ones.
+TEST(CudaSpeculation, HiddenStatesMatchTheCpuReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto l = load(source("models/moeserve-demo"), source("models/moeserve-demo-mtp"));
+  ASSERT_NE(l, nullptr);
+  const model::ForwardBatch batch = demo_batch();
   const std::vector<int32_t> rows = {0, 4, 9, 10, 11};
   Tensor gpu_hidden;
   auto gpu_logits = l->runner->forward_with_hidden(batch, rows, gpu_hidden);
@@ -214,13 +220,7 @@ TEST(CudaMtp, TargetRowsOnTheDeviceEqualTheHostRoundTrip) {
   auto gpu = l->runner->mtp_runner();
   ASSERT_NE(gpu, nullptr);
   EXPECT_TRUE(gpu->keeps_target_hidden());
-  model::ForwardBatch batch;
-  batch.token_ids = {1, 317, 201, 386, 330, 263, 409, 16, 2, 201, 35, 1067};
-  batch.positions = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1};
-  batch.query_start = {0, 10, 12};
-  batch.max_pages_per_seq = 1;
-  batch.page_table = {0, 1};
-  batch.logits_rows = {9, 11};
+  const model::ForwardBatch batch = demo_batch();
   const std::vector<int32_t> rows = {9, 4, 0, 11, 10};  // not in order: the rows are gathered
   Tensor hidden;
   auto target = l->runner->forward_with_hidden(batch, rows, hidden);
