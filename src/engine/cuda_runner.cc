@@ -124,6 +124,11 @@ class CudaMtpRunner final : public MtpRunner {
   Expected<model::MtpOutput> forward(const model::MtpBatch& batch, TensorView hidden) override {
     return model_.forward_mtp(batch, hidden);
   }
+  Expected<std::vector<std::vector<int32_t>>> forward_chain(
+      const model::MtpOutput& /*first: kept on the device*/,
+      std::span<const model::MtpBatch> passes) override {
+    return model_.forward_mtp_chain(passes);
+  }
   const kv::KvCache& cache() const override { return cache_; }
   bool keeps_target_hidden() const override { return true; }
 

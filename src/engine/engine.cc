@@ -426,7 +426,10 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
   for (auto r = static_cast<int32_t>(sampling.rows.size());
        r < static_cast<int32_t>(batch.logits_rows.size()); ++r)
     sampling.fetch_rows.push_back(r);
-  const std::vector<int32_t> hidden_rows = drafter_ ? every_row(batch) : std::vector<int32_t>{};
+  // The drafter's runner may keep the target's hidden states where they are;
+  // the host needs them then only for an MTP export.
+  const bool host_hidden = drafter_ && (!drafter_->keeps_target_hidden() || !mtp_export_chunks(plan).empty());
+  const std::vector<int32_t> hidden_rows = host_hidden ? every_row(batch) : std::vector<int32_t>{};
   Status status;
   runner_->set_layer_hook(export_hook(plan));
   try {  // the runner's libraries may throw: the module boundary
@@ -469,7 +472,7 @@ bool Engine::may_speculate(uint64_t id) const {
 // MTP-exporting prompt get the MTP KV of their positions (but the last)
 // before complete_step() finishes the request, and the sink gets that layer
 // and the last hidden state.
-void Engine::export_mtp(const StepPlan& plan, const model::ForwardBatch& batch, const Tensor& hidden) {
+std::vector<size_t> Engine::mtp_export_chunks(const StepPlan& plan) const {
   std::vector<size_t> chunks;
   for (size_t c = 0; c < plan.chunks.size(); ++c) {
     const ScheduledChunk& chunk = plan.chunks[c];
@@ -477,6 +480,11 @@ void Engine::export_mtp(const StepPlan& plan, const model::ForwardBatch& batch, 
     const bool completes_prompt = chunk.start + chunk.num_tokens == static_cast<int32_t>(request.prompt.size());
     if (chunk.sample && completes_prompt && request.kv_export && request.kv_export->wants_mtp()) chunks.push_back(c);
   }
+  return chunks;
+}
+
+void Engine::export_mtp(const StepPlan& plan, const model::ForwardBatch& batch, const Tensor& hidden) {
+  const std::vector<size_t> chunks = mtp_export_chunks(plan);
   if (chunks.empty()) return;
   drafter_->write_prompt_kv(scheduler_, plan, batch, hidden, chunks);
   const int64_t h = drafter_->hidden_size();

@@ -192,6 +192,8 @@ class Engine {
   void admit(uint64_t id, Active active);
   std::function<void(int)> export_hook(const StepPlan& plan);
   void after_export(const StepPlan& plan);
+  std::vector<size_t> mtp_export_chunks(
+      const StepPlan& plan) const;  // chunks whose prompt exports its MTP state
   void export_mtp(const StepPlan& plan, const model::ForwardBatch& batch, const Tensor& hidden);
   Status run_forward(const StepPlan& plan, const model::ForwardBatch& batch,
                      std::vector<std::vector<int32_t>>& runs, StepLogprobs& logprobs, Tensor& hidden);

@@ -208,6 +208,37 @@ Expected<model::MtpOutput> CpuMtpRunner::forward(const model::MtpBatch& batch, T
   return out;
 }
 
+Expected<std::vector<std::vector<int32_t>>> MtpRunner::forward_chain(
+    const model::MtpOutput& first, std::span<const model::MtpBatch> passes) {
+  const int64_t h = hidden_size();
+  std::vector<std::vector<int32_t>> greedy;
+  model::MtpOutput last;
+  const model::MtpOutput* previous = &first;
+  for (const model::MtpBatch& pass : passes) {
+    const auto from_rows = static_cast<int64_t>(previous->greedy.size());
+    if (static_cast<int>(pass.previous_rows.size()) != pass.num_tokens() ||
+        previous->hidden.view().dim(0) != from_rows)
+      return invalid_argument(
+          "a chained MTP pass needs one previous row per token, and the previous hidden states");
+    model::MtpBatch batch = pass;
+    batch.previous_rows.clear();
+    batch.want_hidden = true;
+    Tensor input(DType::kF32, {batch.num_tokens(), h});
+    for (int i = 0; i < batch.num_tokens(); ++i) {
+      const int32_t row = pass.previous_rows[static_cast<size_t>(i)];
+      if (row < 0 || row >= from_rows)
+        return invalid_argument("previous row {} of a pass with {} output rows", row, from_rows);
+      batch.token_ids[static_cast<size_t>(i)] = previous->greedy[static_cast<size_t>(row)];
+      std::copy_n(previous->hidden.data_as<float>() + row * h, h, input.data_as<float>() + i * h);
+    }
+    MOE_ASSIGN_OR_RETURN(model::MtpOutput out, forward(batch, input.view()));
+    greedy.push_back(out.greedy);
+    last = std::move(out);
+    previous = &last;
+  }
+  return greedy;
+}
+
 MtpDrafter::MtpDrafter(const model::MtpModel& mtp, ThreadPool& pool, const kv::KvCacheLayout& target_layout,
                        int num_speculative_tokens)
     : MtpDrafter(std::make_unique<CpuMtpRunner>(mtp, pool, target_layout), num_speculative_tokens) {}
@@ -243,9 +274,10 @@ void fill_page_table(const Scheduler& scheduler, std::span<const uint64_t> ids, 
 }  // namespace
 
 std::vector<MtpDrafter::Drafting> MtpDrafter::first_pass(Scheduler& scheduler, const StepPlan& plan,
-                                                         const model::ForwardBatch& batch, const Tensor& hidden,
+                                                         const model::ForwardBatch& batch,
+                                                         const Tensor& hidden,
                                                          const std::function<bool(uint64_t)>& may_speculate,
-                                                         Tensor& out_hidden) {
+                                                         std::optional<model::MtpOutput>& out) {
   model::MtpBatch mb;
   mb.query_start.push_back(0);
   std::vector<uint64_t> ids;
@@ -274,6 +306,7 @@ std::vector<MtpDrafter::Drafting> MtpDrafter::first_pass(Scheduler& scheduler, c
   if (ids.empty()) return {};
   fill_page_table(scheduler, ids, mb);
   mb.want_logits = false;
+  mb.want_hidden = !runner_->keeps_target_hidden();  // such a runner chains from the rows it keeps
   const int64_t h = hidden_size();
   Tensor input(DType::kF32, {runner_->keeps_target_hidden() ? 0 : mb.num_tokens(), h});
   if (runner_->keeps_target_hidden()) {
@@ -283,55 +316,63 @@ std::vector<MtpDrafter::Drafting> MtpDrafter::first_pass(Scheduler& scheduler, c
       std::copy_n(hidden.data_as<float>() + hidden_rows[r] * h, h,
                   input.data_as<float>() + static_cast<int64_t>(r) * h);
   }
-  std::optional<model::MtpOutput> out = run(mb, input);
+  out = run(mb, input);
   if (!out) return {};
   for (size_t i = 0; i < drafting.size(); ++i) drafting[i].drafts.push_back(out->greedy[i]);
-  out_hidden = std::move(out->hidden);
   return drafting;
 }
 
 // Chained steps: each runs at the next position with the previous step's
-// output as h and its draft as the token, until every sequence has its drafts.
-void MtpDrafter::chain(Scheduler& scheduler, std::vector<Drafting>& drafting, Tensor hidden) {
-  const int64_t h = hidden_size();
+// output as h and its draft as the token, until every sequence has its
+// drafts. Which sequences take part in which pass is known before the first
+// (their limits), so the runner gets every pass at once (forward_chain).
+void MtpDrafter::chain(Scheduler& scheduler, std::vector<Drafting>& drafting, const model::MtpOutput& first) {
   std::vector<size_t> limit(drafting.size());
   for (size_t i = 0; i < drafting.size(); ++i) {
     const int32_t k = std::min(num_speculative_tokens_, scheduler.max_drafts(drafting[i].id));
     limit[i] = scheduler.grow_for_drafts(drafting[i].id, k) ? static_cast<size_t>(k) : 0;
     if (drafting[i].drafts.size() > limit[i]) drafting[i].drafts.resize(limit[i]);
   }
-  while (true) {
+  std::vector<model::MtpBatch> passes;
+  std::vector<std::vector<size_t>> members;      // per pass, the drafting index of each row
+  std::vector<int32_t> row_of(drafting.size());  // a sequence's row in the pass before
+  for (size_t i = 0; i < drafting.size(); ++i)
+    row_of[i] = static_cast<int32_t>(i);  // the first pass's output rows
+  for (size_t pass = 0;; ++pass) {
     std::vector<size_t> active;
     for (size_t i = 0; i < drafting.size(); ++i)
-      if (drafting[i].drafts.size() < limit[i]) active.push_back(i);
-    if (active.empty()) return;
+      if (!drafting[i].drafts.empty() && drafting[i].drafts.size() + pass < limit[i]) active.push_back(i);
+    if (active.empty()) break;
     model::MtpBatch mb;
     mb.query_start.push_back(0);
     std::vector<uint64_t> ids;
-    Tensor input(DType::kF32, {static_cast<int64_t>(active.size()), h});
     for (size_t a = 0; a < active.size(); ++a) {
-      Drafting& d = drafting[active[a]];
-      mb.token_ids.push_back(d.drafts.back());
-      mb.positions.push_back(d.next_position++);
+      const Drafting& d = drafting[active[a]];
+      mb.token_ids.push_back(0);  // the previous row's greedy token
+      mb.previous_rows.push_back(row_of[active[a]]);
+      mb.positions.push_back(d.next_position + static_cast<int32_t>(pass));
       mb.query_start.push_back(mb.num_tokens());
       mb.output_rows.push_back(static_cast<int32_t>(a));
       ids.push_back(d.id);
-      std::copy_n(hidden.data_as<float>() + static_cast<int64_t>(active[a]) * h, h,
-                  input.data_as<float>() + static_cast<int64_t>(a) * h);
     }
+    for (size_t a = 0; a < active.size(); ++a) row_of[active[a]] = static_cast<int32_t>(a);
     fill_page_table(scheduler, ids, mb);
     mb.want_logits = false;
-    std::optional<model::MtpOutput> out = run(mb, input);
-    if (!out) {  // keep the drafts made so far
-      for (size_t a : active) limit[a] = drafting[a].drafts.size();
-      continue;
-    }
-    for (size_t a = 0; a < active.size(); ++a) {
-      drafting[active[a]].drafts.push_back(out->greedy[a]);
-      std::copy_n(out->hidden.data_as<float>() + static_cast<int64_t>(a) * h, h,
-                  hidden.data_as<float>() + static_cast<int64_t>(active[a]) * h);
-    }
+    mb.want_hidden = !runner_->keeps_target_hidden();
+    passes.push_back(std::move(mb));
+    members.push_back(std::move(active));
   }
+  if (passes.empty()) return;
+  auto greedy = runner_->forward_chain(first, passes);
+  if (!greedy) {  // keep the drafts made so far
+    if (!std::exchange(warned_, true))
+      log_error("speculative decoding: the chained MTP passes failed ({}); sequences keep their first drafts",
+                greedy.status().to_string());
+    return;
+  }
+  for (size_t pass = 0; pass < passes.size(); ++pass)
+    for (size_t a = 0; a < members[pass].size(); ++a)
+      drafting[members[pass][a]].drafts.push_back((*greedy)[pass][a]);
 }
 
 void MtpDrafter::write_prompt_kv(const Scheduler& scheduler, const StepPlan& plan, const model::ForwardBatch& batch,
@@ -379,19 +420,20 @@ void MtpDrafter::start_prefilled(Scheduler& scheduler, uint64_t id, std::span<co
   mb.want_logits = false;
   Tensor input(DType::kF32, {1, h});
   std::copy(last_hidden.begin(), last_hidden.end(), input.data_as<float>());
+  mb.want_hidden = !runner_->keeps_target_hidden();
   std::optional<model::MtpOutput> out = run(mb, input);
   if (!out) return;
   std::vector<Drafting> drafting = {{id, computed, {out->greedy[0]}}};
-  chain(scheduler, drafting, std::move(out->hidden));
+  chain(scheduler, drafting, *out);
   scheduler.set_drafts(id, std::move(drafting[0].drafts));
 }
 
 void MtpDrafter::propose(Scheduler& scheduler, const StepPlan& plan, const model::ForwardBatch& batch,
                          const Tensor& hidden, const std::function<bool(uint64_t id)>& may_speculate) {
-  Tensor out_hidden;
-  std::vector<Drafting> drafting = first_pass(scheduler, plan, batch, hidden, may_speculate, out_hidden);
+  std::optional<model::MtpOutput> first;
+  std::vector<Drafting> drafting = first_pass(scheduler, plan, batch, hidden, may_speculate, first);
   if (drafting.empty()) return;
-  chain(scheduler, drafting, std::move(out_hidden));
+  chain(scheduler, drafting, *first);
   for (Drafting& d : drafting) scheduler.set_drafts(d.id, std::move(d.drafts));
 }
 

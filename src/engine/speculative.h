@@ -117,10 +117,19 @@ class MtpRunner {
   virtual ~MtpRunner() = default;
   virtual int64_t hidden_size() const = 0;
   virtual Expected<model::MtpOutput> forward(const model::MtpBatch& batch, TensorView hidden) = 0;
+  // Chained passes after a forward() whose output is `first`: pass j's rows
+  // continue output rows of pass j - 1 (pass 0: of `first`), named by their
+  // MtpBatch::previous_rows. Returns each pass's greedy tokens, one per output
+  // row. Here: forward() pass by pass, the states through the host; runners
+  // that keep their states (keeps_target_hidden) queue every pass on the
+  // device and wait once, reading their last forward's rows (then `first`
+  // may be without hidden states).
+  virtual Expected<std::vector<std::vector<int32_t>>> forward_chain(const model::MtpOutput& first,
+                                                                    std::span<const model::MtpBatch> passes);
   virtual const kv::KvCache& cache() const = 0;
   // Whether the target's hidden states of its last forward are kept where
-  // this runner reads them (MtpBatch::target_rows): the GPU's, when the target
-  // runs there too.
+  // this runner reads them (MtpBatch::target_rows), and its own outputs for
+  // forward_chain: the GPU's, when the target runs there too.
   virtual bool keeps_target_hidden() const { return false; }
 };
 
@@ -150,6 +159,9 @@ class MtpDrafter {
   size_t cache_bytes() const { return runner_->cache().num_bytes(); }
   const kv::KvCache& cache() const { return runner_->cache(); }
   int64_t hidden_size() const { return runner_->hidden_size(); }
+  // Whether propose() reads the target's hidden states where the runner kept
+  // them (then its `hidden` may be empty; MtpRunner::keeps_target_hidden).
+  bool keeps_target_hidden() const { return runner_->keeps_target_hidden(); }
 
   // After scheduler.complete_step(plan, ...): extends the MTP's KV over the
   // positions the step computed (hidden: the target's last hidden state of
@@ -179,10 +191,11 @@ class MtpDrafter {
     int32_t next_position = 0;  // the position of the next chained MTP step
     std::vector<int32_t> drafts;
   };
-  std::vector<Drafting> first_pass(Scheduler& scheduler, const StepPlan& plan, const model::ForwardBatch& batch,
-                                   const Tensor& hidden, const std::function<bool(uint64_t)>& may_speculate,
-                                   Tensor& out_hidden);
-  void chain(Scheduler& scheduler, std::vector<Drafting>& drafting, Tensor hidden);
+  std::vector<Drafting> first_pass(Scheduler& scheduler, const StepPlan& plan,
+                                   const model::ForwardBatch& batch, const Tensor& hidden,
+                                   const std::function<bool(uint64_t)>& may_speculate,
+                                   std::optional<model::MtpOutput>& out);
+  void chain(Scheduler& scheduler, std::vector<Drafting>& drafting, const model::MtpOutput& first);
   // runner_->forward(); on an error (a device failure), logged once per
   // drafter, no output: the sequences decode without drafts this step.
   std::optional<model::MtpOutput> run(const model::MtpBatch& batch, TensorView hidden);

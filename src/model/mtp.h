@@ -123,11 +123,19 @@ struct MtpBatch {
   // (MtpRunner::keeps_target_hidden, the GPU's): row i's input is then row
   // target_rows[i] of the target's last forward pass, and `hidden` is ignored.
   std::vector<int32_t> target_rows;
+  // Set only in the passes of MtpRunner::forward_chain: row i continues
+  // output row previous_rows[i] of the pass before, taking that row's normed
+  // output as h and its greedy token as its token (token_ids then only count
+  // the rows; `hidden` is ignored).
+  std::vector<int32_t> previous_rows;
+  // false: a runner may leave MtpOutput::hidden empty (the GPU's chains its
+  // passes from the rows it keeps; MtpRunner::keeps_target_hidden).
+  bool want_hidden = true;
   int num_tokens() const { return static_cast<int>(token_ids.size()); }
 };
 
 struct MtpOutput {
-  Tensor hidden;  // [output_rows, hidden] f32: the normed output, the next chained step's h
+  Tensor hidden;  // [output_rows, hidden] f32: the normed output, the next chained step's h (see want_hidden)
   Tensor logits;  // [output_rows, vocab] f32 (see MtpBatch::want_logits)
   std::vector<int32_t> greedy;  // [output_rows]: each row's argmax (lowest id on ties); set by MtpRunners
 };

@@ -397,6 +397,77 @@ TEST(DemoSpeculation, CpuMtpRunnerGivesEachRowsArgmax) {
   EXPECT_GT(distinct.size(), 1u) << "rows of different inputs draft different tokens";
 }
 
+// forward_chain's passes (here MtpRunner's own: forward() pass by pass)
+// take the row of the pass before that previous_rows names, its output as h
+// and its greedy token as the token: the same as forward() given those.
+TEST(DemoSpeculation, ChainedPassesReadTheRowsTheyName) {
+  auto l = load(demo_dir(), demo_mtp_dir(), false);
+  const kv::KvCacheLayout layout{l->config.num_layers, l->config.num_kv_heads, l->config.head_dim, 4, 8,
+                                 DType::kF32};
+  const int64_t h = l->config.hidden_size;
+  CpuMtpRunner runner(*l->mtp, l->pool, layout);
+  model::MtpBatch first_batch;
+  first_batch.token_ids = {317, 201, 386, 35, 1067};
+  first_batch.positions = {0, 1, 2, 0, 1};
+  first_batch.query_start = {0, 3, 5};
+  first_batch.page_table = {0, 1};
+  first_batch.max_pages_per_seq = 1;
+  first_batch.output_rows = {2, 4};
+  Tensor hidden(DType::kF32, {5, h});
+  for (int64_t i = 0; i < hidden.num_elements(); ++i)
+    hidden.data_as<float>()[i] = std::sin(0.11f * static_cast<float>(i));
+  auto first = runner.forward(first_batch, hidden.view());
+  ASSERT_TRUE(first.has_value()) << first.status().to_string();
+  // Pass 0: both sequences, the second first; pass 1: the first sequence alone (row 1 of pass 0).
+  std::vector<model::MtpBatch> passes(2);
+  passes[0].token_ids = {0, 0};
+  passes[0].previous_rows = {1, 0};
+  passes[0].positions = {2, 3};
+  passes[0].query_start = {0, 1, 2};
+  passes[0].page_table = {1, 0};
+  passes[0].max_pages_per_seq = 1;
+  passes[0].output_rows = {0, 1};
+  passes[1].token_ids = {0};
+  passes[1].previous_rows = {1};
+  passes[1].positions = {4};
+  passes[1].query_start = {0, 1};
+  passes[1].page_table = {0, 2};
+  passes[1].max_pages_per_seq = 2;
+  passes[1].output_rows = {0};
+  auto chained = runner.forward_chain(*first, passes);
+  ASSERT_TRUE(chained.has_value()) << chained.status().to_string();
+  ASSERT_EQ(chained->size(), 2u);
+
+  // The same by hand, on a runner of its own (a fresh MTP KV cache written alike).
+  CpuMtpRunner by_hand(*l->mtp, l->pool, layout);
+  auto again = by_hand.forward(first_batch, hidden.view());
+  ASSERT_TRUE(again.has_value());
+  ASSERT_EQ(again->greedy, first->greedy);
+  auto rows_of = [&](const model::MtpOutput& out, std::initializer_list<int64_t> rows) {
+    Tensor t(DType::kF32, {static_cast<int64_t>(rows.size()), h});
+    int64_t i = 0;
+    for (int64_t r : rows) std::copy_n(out.hidden.data_as<float>() + r * h, h, t.data_as<float>() + h * i++);
+    return t;
+  };
+  model::MtpBatch pass0 = passes[0];
+  pass0.previous_rows.clear();
+  pass0.token_ids = {again->greedy[1], again->greedy[0]};
+  auto out0 = by_hand.forward(pass0, rows_of(*again, {1, 0}).view());
+  ASSERT_TRUE(out0.has_value());
+  EXPECT_EQ((*chained)[0], out0->greedy);
+  model::MtpBatch pass1 = passes[1];
+  pass1.previous_rows.clear();
+  pass1.token_ids = {out0->greedy[1]};
+  auto out1 = by_hand.forward(pass1, rows_of(*out0, {1}).view());
+  ASSERT_TRUE(out1.has_value());
+  EXPECT_EQ((*chained)[1], out1->greedy);
+
+  passes[1].previous_rows = {2};
+  EXPECT_FALSE(runner.forward_chain(*first, passes).has_value()) << "a row past the pass before is refused";
+  passes[1].previous_rows = {};
+  EXPECT_FALSE(runner.forward_chain(*first, passes).has_value()) << "one previous row per token";
+}
+
 struct EngineRun {
   std::vector<std::vector<int32_t>> tokens;
   std::vector<std::vector<TokenLogprobs>> logprobs;  // per token, for requests that asked

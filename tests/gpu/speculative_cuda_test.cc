@@ -249,6 +249,71 @@ TEST(CudaMtp, TargetRowsOnTheDeviceEqualTheHostRoundTrip) {
   EXPECT_FALSE(gpu->forward(mb, none.view()).has_value()) << "one target row per MTP token";
 }
 
+// forward_chain on the GPU queues its passes with their inputs (the pass
+// before's normed rows and greedy tokens) gathered on the device, and waits
+// once: the same drafts as MtpRunner's own chain through the host (forward()
+// pass by pass, bf16-rounded rows widened alike).
+TEST(CudaMtp, ChainedPassesOnTheDeviceEqualTheHostRoundTrip) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto l = load(source("models/moeserve-demo"), source("models/moeserve-demo-mtp"));
+  ASSERT_NE(l, nullptr);
+  auto gpu = l->runner->mtp_runner();
+  ASSERT_NE(gpu, nullptr);
+  model::MtpBatch first_batch;
+  first_batch.token_ids = {330, 263, 409, 1067, 17};
+  first_batch.positions = {0, 1, 2, 0, 1};
+  first_batch.query_start = {0, 3, 5};
+  first_batch.page_table = {2, 3};
+  first_batch.max_pages_per_seq = 1;
+  first_batch.output_rows = {2, 4};
+  Tensor hidden(DType::kF32, {5, l->config.hidden_size});
+  for (int64_t i = 0; i < hidden.num_elements(); ++i)
+    hidden.data_as<float>()[i] = std::sin(0.07f * static_cast<float>(i));
+  // Pass 0: both sequences, the second first; passes 1 and 2: the first one alone.
+  std::vector<model::MtpBatch> passes(3);
+  passes[0].token_ids = {0, 0};
+  passes[0].previous_rows = {1, 0};
+  passes[0].positions = {2, 3};
+  passes[0].query_start = {0, 1, 2};
+  passes[0].page_table = {3, 2};
+  passes[0].output_rows = {0, 1};
+  for (int j = 1; j < 3; ++j) {
+    passes[j].token_ids = {0};
+    passes[j].previous_rows = {j == 1 ? 1 : 0};
+    passes[j].positions = {3 + j};
+    passes[j].query_start = {0, 1};
+    passes[j].page_table = {2};
+    passes[j].output_rows = {0};
+  }
+  for (auto& pass : passes) pass.max_pages_per_seq = 1, pass.want_logits = false, pass.want_hidden = false;
+
+  auto first = gpu->forward(first_batch, hidden.view());
+  ASSERT_TRUE(first.has_value()) << first.status().to_string();
+  auto via_host = gpu->MtpRunner::forward_chain(*first, passes);  // the base class's: through the host
+  ASSERT_TRUE(via_host.has_value()) << via_host.status().to_string();
+  first_batch.want_hidden = false;  // the device chain reads the rows kept there
+  auto again = gpu->forward(first_batch, hidden.view());
+  ASSERT_TRUE(again.has_value()) << again.status().to_string();
+  EXPECT_EQ(again->hidden.num_elements(), 0);
+  EXPECT_EQ(again->greedy, first->greedy);
+  auto via_device = gpu->forward_chain(*again, passes);
+  ASSERT_TRUE(via_device.has_value()) << via_device.status().to_string();
+  EXPECT_EQ(*via_device, *via_host);
+  ASSERT_EQ(via_device->size(), 3u);
+  EXPECT_EQ((*via_device)[0].size(), 2u);
+  EXPECT_EQ((*via_device)[2].size(), 1u);
+
+  ASSERT_TRUE(gpu->forward(first_batch, hidden.view()).has_value());
+  passes[1].previous_rows = {2};
+  EXPECT_FALSE(gpu->forward_chain(*again, passes).has_value()) << "a row past the pass before is refused";
+  passes[1].previous_rows = {1};
+  ASSERT_TRUE(gpu->forward(first_batch, hidden.view()).has_value());
+  Tensor target_hidden;
+  ASSERT_TRUE(l->runner->forward_with_hidden(demo_batch(), {}, target_hidden).has_value());
+  EXPECT_FALSE(gpu->forward_chain(*again, passes).has_value())
+      << "after a target forward the MTP's rows are gone and a chain is refused";
+}
+
 std::vector<GenerationRequest> requests_of(const std::vector<std::vector<int32_t>>& prompts, int max_tokens) {
   std::vector<GenerationRequest> out;
   for (const auto& p : prompts) {

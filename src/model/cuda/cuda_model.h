@@ -104,10 +104,16 @@ class CudaQwen3MoeModel {
   // One MTP forward (model/mtp.h, MtpModel::forward) on the GPU, over the MTP
   // layer's own KV pages (same page ids as the target's): hidden [num_tokens,
   // hidden] f32 on the host, the target's (or the previous MTP step's) output;
-  // or, with batch.target_rows, rows of the target's last forward that fetched
-  // hidden states, read where they were kept on the device (hidden ignored).
-  // Its normed output comes back bf16-rounded. Needs options.mtp.
+  // or, with batch.target_rows, rows of the target's last forward, read where
+  // they were kept on the device (hidden ignored); or, with
+  // batch.previous_rows, output rows of the last MTP pass (its normed output
+  // and greedy token, kept on the device). Its normed output comes back
+  // bf16-rounded. Needs options.mtp.
   Expected<MtpOutput> forward_mtp(const MtpBatch& batch, TensorView hidden);
+  // MTP passes in a row, each reading the one before (batch.previous_rows; the
+  // first, the last forward_mtp's output), queued back to back with one wait
+  // at the end: each pass's greedy tokens.
+  Expected<std::vector<std::vector<int32_t>>> forward_mtp_chain(std::span<const MtpBatch> passes);
   bool has_mtp() const;
   // The MTP layer's KV pool: one layer laid out as kv_pool_layout() lays out
   // each layer, num_pages() + 1 pages.
@@ -173,7 +179,14 @@ class CudaQwen3MoeModel {
   Status layer_boundary(const void* norm_weight, int num_tokens, bool reduce);
   Status exchange_experts(const LayerBuffers& b, int num_tokens, const void* next_norm);
   Status sync_and_fetch_hidden(int num_tokens, std::span<const int32_t> hidden_rows, Tensor& hidden);
+  // Queues one MTP pass up to its greedy tokens (state_->greedy) and normed
+  // output rows (state_->logit_rows); forward_mtp and forward_mtp_chain wait.
+  Status queue_mtp(const MtpBatch& batch, TensorView hidden);
+  enum class MtpInput { kHost, kTargetRows, kPreviousRows };  // where an MTP pass's h comes from
+  Status launch_mtp(const StepShape& shape, MtpInput input);
   GraphShape graph_bucket(const ForwardBatch& batch) const;
+  static int64_t graph_key(GraphShape graph, int stride, bool mtp);  // state_->graphs' key
+  Status replay_or_capture(int64_t key, const std::function<Status()>& launch);
   int dense_tile_rows(int num_tokens) const;
   int graph_stride(int max_pages_per_seq) const;
   std::unique_ptr<State> state_;

@@ -67,11 +67,17 @@ struct CudaQwen3MoeModel::State {
   // normed embedding and hidden states meet in mtp_concat [T, 2H] bf16.
   std::unique_ptr<LayerBuffers> mtp_layer;
   DeviceTensor mtp_embed_norm, mtp_hidden_norm, mtp_fc, mtp_final_norm, mtp_h, mtp_g, mtp_concat;
-  // The target's final-normed rows of its last forward that fetched hidden
-  // states (target_tokens of them), kept for the MTP's first pass
-  // (MtpBatch::target_rows), and that pass's row indices.
+  // The target's final-normed rows of its last forward (target_tokens of
+  // them), kept for the MTP's first pass (MtpBatch::target_rows), and an MTP
+  // pass's row indices (target_rows or previous_rows).
   DeviceTensor target_hidden, target_rows;
   int target_tokens = 0;
+  // Output rows of the last MTP pass still in logit_rows (normed) and greedy
+  // (its drafts), for a chained pass (MtpBatch::previous_rows); 0 once a
+  // target forward has reused those buffers. chain_greedy collects the
+  // drafts of forward_mtp_chain's passes.
+  int mtp_rows = 0;
+  DeviceTensor chain_greedy;
   DeviceBuffer mtp_kv_pool;
   CudaKvPoolLayout mtp_kv_layout;
   // Every layer's K and V pages in one allocation (model/cuda/kv_pool.h), so

@@ -149,17 +149,28 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
   if (T > s.options.max_num_tokens)
     return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
   if (static_cast<int>(batch.logits_rows.size()) > T) return invalid_argument("more logits rows than tokens");
+  s.mtp_rows = 0;       // logit_rows and greedy are this forward's now
+  s.target_tokens = 0;  // until sync_and_fetch_hidden keeps this forward's rows
   const GraphShape bucket = graph_bucket(batch);
   MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, bucket));
   if (bucket.seqs == 0) return launch_step(shape);
-  const int64_t key =
-      static_cast<int64_t>(bucket.seqs) << 40 | static_cast<int64_t>(bucket.query) << 32 | shape.stride;
+  return replay_or_capture(graph_key(bucket, shape.stride, false), [&] { return launch_step(shape); });
+}
+
+int64_t CudaQwen3MoeModel::graph_key(GraphShape graph, int stride, bool mtp) {
+  return int64_t{mtp} << 62 | static_cast<int64_t>(graph.seqs) << 40 |
+         static_cast<int64_t>(graph.query) << 32 | stride;
+}
+
+// Replays the graph under `key`; the first time, runs `launch` eagerly
+// (warming every lazy initialisation), then captures it.
+Status CudaQwen3MoeModel::replay_or_capture(int64_t key, const std::function<Status()>& launch) {
+  State& s = *state_;
   if (auto it = s.graphs.find(key); it != s.graphs.end())
     return cuda_status(cudaGraphLaunch(it->second, s.stream), "cudaGraphLaunch");
-  // First time at this size: run it eagerly (warming every lazy initialisation), then capture.
-  MOE_RETURN_IF_ERROR(launch_step(shape));
+  MOE_RETURN_IF_ERROR(launch());
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
-  const Status launched = launch_step(shape);
+  const Status launched = launch();
   cudaGraph_t graph = nullptr;
   const cudaError_t ended = cudaStreamEndCapture(s.stream, &graph);
   MOE_RETURN_IF_ERROR(launched);
@@ -169,8 +180,8 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
   cudaGraphDestroy(graph);
   MOE_CUDA_RETURN_IF_ERROR(instantiated);
   s.graphs[key] = exec;
-  log_debug("captured the decode step for {} sequences of {} tokens, page-table stride {}, as a CUDA graph",
-            bucket.seqs, bucket.query, shape.stride);
+  log_debug("captured a CUDA graph: {} sequences of {} tokens, page-table stride {}{}", key >> 40 & 0xfffff,
+            key >> 32 & 0xff, key & 0xffffffff, key >> 62 != 0 ? " (chained MTP pass)" : "");
   return Status::ok();
 }
 
@@ -564,8 +575,9 @@ Status CudaQwen3MoeModel::check_batch(const ForwardBatch& batch, std::span<const
 }
 
 // After a forward pass, `normed` holds every token's final-normed state:
-// copies `hidden_rows` of it behind the copies already queued, waits for the
-// stream, and widens them to f32.
+// copies `hidden_rows` of it behind the copies already queued (and, with an
+// MTP layer, all of it into target_hidden for the MTP's first pass,
+// MtpBatch::target_rows), waits for the stream, and widens them to f32.
 Status CudaQwen3MoeModel::sync_and_fetch_hidden(int num_tokens, std::span<const int32_t> hidden_rows, Tensor& hidden) {
   State& s = *state_;
   const int64_t H = config().hidden_size;
@@ -573,12 +585,12 @@ Status CudaQwen3MoeModel::sync_and_fetch_hidden(int num_tokens, std::span<const 
   if (!normed.empty())
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(normed.data(), s.normed.data(), normed.size() * sizeof(uint16_t),
                                              cudaMemcpyDeviceToHost, s.stream));
-  if (!normed.empty() && s.mtp_layer) {  // kept for the MTP's first pass (MtpBatch::target_rows)
+  if (s.mtp_layer && num_tokens > 0) {
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.target_hidden.data(), s.normed.data(),
-                                             normed.size() * sizeof(uint16_t), cudaMemcpyDeviceToDevice,
-                                             s.stream));
-    s.target_tokens = num_tokens;
+                                             static_cast<size_t>(num_tokens) * H * sizeof(uint16_t),
+                                             cudaMemcpyDeviceToDevice, s.stream));
   }
+  s.target_tokens = s.mtp_layer ? num_tokens : 0;
   MOE_RETURN_IF_ERROR(finish_step());
   if (hidden_rows.empty()) return Status::ok();
   hidden = Tensor(DType::kF32, {static_cast<int64_t>(hidden_rows.size()), H});
@@ -590,8 +602,11 @@ Status CudaQwen3MoeModel::sync_and_fetch_hidden(int num_tokens, std::span<const 
 
 // The MTP forward of model/mtp.h: e = rms_norm(embed(x)), g = rms_norm(h),
 // u = [e ; g] fc^T (f32, the block's residual stream), the decoder block over
-// the MTP's KV pages, its last norm being mtp.norm, then lm_head on the output rows.
-Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorView hidden) {
+// the MTP's KV pages, its last norm being mtp.norm, then lm_head on the output
+// rows and their argmax. h comes from the host, from the target's kept rows
+// (target_rows) or from the last MTP pass's output rows (previous_rows, whose
+// greedy tokens are then the tokens).
+Status CudaQwen3MoeModel::queue_mtp(const MtpBatch& mb, TensorView hidden) {
   State& s = *state_;
   if (!s.mtp_layer) return invalid_argument("this CUDA model was created without an MTP layer");
   const ModelConfig& c = config();
@@ -599,14 +614,21 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
   const auto rows = static_cast<int>(mb.output_rows.size());
   if (T > s.options.max_num_tokens)
     return invalid_argument("MTP batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
-  const bool from_target = !mb.target_rows.empty();
+  const bool from_target = !mb.target_rows.empty(), from_previous = !mb.previous_rows.empty();
+  auto check_rows = [T](std::span<const int32_t> index, int available, const char* what) -> Status {
+    if (static_cast<int>(index.size()) != T)
+      return invalid_argument("{} {} rows for an MTP batch of {} tokens", index.size(), what, T);
+    for (int32_t row : index)
+      if (row < 0 || row >= available)
+        return invalid_argument("{} row {} of the {} rows kept", what, row, available);
+    return Status::ok();
+  };
+  if (from_target && from_previous)
+    return invalid_argument("an MTP batch reads the target's rows or its own, not both");
   if (from_target) {
-    if (static_cast<int>(mb.target_rows.size()) != T)
-      return invalid_argument("{} target rows for an MTP batch of {} tokens", mb.target_rows.size(), T);
-    for (int32_t row : mb.target_rows)
-      if (row < 0 || row >= s.target_tokens)
-        return invalid_argument("target row {} of the {} rows kept from the last forward", row,
-                                s.target_tokens);
+    MOE_RETURN_IF_ERROR(check_rows(mb.target_rows, s.target_tokens, "target"));
+  } else if (from_previous) {
+    MOE_RETURN_IF_ERROR(check_rows(mb.previous_rows, s.mtp_rows, "previous MTP"));
   } else if (hidden.dtype() != DType::kF32 || hidden.rank() != 2 || hidden.dim(0) != T ||
              hidden.dim(1) != H) {
     return invalid_argument("MTP hidden states must be [{}, {}] f32", T, H);
@@ -614,9 +636,8 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
   if (rows > T) return invalid_argument("{} MTP output rows for {} tokens", rows, T);
   for (int32_t row : mb.output_rows)
     if (row < 0 || row >= T) return invalid_argument("MTP output row {} of a {}-token batch", row, T);
-  MtpOutput out{Tensor(DType::kF32, {rows, c.hidden_size}),
-                Tensor(DType::kF32, {mb.want_logits ? rows : 0, c.vocab_size}), std::vector<int32_t>(rows)};
-  if (T == 0) return out;
+  s.mtp_rows = 0;
+  if (T == 0) return Status::ok();
   MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(s.options.device));
   ForwardBatch batch;
   batch.token_ids = mb.token_ids;
@@ -625,19 +646,50 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
   batch.page_table = mb.page_table;
   batch.max_pages_per_seq = mb.max_pages_per_seq;
   batch.logits_rows = mb.output_rows;
-  MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, {}));
-#define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
-  const size_t row_bytes = static_cast<size_t>(H) * sizeof(bf16);
-  if (from_target) {  // the target's rows, still on the device: no round trip through the host
-    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.target_rows.data(), mb.target_rows.data(),
-                                             mb.target_rows.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                             s.stream));
-    MOE_LAUNCH(k::widen_rows(
-        {s.target_hidden.data_as<bf16>(), s.target_rows.data_as<int32_t>(), s.mtp_h.data_as<float>(), T, H},
-        s.stream));
-  } else {
+  // A chained pass (one token per sequence, its inputs on the device) replays
+  // a CUDA graph, padded as decode steps are.
+  const GraphShape graph = from_previous ? graph_bucket(batch) : GraphShape{};
+  MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, graph));
+  const MtpInput input = from_target     ? MtpInput::kTargetRows
+                         : from_previous ? MtpInput::kPreviousRows
+                                         : MtpInput::kHost;
+  if (input == MtpInput::kHost) {
     MOE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(s.mtp_h.data(), hidden.data(), hidden.num_bytes(), cudaMemcpyHostToDevice, s.stream));
+  } else {
+    std::vector<int32_t> index = from_target ? mb.target_rows : mb.previous_rows;
+    index.resize(static_cast<size_t>(shape.num_tokens), 0);  // graph padding reads row 0
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.target_rows.data(), index.data(),
+                                             index.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                             s.stream));
+  }
+  if (graph.seqs == 0) {
+    MOE_RETURN_IF_ERROR(launch_mtp(shape, input));
+  } else {
+    MOE_RETURN_IF_ERROR(
+        replay_or_capture(graph_key(graph, shape.stride, true), [&] { return launch_mtp(shape, input); }));
+  }
+  s.mtp_rows = rows;
+  return Status::ok();
+}
+
+// The kernels of an MTP pass whose metadata (and input rows or index) are
+// uploaded: shape.num_tokens rows in, shape.num_rows out.
+Status CudaQwen3MoeModel::launch_mtp(const StepShape& shape, MtpInput input) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const int T = shape.num_tokens, H = static_cast<int>(c.hidden_size), rows = shape.num_rows;
+#define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
+  const size_t row_bytes = static_cast<size_t>(H) * sizeof(bf16);
+  if (input != MtpInput::kHost) {  // rows still on the device: no round trip through the host
+    const DeviceTensor& source = input == MtpInput::kTargetRows ? s.target_hidden : s.logit_rows;
+    MOE_LAUNCH(k::widen_rows(
+        {source.data_as<bf16>(), s.target_rows.data_as<int32_t>(), s.mtp_h.data_as<float>(), T, H},
+        s.stream));
+    if (input == MtpInput::kPreviousRows)  // the previous pass's drafts are this pass's tokens
+      MOE_LAUNCH(k::gather_rows({s.greedy.data(), s.token_ids.data(), s.target_rows.data_as<int32_t>(), T,
+                                 int64_t{sizeof(int32_t)}},
+                                s.stream));
   }
   MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
                            static_cast<int>(c.vocab_size)}, s.stream));
@@ -655,7 +707,6 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
   MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.mtp_layer->input_norm.data_as<bf16>(),
                               s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
   MOE_RETURN_IF_ERROR(launch_layer(*s.mtp_layer, shape, s.mtp_final_norm.data(), -1));
-  std::vector<uint16_t> normed(static_cast<size_t>(rows) * H);
   if (rows > 0) {
     MOE_LAUNCH(k::gather_rows(
         {s.normed.data(), s.logit_rows.data(), s.logits_rows.data_as<int32_t>(), rows, int64_t{H} * 2},
@@ -665,20 +716,74 @@ Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorVie
     MOE_LAUNCH(ops::cuda::argmax(
         {s.logits.data_as<float>(), s.greedy.data_as<int32_t>(), rows, static_cast<int>(c.vocab_size)},
         s.stream));
+  }
+#undef MOE_LAUNCH
+  return Status::ok();
+}
+
+Expected<MtpOutput> CudaQwen3MoeModel::forward_mtp(const MtpBatch& mb, TensorView hidden) {
+  MOE_RETURN_IF_ERROR(queue_mtp(mb, hidden));
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const auto rows = static_cast<int>(mb.output_rows.size());
+  const int64_t H = c.hidden_size;
+  MtpOutput out{Tensor(DType::kF32, {mb.want_hidden ? rows : 0, H}),
+                Tensor(DType::kF32, {mb.want_logits ? rows : 0, c.vocab_size}), std::vector<int32_t>(rows)};
+  if (mb.num_tokens() == 0) return out;
+  std::vector<uint16_t> normed(mb.want_hidden ? static_cast<size_t>(rows) * H : 0);
+  if (rows > 0) {
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.greedy.data(), s.greedy.data(),
                                              out.greedy.size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
                                              s.stream));
     if (mb.want_logits)
       MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out.logits.data(), s.logits.data(), out.logits.num_bytes(),
                                                cudaMemcpyDeviceToHost, s.stream));
-    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(normed.data(), s.logit_rows.data(), normed.size() * sizeof(uint16_t),
-                                             cudaMemcpyDeviceToHost, s.stream));
+    if (!normed.empty())
+      MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(normed.data(), s.logit_rows.data(),
+                                               normed.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost,
+                                               s.stream));
   }
-#undef MOE_LAUNCH
   MOE_RETURN_IF_ERROR(finish_step());
   float* h = out.hidden.data_as<float>();
   for (size_t i = 0; i < normed.size(); ++i) h[i] = bf16_to_float(normed[i]);
   return out;
+}
+
+Expected<std::vector<std::vector<int32_t>>> CudaQwen3MoeModel::forward_mtp_chain(
+    std::span<const MtpBatch> passes) {
+  State& s = *state_;
+  size_t total = 0;
+  for (const MtpBatch& pass : passes) {
+    if (pass.previous_rows.empty() && pass.num_tokens() > 0)
+      return invalid_argument("a chained MTP pass reads the pass before it (previous_rows)");
+    total += pass.output_rows.size();
+  }
+  std::vector<std::vector<int32_t>> greedy(passes.size());
+  if (total == 0) return greedy;
+  if (s.chain_greedy.data() == nullptr || s.chain_greedy.num_bytes() < total * sizeof(int32_t)) {
+    MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(s.options.device));
+    MOE_ASSIGN_OR_RETURN(s.chain_greedy, DeviceTensor::allocate(DType::kI32, {static_cast<int64_t>(total)}));
+  }
+  size_t offset = 0;
+  for (const MtpBatch& pass : passes) {
+    MOE_RETURN_IF_ERROR(queue_mtp(pass, TensorView()));
+    const size_t rows = pass.output_rows.size();
+    if (rows > 0)
+      MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.chain_greedy.data_as<int32_t>() + offset, s.greedy.data(),
+                                               rows * sizeof(int32_t), cudaMemcpyDeviceToDevice, s.stream));
+    offset += rows;
+  }
+  std::vector<int32_t> all(total);
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(all.data(), s.chain_greedy.data(), total * sizeof(int32_t),
+                                           cudaMemcpyDeviceToHost, s.stream));
+  MOE_RETURN_IF_ERROR(finish_step());
+  offset = 0;
+  for (size_t j = 0; j < passes.size(); ++j) {
+    greedy[j].assign(all.begin() + static_cast<ptrdiff_t>(offset),
+                     all.begin() + static_cast<ptrdiff_t>(offset + passes[j].output_rows.size()));
+    offset += passes[j].output_rows.size();
+  }
+  return greedy;
 }
 
 Expected<CudaQwen3MoeModel::DeviceSamples> CudaQwen3MoeModel::forward_sample(
