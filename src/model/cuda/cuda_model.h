@@ -165,9 +165,10 @@ class CudaQwen3MoeModel {
   Status run(const ForwardBatch& batch);
   Status finish_step();
   // A CUDA-graph step: `seqs` sequences (the batch's, padded to a bucket) of
-  // `query` new tokens each. seqs == 0: the step runs eagerly.
+  // `query` new tokens each, and `rows` output rows (the batch's logits rows
+  // padded to a bucket; 0: every token's). seqs == 0: the step runs eagerly.
   struct GraphShape {
-    int seqs = 0, query = 1;
+    int seqs = 0, query = 1, rows = 0;
   };
   Expected<StepShape> upload_step(const ForwardBatch& batch, GraphShape graph);
   Status launch_step(const StepShape& shape);
@@ -184,9 +185,9 @@ class CudaQwen3MoeModel {
   Status queue_mtp(const MtpBatch& batch, TensorView hidden);
   enum class MtpInput { kHost, kTargetRows, kPreviousRows };  // where an MTP pass's h comes from
   Status launch_mtp(const StepShape& shape, MtpInput input);
-  GraphShape graph_bucket(const ForwardBatch& batch) const;
-  static int64_t graph_key(GraphShape graph, int stride, bool mtp);  // state_->graphs' key
-  Status replay_or_capture(int64_t key, const std::function<Status()>& launch);
+  // any_rows: the batch's logits rows may be any of its tokens (GraphShape::rows).
+  GraphShape graph_bucket(const ForwardBatch& batch, bool any_rows = false) const;
+  Status replay_or_capture(GraphShape graph, int stride, bool mtp, const std::function<Status()>& launch);
   int dense_tile_rows(int num_tokens) const;
   int graph_stride(int max_pages_per_seq) const;
   std::unique_ptr<State> state_;

@@ -51,8 +51,13 @@ Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, Gr
   if (padded_tokens > 0) {
     const int32_t scratch = s.options.num_pages;  // the extra page past the scheduler's pool
     token_ids.resize(padded_tokens, 0);
-    logits_rows.resize(padded_tokens);
-    for (int t = 0; t < padded_tokens; ++t) logits_rows[t] = t;
+    if (graph.rows > 0) {  // the batch's rows, then row 0 again
+      logits_rows.resize(graph.rows, 0);
+      shape.num_rows = graph.rows;
+    } else {
+      logits_rows.resize(padded_tokens);
+      for (int t = 0; t < padded_tokens; ++t) logits_rows[t] = t;
+    }
     for (int t = T; t < padded_tokens; ++t) {
       positions.push_back((t - T) % graph.query);
       token_seq.push_back(num_seqs + (t - T) / graph.query);
@@ -121,23 +126,27 @@ int CudaQwen3MoeModel::graph_stride(int max_pages_per_seq) const {
 // per sequence) and speculative verification (1 + drafts tokens per sequence,
 // the same for every sequence), logits for every token, at most kGraphTokens
 // tokens after padding (the MoE layers' 64-row kernels, moe_tile_rows).
-CudaQwen3MoeModel::GraphShape CudaQwen3MoeModel::graph_bucket(const ForwardBatch& batch) const {
+CudaQwen3MoeModel::GraphShape CudaQwen3MoeModel::graph_bucket(const ForwardBatch& batch,
+                                                              bool any_rows) const {
   constexpr int kGraphTokens = 512, kMaxQuery = 8;
   const State& s = *state_;
   const int T = batch.num_tokens(), num_seqs = static_cast<int>(batch.query_start.size()) - 1;
   if (!s.options.use_cuda_graphs || s.layer_hook || T == 0 || num_seqs <= 0 ||
       batch.max_pages_per_seq > s.max_pages_per_seq)
     return {};
-  const int query = T / num_seqs;
-  if (query > kMaxQuery || query * num_seqs != T || static_cast<int>(batch.logits_rows.size()) != T)
-    return {};
+  const int query = T / num_seqs, rows = static_cast<int>(batch.logits_rows.size());
+  if (query > kMaxQuery || query * num_seqs != T || (!any_rows && rows != T)) return {};
   for (int seq = 0; seq <= num_seqs; ++seq)
     if (batch.query_start[seq] != seq * query) return {};
-  for (int t = 0; t < T; ++t)
+  for (int t = 0; !any_rows && t < T; ++t)
     if (batch.logits_rows[t] != t) return {};
-  for (int bucket : {1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512})
-    if (bucket >= num_seqs && bucket * query <= std::min(kGraphTokens, s.options.max_num_tokens))
-      return {bucket, query};
+  constexpr int kBuckets[] = {1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512};
+  for (int bucket : kBuckets) {
+    if (bucket < num_seqs || bucket * query > std::min(kGraphTokens, s.options.max_num_tokens)) continue;
+    if (!any_rows) return {bucket, query};
+    for (int row_bucket : kBuckets)
+      if (row_bucket >= rows) return {bucket, query, std::min(row_bucket, bucket * query)};
+  }
   return {};
 }
 
@@ -154,34 +163,35 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
   const GraphShape bucket = graph_bucket(batch);
   MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, bucket));
   if (bucket.seqs == 0) return launch_step(shape);
-  return replay_or_capture(graph_key(bucket, shape.stride, false), [&] { return launch_step(shape); });
+  return replay_or_capture(bucket, shape.stride, false, [&] { return launch_step(shape); });
 }
 
-int64_t CudaQwen3MoeModel::graph_key(GraphShape graph, int stride, bool mtp) {
-  return int64_t{mtp} << 62 | static_cast<int64_t>(graph.seqs) << 40 |
-         static_cast<int64_t>(graph.query) << 32 | stride;
-}
-
-// Replays the graph under `key`; the first time, runs `launch` eagerly
-// (warming every lazy initialisation), then captures it.
-Status CudaQwen3MoeModel::replay_or_capture(int64_t key, const std::function<Status()>& launch) {
+// Replays the graph of (graph, stride, mtp); the first time, runs `launch`
+// eagerly (warming every lazy initialisation), then captures it.
+Status CudaQwen3MoeModel::replay_or_capture(GraphShape graph, int stride, bool mtp,
+                                            const std::function<Status()>& launch) {
+  // seqs, query <= 512 and rows <= 512 (graph_bucket); stride < 2^24 pages.
+  const int64_t key = int64_t{mtp} << 62 | static_cast<int64_t>(graph.seqs) << 48 |
+                      static_cast<int64_t>(graph.query) << 40 | static_cast<int64_t>(graph.rows) << 24 |
+                      stride;
   State& s = *state_;
   if (auto it = s.graphs.find(key); it != s.graphs.end())
     return cuda_status(cudaGraphLaunch(it->second, s.stream), "cudaGraphLaunch");
   MOE_RETURN_IF_ERROR(launch());
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeThreadLocal));
   const Status launched = launch();
-  cudaGraph_t graph = nullptr;
-  const cudaError_t ended = cudaStreamEndCapture(s.stream, &graph);
+  cudaGraph_t captured = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(s.stream, &captured);
   MOE_RETURN_IF_ERROR(launched);
   MOE_CUDA_RETURN_IF_ERROR(ended);
   cudaGraphExec_t exec = nullptr;
-  const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
-  cudaGraphDestroy(graph);
+  const cudaError_t instantiated = cudaGraphInstantiate(&exec, captured, 0);
+  cudaGraphDestroy(captured);
   MOE_CUDA_RETURN_IF_ERROR(instantiated);
   s.graphs[key] = exec;
-  log_debug("captured a CUDA graph: {} sequences of {} tokens, page-table stride {}{}", key >> 40 & 0xfffff,
-            key >> 32 & 0xff, key & 0xffffffff, key >> 62 != 0 ? " (chained MTP pass)" : "");
+  log_debug("captured a CUDA graph: {} sequences of {} tokens, {} output rows, page-table stride {}{}",
+            graph.seqs, graph.query, graph.rows > 0 ? graph.rows : graph.seqs * graph.query, stride,
+            mtp ? " (MTP pass)" : "");
   return Status::ok();
 }
 
@@ -646,9 +656,28 @@ Status CudaQwen3MoeModel::queue_mtp(const MtpBatch& mb, TensorView hidden) {
   batch.page_table = mb.page_table;
   batch.max_pages_per_seq = mb.max_pages_per_seq;
   batch.logits_rows = mb.output_rows;
-  // A chained pass (one token per sequence, its inputs on the device) replays
-  // a CUDA graph, padded as decode steps are.
-  const GraphShape graph = from_previous ? graph_bucket(batch) : GraphShape{};
+  // A pass whose inputs are on the device replays a CUDA graph, padded as
+  // decode steps are: a chained pass has one token per sequence; the first
+  // pass's rows (1 .. k + 1 per sequence) go as one-token sequences, each
+  // with its sequence's pages (a row sees the positions before it, which
+  // this pass writes first, as in one multi-token sequence), and only its
+  // output rows reach lm_head.
+  GraphShape graph;
+  if (from_previous) {
+    graph = graph_bucket(batch);
+  } else if (from_target) {
+    ForwardBatch rows_as_seqs = batch;
+    rows_as_seqs.query_start.resize(static_cast<size_t>(T) + 1);
+    rows_as_seqs.page_table.clear();
+    const size_t stride = static_cast<size_t>(batch.max_pages_per_seq);
+    for (int seq = 0; seq + 1 < static_cast<int>(batch.query_start.size()); ++seq)
+      for (int t = batch.query_start[seq]; t < batch.query_start[seq + 1]; ++t)
+        rows_as_seqs.page_table.insert(rows_as_seqs.page_table.end(), batch.page_table.begin() + seq * stride,
+                                       batch.page_table.begin() + (seq + 1) * stride);
+    for (int t = 0; t <= T; ++t) rows_as_seqs.query_start[t] = t;
+    graph = graph_bucket(rows_as_seqs, true);
+    if (graph.seqs > 0) batch = std::move(rows_as_seqs);
+  }
   MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, graph));
   const MtpInput input = from_target     ? MtpInput::kTargetRows
                          : from_previous ? MtpInput::kPreviousRows
@@ -667,7 +696,7 @@ Status CudaQwen3MoeModel::queue_mtp(const MtpBatch& mb, TensorView hidden) {
     MOE_RETURN_IF_ERROR(launch_mtp(shape, input));
   } else {
     MOE_RETURN_IF_ERROR(
-        replay_or_capture(graph_key(graph, shape.stride, true), [&] { return launch_mtp(shape, input); }));
+        replay_or_capture(graph, shape.stride, true, [&] { return launch_mtp(shape, input); }));
   }
   s.mtp_rows = rows;
   return Status::ok();
