@@ -223,7 +223,7 @@ Status run_cluster(ServeArgs args) {
                             par.tp, par.ep);
   if (args.device.cuda() && par.world() > 1 && !args.speculative.config_json.empty())
     return unimplemented(
-        "speculative decoding on GPU ranks (--tp/--ep with --device cuda) is not supported yet");
+        "speculative decoding on GPU prefill ranks (--tp/--ep with --device cuda) is not supported yet");
   // With --device cuda, GPU slots in order: each prefill instance's ranks
   // (--tp/--ep of them), then one per decode instance; slot s on --gpu + s
   // or --gpus[s].

@@ -119,6 +119,32 @@ for layout in "--tp 2" "--ep 2" "--tp 2 --ep 2"; do
   grep -E "GPU rank|GPU ranks ready|share GPUs|error" "$OUT/serve_ranks.log" | head -6
 done
 
+# GPU ranks with MTP drafts (k = 2): the leader runs the MTP layer whole on
+# its GPU from the replicated hidden states; greedy outputs equal those of the
+# same ranks decoding plainly (plain and with penalties), and drafts are
+# accepted. (Against the single GPU the ranks' own bf16 sums may flip a
+# low-margin token: 2026-12-02, "A computer once said" with penalties parts at
+# token 41 of 48, with or without drafts.)
+for layout in "--tp 2" "--ep 2"; do
+  echo "=== serve $layout --device cuda $placement --speculative-config (MTP, k=2) against the same ranks without"
+  "$BIN/moeserve" serve --device cuda $layout $placement --kv-cache-gb 2 --port 18559 \
+    > /dev/null 2> "$OUT/serve_ranks_plain.log" &
+  plain=$!
+  "$BIN/moeserve" serve --device cuda $layout $placement --kv-cache-gb 2 --port 18556 \
+    --speculative-config '{"method":"mtp","num_speculative_tokens":2}' --speculative-model models/moeserve-demo-mtp \
+    > "$OUT/serve_ranks_spec.out" 2> "$OUT/serve_ranks_spec.log" &
+  server=$!
+  if wait_up 18559 $plain && wait_up 18556 $server; then
+    compare "ranks $layout, MTP k=2" 18556 18559 48
+    compare "ranks $layout, MTP k=2, penalties" 18556 18559 48 '"presence_penalty": 1.5, "repetition_penalty": 1.3'
+    curl -s localhost:18556/metrics | grep -E "^moeserve:spec_decode_num_(draft|accepted)_tokens_total" | head -2
+  else
+    echo "serve $layout with or without MTP did not start (serve_ranks_spec.log, serve_ranks_plain.log)"
+  fi
+  kill -INT $server $plain; wait $server; echo "serve $layout with MTP exit: $?"; wait $plain
+  grep -E "MTP|speculative|error" "$OUT/serve_ranks_spec.log" | head -4
+done
+
 # kill -9 of a GPU rank inside a step: the follower stalls inside its 20th
 # step (MOESERVE_TEST_STALL_STEP, after its first layer), so the leader waits
 # in that step's collective; then the kill. The leader's watchdog ends the

@@ -159,10 +159,8 @@ ModelConfig rank_config(const ModelConfig& full, const ParallelPlan& plan) {
 Status check_cuda_parallel(const ModelConfig& full, const ModelWeights* weights, const CudaModelOptions& options) {
   const ParallelPlan& plan = options.plan;
   if (plan.single()) return Status::ok();
-  MOE_RETURN_IF_ERROR(weights ? check_parallel_plan(full, *weights, plan) : check_parallel_layout(full, plan));
-  if (options.mtp != nullptr &&
-      !plan.dp_attention)  // data-parallel ranks run it whole, on their own requests
-    return unimplemented("an MTP layer on GPU ranks (--tp/--ep) is not supported yet");
+  MOE_RETURN_IF_ERROR(weights ? check_parallel_plan(full, *weights, plan)
+                              : check_parallel_layout(full, plan));
   if (plan.dp_attention) {
     if (options.experts == nullptr || options.experts->world_size() != plan.ep_size ||
         options.experts->rank() != plan.ep_rank)
@@ -350,6 +348,8 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
       MOE_RETURN_IF_ERROR(weight(b.w2, {projection(&LayerWeights::w2, &LayerWeights::w2_quant)}, {hidden, inter},
                                  0.0f, down_scale));
     }
+    b.num_q_heads = c.num_q_heads, b.num_kv_heads = c.num_kv_heads;
+    b.mlp_columns = static_cast<int>(c.intermediate_size);
     s->layers.push_back(std::move(b));
   }
   const int64_t T = options.max_num_tokens, H = c.hidden_size, kk = std::max(1, c.num_experts_per_tok);
@@ -438,8 +438,9 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
 // Bytes of one page in every layer (the MTP layer's too): K and V, bf16.
 size_t CudaQwen3MoeModel::kv_page_bytes() const {
   const ModelConfig& c = config();
-  const size_t layers = static_cast<size_t>(c.num_layers) + (state_->mtp_layer ? 1 : 0);
-  return layers * 2 * c.num_kv_heads * state_->options.page_size * c.head_dim * 2;
+  const size_t heads = static_cast<size_t>(c.num_layers) * c.num_kv_heads +
+                       (state_->mtp_layer ? state_->mtp_layer->num_kv_heads : 0);  // the MTP layer's: all
+  return heads * 2 * state_->options.page_size * c.head_dim * 2;
 }
 
 // The MTP layer's weights (plain tensors of any float dtype, uploaded as bf16)
@@ -457,6 +458,27 @@ Status CudaQwen3MoeModel::upload_mtp(const MtpWeights& weights) {
   };
   auto b = std::make_unique<LayerBuffers>();
   b->is_moe = w.is_moe;  // plain (bf16) experts: the MTP layer is never quantized
+  // The MTP layer runs whole on the rank that drafts (the only one that has
+  // it): its heads and MLP columns are the full model's, which a TP rank's
+  // activations are too narrow for.
+  const ModelConfig& full = weights.config();
+  b->num_q_heads = full.num_q_heads, b->num_kv_heads = full.num_kv_heads;
+  b->mlp_columns = static_cast<int>(full.intermediate_size);
+  const int64_t T = s.options.max_num_tokens, H = c.hidden_size;
+  auto widen = [&](DeviceTensor& t, DType dtype, int64_t rows, int64_t cols) -> Status {
+    if (t.shape().num_elements() >= rows * cols) return Status::ok();
+    s.bytes -= t.num_bytes();
+    return track(t, DeviceTensor::allocate(dtype, {rows, cols}));
+  };
+  const int64_t q_size = int64_t{b->num_q_heads} * c.head_dim,
+                kv_size = int64_t{b->num_kv_heads} * c.head_dim;
+  MOE_RETURN_IF_ERROR(widen(s.qkv, DType::kBF16, T, q_size + 2 * kv_size));
+  MOE_RETURN_IF_ERROR(widen(s.q, DType::kBF16, T, q_size));
+  MOE_RETURN_IF_ERROR(widen(s.attended, DType::kBF16, T, q_size));
+  if (!w.is_moe) {
+    MOE_RETURN_IF_ERROR(widen(s.gate_up, DType::kBF16, T, 2 * int64_t{b->mlp_columns}));
+    MOE_RETURN_IF_ERROR(widen(s.act, DType::kBF16, T, b->mlp_columns));
+  }
   MOE_RETURN_IF_ERROR(track(s.mtp_embed_norm, upload_bf16({weights.embed_norm()})));
   MOE_RETURN_IF_ERROR(track(s.mtp_hidden_norm, upload_bf16({weights.hidden_norm()})));
   MOE_RETURN_IF_ERROR(track(s.mtp_fc, upload_bf16({weights.fc()})));
@@ -470,7 +492,6 @@ Status CudaQwen3MoeModel::upload_mtp(const MtpWeights& weights) {
   if (w.is_moe) MOE_RETURN_IF_ERROR(track(b->router, upload_bf16({w.router})));
   MOE_RETURN_IF_ERROR(track(b->w13, upload_bf16({w.w13})));
   MOE_RETURN_IF_ERROR(track(b->w2, upload_bf16({w.w2})));
-  const int64_t T = s.options.max_num_tokens, H = c.hidden_size;
   MOE_RETURN_IF_ERROR(track(s.mtp_h, DeviceTensor::allocate(DType::kF32, {T, H})));
   MOE_RETURN_IF_ERROR(track(s.mtp_g, DeviceTensor::allocate(DType::kBF16, {T, H})));
   MOE_RETURN_IF_ERROR(track(s.mtp_concat, DeviceTensor::allocate(DType::kBF16, {T, 2 * H})));
@@ -511,13 +532,16 @@ Status CudaQwen3MoeModel::allocate_kv_pool(int32_t num_pages) {
     m.k_pages = m.v_pages = TensorView();
     s.bytes -= s.mtp_kv_pool.size();
     s.mtp_kv_pool = DeviceBuffer();
-    s.mtp_kv_layout = {1, c.num_kv_heads, c.head_dim, s.options.page_size, num_pages + 1};
+    s.mtp_kv_layout = {1, m.num_kv_heads, c.head_dim, s.options.page_size, num_pages + 1};
     MOE_ASSIGN_OR_RETURN(s.mtp_kv_pool, DeviceBuffer::allocate(s.mtp_kv_layout.num_bytes()));
     s.bytes += s.mtp_kv_pool.size();
     MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(s.mtp_kv_pool.data(), 0, s.mtp_kv_pool.size(), s.stream));
     auto* mtp_base = s.mtp_kv_pool.data_as<uint8_t>();
-    m.k_pages = TensorView(mtp_base + s.mtp_kv_layout.k_offset(0), DType::kBF16, kv_shape, Device::cuda(s.options.device));
-    m.v_pages = TensorView(mtp_base + s.mtp_kv_layout.v_offset(0), DType::kBF16, kv_shape, Device::cuda(s.options.device));
+    const Shape mtp_shape{num_pages + 1, m.num_kv_heads, s.options.page_size, c.head_dim};
+    m.k_pages = TensorView(mtp_base + s.mtp_kv_layout.k_offset(0), DType::kBF16, mtp_shape,
+                           Device::cuda(s.options.device));
+    m.v_pages = TensorView(mtp_base + s.mtp_kv_layout.v_offset(0), DType::kBF16, mtp_shape,
+                           Device::cuda(s.options.device));
   }
   s.options.num_pages = num_pages;
   return cuda_status(cudaStreamSynchronize(s.stream), "KV pool allocation");

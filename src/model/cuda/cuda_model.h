@@ -170,9 +170,11 @@ class CudaQwen3MoeModel {
   struct GraphShape {
     int seqs = 0, query = 1, rows = 0;
   };
-  Expected<StepShape> upload_step(const ForwardBatch& batch, GraphShape graph);
-  Status launch_step(const StepShape& shape);
+  // heads: the layer whose heads size prefill attention's token groups (null: the target's).
   struct LayerBuffers;
+  Expected<StepShape> upload_step(const ForwardBatch& batch, GraphShape graph,
+                                  const LayerBuffers* heads = nullptr);
+  Status launch_step(const StepShape& shape);
   // One decoder layer over state's `residual` (in) / `normed` (the input
   // norm's output in; next_norm's output out); `layer` < 0: not a target layer.
   Status launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer);

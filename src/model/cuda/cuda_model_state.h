@@ -29,6 +29,10 @@ struct CudaQwen3MoeModel::LayerBuffers {
   // experts): qkv_proj and o_proj hold E4M3 rows, these their scales.
   bool fp8_attention = false;
   DeviceTensor qkv_scales, o_scales;
+  // This layer's heads and dense MLP columns: a target layer's are the rank's
+  // share (rank_config), the MTP layer's the whole model's (it runs whole on
+  // the rank that drafts).
+  int num_q_heads = 0, num_kv_heads = 0, mlp_columns = 0;
 };
 
 struct CudaQwen3MoeModel::State {

@@ -32,7 +32,8 @@ Status CudaQwen3MoeModel::finish_step() {
 // batch to graph.seqs sequences of graph.query tokens each, the padding
 // reading and writing the scratch KV page (positions 0 .. query - 1), with the
 // page table at the fixed stride the graph was captured with.
-Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, GraphShape graph) {
+Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, GraphShape graph,
+                                                   const LayerBuffers* heads) {
   State& s = *state_;
   const int T = batch.num_tokens(), num_seqs = static_cast<int>(batch.query_start.size()) - 1;
   const int padded_tokens = graph.seqs * graph.query;
@@ -99,7 +100,8 @@ Expected<StepShape> CudaQwen3MoeModel::upload_step(const ForwardBatch& batch, Gr
     shape.prefill |= query_start[seq + 1] - query_start[seq] > 1;
   if (shape.prefill) {
     const std::vector<int32_t> groups = k::prefill_token_groups(
-        query_start, k::prefill_group_tokens(config().num_q_heads, config().num_kv_heads));
+        query_start, heads != nullptr ? k::prefill_group_tokens(heads->num_q_heads, heads->num_kv_heads)
+                                      : k::prefill_group_tokens(config().num_q_heads, config().num_kv_heads));
     shape.num_groups = static_cast<int>(groups.size()) - 1;
     MOE_RETURN_IF_ERROR(copy_in(s.attention_groups, groups));
   }
@@ -231,7 +233,9 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
   State& s = *state_;
   const ModelConfig& c = config();
   const int T = shape.num_tokens, H = static_cast<int>(c.hidden_size);
-  const int max_position = shape.max_position, qkv_width = c.q_size() + 2 * c.kv_size();
+  // The layer's own heads (a target layer's the rank's share, the MTP layer's all).
+  const int q_size = b.num_q_heads * c.head_dim, kv_size = b.num_kv_heads * c.head_dim;
+  const int max_position = shape.max_position, qkv_width = q_size + 2 * kv_size;
   const bool prefill = shape.prefill;
 #define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
   // In place: x [T, cols] bf16 -> bf16(e4m3(x / s) * s) per 1 x 128 group (mxfp8: per 1 x 32, E8M0 s).
@@ -347,21 +351,31 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.qkv_proj.data_as<bf16>(), s.qkv.data(),
                                        DType::kBF16, T, qkv_width, H, s.stream));
   }
-  MOE_LAUNCH(k::qk_norm_rope_kv({s.qkv.data_as<bf16>(), b.q_norm.data_as<bf16>(), b.k_norm.data_as<bf16>(),
-                                 s.inv_freq.data_as<float>(), s.attention_factor, s.positions.data_as<int32_t>(),
-                                 s.token_seq.data_as<int32_t>(), s.page_table.data_as<int32_t>(), s.q.data_as<bf16>(),
-                                 b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(), T, c.num_q_heads,
-                                 c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
-                                 c.rms_norm_eps}, s.stream));
+  MOE_LAUNCH(k::qk_norm_rope_kv(
+      {s.qkv.data_as<bf16>(), b.q_norm.data_as<bf16>(), b.k_norm.data_as<bf16>(), s.inv_freq.data_as<float>(),
+       s.attention_factor, s.positions.data_as<int32_t>(), s.token_seq.data_as<int32_t>(),
+       s.page_table.data_as<int32_t>(), s.q.data_as<bf16>(), b.k_pages.data_as<bf16>(),
+       b.v_pages.data_as<bf16>(), T, b.num_q_heads, b.num_kv_heads, c.head_dim, s.options.page_size,
+       shape.stride, c.rms_norm_eps},
+      s.stream));
   // The layer hook's event: once this layer's KV is stored; with heads split
   // over ranks, once the attention all-reduce is through (every rank has
   // stored its heads by then, and the prefill leader sends them all).
   const bool tp = layer >= 0 && s.options.plan.tp_size > 1;
   if (s.layer_hook && layer >= 0 && !tp) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
-  const k::PagedAttentionParams attention{s.q.data_as<bf16>(), b.k_pages.data_as<bf16>(), b.v_pages.data_as<bf16>(),
-                                          s.positions.data_as<int32_t>(), s.token_seq.data_as<int32_t>(),
-                                          s.page_table.data_as<int32_t>(), s.attended.data_as<bf16>(), T, c.num_q_heads,
-                                          c.num_kv_heads, c.head_dim, s.options.page_size, shape.stride,
+  const k::PagedAttentionParams attention{s.q.data_as<bf16>(),
+                                          b.k_pages.data_as<bf16>(),
+                                          b.v_pages.data_as<bf16>(),
+                                          s.positions.data_as<int32_t>(),
+                                          s.token_seq.data_as<int32_t>(),
+                                          s.page_table.data_as<int32_t>(),
+                                          s.attended.data_as<bf16>(),
+                                          T,
+                                          b.num_q_heads,
+                                          b.num_kv_heads,
+                                          c.head_dim,
+                                          s.options.page_size,
+                                          shape.stride,
                                           1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   if (k::mma_attention_supported(attention) && prefill) {
     MOE_LAUNCH(k::prefill_attention(attention, s.attention_groups.data_as<int32_t>(), shape.num_groups, s.stream));
@@ -372,12 +386,11 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_LAUNCH(k::paged_attention(attention, s.stream));
   }
   if (b.fp8_attention) {
-    MOE_RETURN_IF_ERROR(fp8_projection(s.attended, static_cast<int>(c.q_size()), b.o_proj, b.o_scales,
-                                       s.delta.data(), nullptr, H));
+    MOE_RETURN_IF_ERROR(fp8_projection(s.attended, q_size, b.o_proj, b.o_scales, s.delta.data(), nullptr, H));
   } else {
-    if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.attended, static_cast<int>(c.q_size())));
+    if (b.fake_quant_attention) MOE_RETURN_IF_ERROR(fake_quantize(s.attended, q_size));
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(),
-                                       DType::kF32, T, H, c.q_size(), s.stream));
+                                       DType::kF32, T, H, q_size, s.stream));
   }
   MOE_RETURN_IF_ERROR(layer_boundary(b.post_attention_norm.data_as<bf16>(), T, tp));
   if (s.layer_hook && tp) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
@@ -432,7 +445,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                           s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H, true},
                          s.stream));
   } else {
-    const int inter = static_cast<int>(c.intermediate_size);
+    const int inter = b.mlp_columns;
     if (b.fake_quant_mlp) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.w13.data_as<bf16>(), s.gate_up.data(), DType::kBF16,
                                        T, 2 * inter, H, s.stream));
@@ -678,7 +691,7 @@ Status CudaQwen3MoeModel::queue_mtp(const MtpBatch& mb, TensorView hidden) {
     graph = graph_bucket(rows_as_seqs, true);
     if (graph.seqs > 0) batch = std::move(rows_as_seqs);
   }
-  MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, graph));
+  MOE_ASSIGN_OR_RETURN(const StepShape shape, upload_step(batch, graph, s.mtp_layer.get()));
   const MtpInput input = from_target     ? MtpInput::kTargetRows
                          : from_previous ? MtpInput::kPreviousRows
                                          : MtpInput::kHost;
