@@ -221,9 +221,6 @@ Status run_cluster(ServeArgs args) {
   if (par.tp > 1 && par.ep > 1 && par.tp != par.ep)
     return invalid_argument("--tp {} and --ep {}: with both above 1 they must be equal (docs/parallel.md)",
                             par.tp, par.ep);
-  if (args.device.cuda() && par.world() > 1 && !args.speculative.config_json.empty())
-    return unimplemented(
-        "speculative decoding on GPU prefill ranks (--tp/--ep with --device cuda) is not supported yet");
   // With --device cuda, GPU slots in order: each prefill instance's ranks
   // (--tp/--ep of them), then one per decode instance; slot s on --gpu + s
   // or --gpus[s].

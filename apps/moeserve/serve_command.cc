@@ -577,11 +577,6 @@ Status run_serve(ServeArgs args) {
 #ifdef MOE_WITH_CUDA
   std::optional<GpuRanks> gpu_group;  // outlives the engine, whose runner stops the followers
   if (gpu_ranks) {
-    // Colocated TP/EP ranks draft on the leader's GPU (the MTP layer whole
-    // there); a prefill instance's ranks would also have to send that layer.
-    if (spec.enabled() && !dp && args.role != "colocated")
-      return unimplemented(
-          "speculative decoding on GPU prefill ranks (--tp/--ep with --device cuda) is not supported yet");
     const ops::QuantFormat experts = weights ? weights->quant_format() : resolved.dummy_format;
     MOE_ASSIGN_OR_RETURN(
         auto met, meet_gpu_ranks(args, std::max(sched.max_num_batched_tokens, sched.max_num_seqs), config,

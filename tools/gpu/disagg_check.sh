@@ -16,7 +16,8 @@
 #   - every model again with a two-rank prefill instance (`prefill --tp 2
 #     --gpus 0,D`, not with NO_TP=1): heads split over GPU ranks, the leader
 #     sends both ranks' KV (moe_dense_layer's one kv head is replicated: only
-#     its writer rank's pages go); the same greedy tokens;
+#     its writer rank's pages go); the same greedy tokens; with an MTP layer
+#     (k = 2) the leader also runs it and sends its KV, and the decode drafts;
 #   - every model again with a decode instance of two data-parallel GPU ranks
 #     (`decode --dp 2 --ep 2 --gpus 0,D`, not with NO_DP=1): each rank its own
 #     endpoint at the router, tokens crossing to their experts' rank and
@@ -234,6 +235,12 @@ for model in $MODELS; do
     PREFILL_PLACEMENT=(--tp 2 --gpus "0,$DECODE_GPU")
     CHECK_ARGS=(--match-tokens 3)
     check_disagg "$model" " (prefill --tp 2)"
+    # With an MTP layer (k = 2): the leader runs it whole on its GPU and sends
+    # its KV (every k/v head) after the ranks' layers; the decode instance drafts.
+    if [[ -n $mtp && -z ${NO_SPECULATIVE:-} ]]; then
+      check_disagg "$model" " (prefill --tp 2, MTP, k=2)" \
+        --speculative-config '{"method":"mtp","num_speculative_tokens":2}' --speculative-model "$mtp"
+    fi
     PREFILL_PLACEMENT=(--gpu 0)
     CHECK_ARGS=()
   fi
