@@ -367,6 +367,26 @@ TEST(DemoSpeculation, TrainedMtpIsAcceptedAndExact) {
   }
 }
 
+// An MTP batch of two sequences (3 and 2 positions, pages 0 and 1) of the
+// demo's tokens, and hidden states for it.
+model::MtpBatch two_sequence_mtp_batch(std::vector<int32_t> output_rows) {
+  model::MtpBatch batch;
+  batch.token_ids = {317, 201, 386, 35, 1067};
+  batch.positions = {0, 1, 2, 0, 1};
+  batch.query_start = {0, 3, 5};
+  batch.page_table = {0, 1};
+  batch.max_pages_per_seq = 1;
+  batch.output_rows = std::move(output_rows);
+  return batch;
+}
+
+Tensor sine_rows(int64_t rows, int64_t cols) {
+  Tensor t(DType::kF32, {rows, cols});
+  for (int64_t i = 0; i < t.num_elements(); ++i)
+    t.data_as<float>()[i] = std::sin(0.11f * static_cast<float>(i));
+  return t;
+}
+
 // What the drafter reads of an MTP forward: each output row's greedy token,
 // the argmax of the logits the CPU runner computes (lowest id on ties).
 TEST(DemoSpeculation, CpuMtpRunnerGivesEachRowsArgmax) {
@@ -374,16 +394,8 @@ TEST(DemoSpeculation, CpuMtpRunnerGivesEachRowsArgmax) {
   const kv::KvCacheLayout layout{l->config.num_layers, l->config.num_kv_heads, l->config.head_dim, 4, 8,
                                  DType::kF32};
   CpuMtpRunner runner(*l->mtp, l->pool, layout);
-  model::MtpBatch batch;
-  batch.token_ids = {317, 201, 386, 35, 1067};
-  batch.positions = {0, 1, 2, 0, 1};
-  batch.query_start = {0, 3, 5};
-  batch.page_table = {0, 1};
-  batch.max_pages_per_seq = 1;
-  batch.output_rows = {1, 2, 4};
-  Tensor hidden(DType::kF32, {5, l->config.hidden_size});
-  for (int64_t i = 0; i < hidden.num_elements(); ++i)
-    hidden.data_as<float>()[i] = std::sin(0.11f * static_cast<float>(i));
+  const model::MtpBatch batch = two_sequence_mtp_batch({1, 2, 4});
+  const Tensor hidden = sine_rows(5, l->config.hidden_size);
   auto out = runner.forward(batch, hidden.view());
   ASSERT_TRUE(out.has_value()) << out.status().to_string();
   ASSERT_EQ(out->greedy.size(), 3u);
@@ -406,16 +418,8 @@ TEST(DemoSpeculation, ChainedPassesReadTheRowsTheyName) {
                                  DType::kF32};
   const int64_t h = l->config.hidden_size;
   CpuMtpRunner runner(*l->mtp, l->pool, layout);
-  model::MtpBatch first_batch;
-  first_batch.token_ids = {317, 201, 386, 35, 1067};
-  first_batch.positions = {0, 1, 2, 0, 1};
-  first_batch.query_start = {0, 3, 5};
-  first_batch.page_table = {0, 1};
-  first_batch.max_pages_per_seq = 1;
-  first_batch.output_rows = {2, 4};
-  Tensor hidden(DType::kF32, {5, h});
-  for (int64_t i = 0; i < hidden.num_elements(); ++i)
-    hidden.data_as<float>()[i] = std::sin(0.11f * static_cast<float>(i));
+  const model::MtpBatch first_batch = two_sequence_mtp_batch({2, 4});
+  const Tensor hidden = sine_rows(5, h);
   auto first = runner.forward(first_batch, hidden.view());
   ASSERT_TRUE(first.has_value()) << first.status().to_string();
   // Pass 0: both sequences, the second first; pass 1: the first sequence alone (row 1 of pass 0).

@@ -118,6 +118,18 @@ model::ForwardBatch demo_batch() {
   return batch;
 }
 
+// An MTP batch of two sequences (3 and 2 positions, pages 2 and 3), output rows their last.
+model::MtpBatch demo_mtp_batch() {
+  model::MtpBatch mb;
+  mb.token_ids = {330, 263, 409, 1067, 17};
+  mb.positions = {0, 1, 2, 0, 1};
+  mb.query_start = {0, 3, 5};
+  mb.page_table = {2, 3};
+  mb.max_pages_per_seq = 1;
+  mb.output_rows = {2, 4};
+  return mb;
+}
+
 // The GPU's final-normed hidden states (bf16 there) against the CPU's f32 ones.
 TEST(CudaSpeculation, HiddenStatesMatchTheCpuReference) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
@@ -233,13 +245,7 @@ TEST(CudaMtp, TargetRowsOnTheDeviceEqualTheHostRoundTrip) {
     Tensor hidden;
     auto target = l->runner->forward_with_hidden(batch, rows, hidden);
     ASSERT_TRUE(target.has_value()) << target.status().to_string();
-    model::MtpBatch mb;
-    mb.token_ids = {330, 263, 409, 1067, 17};
-    mb.positions = {0, 1, 2, 0, 1};
-    mb.query_start = {0, 3, 5};
-    mb.page_table = {2, 3};
-    mb.max_pages_per_seq = 1;
-    mb.output_rows = {2, 4};
+    model::MtpBatch mb = demo_mtp_batch();
     auto via_host = gpu->forward(mb, hidden.view());
     ASSERT_TRUE(via_host.has_value()) << via_host.status().to_string();
     mb.target_rows = rows;
@@ -279,13 +285,7 @@ TEST(CudaMtp, ChainedPassesOnTheDeviceEqualTheHostRoundTrip) {
   ASSERT_NE(l, nullptr);
   auto gpu = l->runner->mtp_runner();
   ASSERT_NE(gpu, nullptr);
-  model::MtpBatch first_batch;
-  first_batch.token_ids = {330, 263, 409, 1067, 17};
-  first_batch.positions = {0, 1, 2, 0, 1};
-  first_batch.query_start = {0, 3, 5};
-  first_batch.page_table = {2, 3};
-  first_batch.max_pages_per_seq = 1;
-  first_batch.output_rows = {2, 4};
+  model::MtpBatch first_batch = demo_mtp_batch();
   Tensor hidden(DType::kF32, {5, l->config.hidden_size});
   for (int64_t i = 0; i < hidden.num_elements(); ++i)
     hidden.data_as<float>()[i] = std::sin(0.07f * static_cast<float>(i));
