@@ -153,7 +153,9 @@ Expected<std::vector<std::vector<int32_t>>> Generator::forward_step(ModelRunner&
   size_t next = 0;
   for (size_t c = 0; c < plan.chunks.size(); ++c)
     if (plan.chunks[c].sample) add_chunk_rows(sampling, plan, batch, c, rows[next++]);
-  const std::vector<int32_t> hidden_rows = drafter != nullptr ? every_row(batch) : std::vector<int32_t>{};
+  // A drafter whose runner keeps the target's hidden states reads them there.
+  const bool host_hidden = drafter != nullptr && !drafter->keeps_target_hidden();
+  const std::vector<int32_t> hidden_rows = host_hidden ? every_row(batch) : std::vector<int32_t>{};
   Tensor hidden;
   MOE_ASSIGN_OR_RETURN(SampledStep sampled, runner.forward_sample(batch, sampling, hidden_rows, hidden));
   std::vector<std::vector<int32_t>> runs = runs_from_samples(plan, sampled);
