@@ -56,16 +56,23 @@ __device__ __forceinline__ ItemOffsets copy_item_offsets(int32_t* dst, const int
 // Epilogues for one accumulator row half h (0: row g, 1: row g + 8) of a
 // consumer thread with lane quad position q, in the wgmma accumulator layout
 // (acc[4 i + 2 h + j] is column 8 i + 2 q + j). Columns n_base + ... past N
-// are dropped.
+// are dropped, and so is the row where `live` is false (past the item's
+// rows). Every lane of the warp calls them, live or not: the bf16 stores
+// shuffle within quads with the whole warp's mask. (With a mask of the
+// quad's lanes, because lanes past the rows skipped the call, ptxas checked
+// convergence before every shuffle with MATCH.ANY and REDUX: 40-60% of the
+// FP8 prefill down GEMM's epilogue, and the epilogue 22% of its consumers'
+// time; H200 profile, 2026-12-02.)
 //
-// quad_transpose: v[k] of quad lane q becomes v[q] of lane k (two xor-shuffle steps).
-__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int q, unsigned quad) {
+// quad_transpose: v[k] of quad lane q becomes v[q] of lane k (two
+// xor-shuffle steps; every lane of the warp takes part).
+__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int q) {
 #pragma unroll
   for (int bit = 1; bit <= 2; bit <<= 1)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       if (c & bit) continue;
-      const uint32_t got = __shfl_xor_sync(quad, (q & bit) ? v[c] : v[c | bit], bit);
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, (q & bit) ? v[c] : v[c | bit], bit);
       if (q & bit) {
         v[c] = got;
       } else {
@@ -80,14 +87,14 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int q, unsigned
 // 8 columns with one 16-byte store and a quad's row fills two 32-byte sectors
 // per store; pairs of 4 bytes left half-written sectors, and down GEMMs of
 // bf16 rows so ran up to 8% slower than with f32 rows (measured on an H200,
-// FP8 prefill at 375 rows per expert). `quad`: the lanes of this thread's
-// quad, which take the same rows.
+// FP8 prefill at 375 rows per expert).
 __device__ __forceinline__ void store_bf16_chunks(bf16* out_row, uint32_t (&pair)[4], int j, int n_base,
-                                                  int N, int q, unsigned quad) {
+                                                  int N, int q, bool live) {
   if (N % 8 == 0) {
-    quad_transpose(pair, q, quad);
+    quad_transpose(pair, q);
     // pair[k] now holds columns 2k, 2k + 1 of chunk 4j + q.
     const int n = n_base + 8 * (4 * j + q);
+    if (!live) return;
     if (n + 8 <= N) {
       *reinterpret_cast<uint4*>(out_row + n) = make_uint4(pair[0], pair[1], pair[2], pair[3]);
     } else {
@@ -97,6 +104,7 @@ __device__ __forceinline__ void store_bf16_chunks(bf16* out_row, uint32_t (&pair
     }
     return;
   }
+  if (!live) return;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int n = n_base + 8 * (4 * j + k) + 2 * q;
@@ -114,18 +122,13 @@ __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-__device__ __forceinline__ unsigned quad_lanes() {
-  return 0xfu << (threadIdx.x & 28);
-}
-
 // gate_up: kChunks chunks of gate columns, then kChunks of the matching up
 // columns; out_row[n] = bf16(silu(gate) * up).
 template <int kChunks, int kSize>
 __device__ __forceinline__ void store_silu_mul_row(bf16* out_row, const float (&acc)[kSize], int n_base, int N, int h,
-                                                   int q) {
+                                                   int q, bool live) {
   static_assert(kSize == 8 * kChunks, "gate and up chunks fill the accumulator");
   static_assert(kChunks % 4 == 0, "chunks go out four at a time");
-  const unsigned quad = quad_lanes();
 #pragma unroll
   for (int j = 0; j < kChunks / 4; ++j) {
     uint32_t pair[4];
@@ -143,14 +146,15 @@ __device__ __forceinline__ void store_silu_mul_row(bf16* out_row, const float (&
       }
       pair[k] = bf16_pair(v[0], v[1]);
     }
-    store_bf16_chunks(out_row, pair, j, n_base, N, q, quad);
+    store_bf16_chunks(out_row, pair, j, n_base, N, q, live);
   }
 }
 
 // down: out_row[n] = acc (f32), kSize / 4 chunks of 8 columns.
 template <int kSize>
 __device__ __forceinline__ void store_f32_row(float* out_row, const float (&acc)[kSize], int n_base, int N, int h,
-                                              int q) {
+                                              int q, bool live) {
+  if (!live) return;
 #pragma unroll
   for (int i = 0; i < kSize / 4; ++i) {
     const int n = n_base + 8 * i + 2 * q;
@@ -165,27 +169,26 @@ __device__ __forceinline__ void store_f32_row(float* out_row, const float (&acc)
 // down with bf16_out: out_row[n] = bf16(acc), as store_f32_row.
 template <int kSize>
 __device__ __forceinline__ void store_bf16_row(bf16* out_row, const float (&acc)[kSize], int n_base, int N,
-                                               int h, int q) {
+                                               int h, int q, bool live) {
   static_assert(kSize % 16 == 0, "chunks go out four at a time");
-  const unsigned quad = quad_lanes();
 #pragma unroll
   for (int j = 0; j < kSize / 16; ++j) {
     uint32_t pair[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k)
       pair[k] = bf16_pair(acc[4 * (4 * j + k) + 2 * h], acc[4 * (4 * j + k) + 2 * h + 1]);
-    store_bf16_chunks(out_row, pair, j, n_base, N, q, quad);
+    store_bf16_chunks(out_row, pair, j, n_base, N, q, live);
   }
 }
 
 // down: output row `row` (of N columns) in f32 or, with bf16_out, bf16.
 template <int kSize>
 __device__ __forceinline__ void store_down_row(void* out, bool bf16_out, int64_t row, int N,
-                                               const float (&acc)[kSize], int n_base, int h, int q) {
+                                               const float (&acc)[kSize], int n_base, int h, int q, bool live) {
   if (bf16_out) {
-    store_bf16_row(static_cast<bf16*>(out) + row * N, acc, n_base, N, h, q);
+    store_bf16_row(static_cast<bf16*>(out) + row * N, acc, n_base, N, h, q, live);
   } else {
-    store_f32_row(static_cast<float*>(out) + row * N, acc, n_base, N, h, q);
+    store_f32_row(static_cast<float*>(out) + row * N, acc, n_base, N, h, q, live);
   }
 }
 
@@ -197,11 +200,10 @@ __device__ __forceinline__ void store_down_row(void* out, bool bf16_out, int64_t
 // ncu, 2026-12-01).
 template <int kSize>
 __device__ __forceinline__ void add_f32_row(float* out_row, const float (&acc)[kSize], int n_base, int N, int h,
-                                            int q) {
+                                            int q, bool live) {
 #if __CUDA_ARCH__ >= 900
   static_assert(kSize % 16 == 0, "chunks go out four at a time");
   if (N % 4 == 0) {
-    const unsigned quad = quad_lanes();
 #pragma unroll
     for (int j = 0; j < kSize / 16; ++j) {
       uint32_t lo[4], hi[4];  // columns 8 (4j + k) + 2q, + 1
@@ -210,10 +212,11 @@ __device__ __forceinline__ void add_f32_row(float* out_row, const float (&acc)[k
         lo[k] = __float_as_uint(acc[4 * (4 * j + k) + 2 * h]);
         hi[k] = __float_as_uint(acc[4 * (4 * j + k) + 2 * h + 1]);
       }
-      quad_transpose(lo, q, quad);
-      quad_transpose(hi, q, quad);
+      quad_transpose(lo, q);
+      quad_transpose(hi, q);
       // lo[k], hi[k]: columns 2k, 2k + 1 of chunk 4j + q.
       const int n = n_base + 8 * (4 * j + q);
+      if (!live) continue;
       if (n + 8 <= N) {
         atomicAdd(reinterpret_cast<float4*>(out_row + n),
                   make_float4(__uint_as_float(lo[0]), __uint_as_float(hi[0]), __uint_as_float(lo[1]),
@@ -232,6 +235,7 @@ __device__ __forceinline__ void add_f32_row(float* out_row, const float (&acc)[k
     return;
   }
 #endif
+  if (!live) return;
 #pragma unroll
   for (int i = 0; i < kSize / 4; ++i) {
     const int n = n_base + 8 * i + 2 * q;

@@ -263,15 +263,15 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = warp * 16 + g + 8 * h;
-      if (r >= item.rows) continue;
+      const bool live = r < item.rows;  // every lane calls the stores (they shuffle within quads)
       if constexpr (kGateUp) {
         store_silu_mul_row<8>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
-                              item.n0 + 64 * consumer, p.N, h, q);
+                              item.n0 + 64 * consumer, p.N, h, q, live);
       } else if (args.k_splits > 1) {
         add_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
-                    item.n0 + 128 * consumer, p.N, h, q);
+                    item.n0 + 128 * consumer, p.N, h, q, live);
       } else {
-        store_down_row(p.out, args.bf16_out, item.row0 + r, p.N, acc, item.n0 + 128 * consumer, h, q);
+        store_down_row(p.out, args.bf16_out, item.row0 + r, p.N, acc, item.n0 + 128 * consumer, h, q, live);
       }
     }
   }

@@ -55,7 +55,11 @@
 // their MMAs run, descriptors advanced by one add, the stage release
 // predicated (2026-12-02, old and new binaries alternated in one call, three
 // rounds): 1.95-2.05 -> 1.87-1.90 ms interleaved, 0.85-0.87x -> 0.91-0.93x of
-// cuBLASLt's block-scaled FP8 GEMM timed interleaved with it.
+// cuBLASLt's block-scaled FP8 GEMM timed interleaved with it; the
+// epilogue's quad shuffles with the whole warp's mask (grouped_gemm.cuh;
+// 2026-12-02, two calls, old and new binaries alternated): FP8 1.90-1.96 ->
+// 1.83-1.88 ms, 0.90-0.91x -> 0.955x of cuBLASLt's; bf16 0.91x -> 0.93-0.94x
+// of cuBLASLt's dense GEMM.
 // A cluster-scope release on the consumers' arrivals
 // (mbarrier.arrive.release.cluster) had cost 30-50%: it fences every earlier
 // access of the thread. bf16's gate_up now keeps the tensor pipe 87% busy
@@ -127,7 +131,7 @@ struct PrefillArgs {
 };
 
 // The epilogue of a consumer thread: its tile rows `row` and `row + 8` (those
-// the item has) from the accumulator, SiLU-multiplied to bf16 (gate_up) or as
+// the item has; the whole warp runs it) from the accumulator, SiLU-multiplied to bf16 (gate_up) or as
 // they are (down: f32, or bf16 with bf16_out).
 template <bool kGateUp, int kSize>
 __device__ __forceinline__ void store_rows(const PrefillArgs& p, const GemmItem& item,
@@ -135,12 +139,12 @@ __device__ __forceinline__ void store_rows(const PrefillArgs& p, const GemmItem&
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = row + 8 * h;
-    if (r >= item.rows) continue;
+    const bool live = r < item.rows;  // every lane calls the stores (they shuffle within quads)
     if constexpr (kGateUp) {
       store_silu_mul_row<kSize / 8>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N,
-                                    acc, item.n0, p.N, h, q);
+                                    acc, item.n0, p.N, h, q, live);
     } else {
-      store_down_row(p.out, p.bf16_out, item.row0 + r, p.N, acc, item.n0, h, q);
+      store_down_row(p.out, p.bf16_out, item.row0 + r, p.N, acc, item.n0, h, q, live);
     }
   }
 }

@@ -134,12 +134,12 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_grouped_gemm_kernel(const _
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = warp * 16 + g + 8 * h;
-      if (r >= item.rows) continue;
+      const bool live = r < item.rows;  // every lane calls the stores (they shuffle within quads)
       if constexpr (kGateUp) {
         store_silu_mul_row<16>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc, item.n0,
-                               p.N, h, q);
+                               p.N, h, q, live);
       } else {
-        store_down_row(p.out, p.bf16_out, item.row0 + r, p.N, acc, item.n0, h, q);
+        store_down_row(p.out, p.bf16_out, item.row0 + r, p.N, acc, item.n0, h, q, live);
       }
     }
   }
