@@ -212,28 +212,37 @@ TEST(Engine, LogprobsAreTheLogSoftmaxOfTheLogits) {
 namespace moe::engine {
 namespace {
 
+// Fails its first forward pass, once `gate` opens: the test submits all its
+// requests first (a dead engine refuses new ones, so without the gate the
+// engine thread could fail the first request before the others are in).
 class ThrowingRunner final : public ModelRunner {
  public:
   int64_t vocab_size() const override { return 97; }
-  explicit ThrowingRunner(bool as_status) : as_status_(as_status) {}
+  ThrowingRunner(bool as_status, std::shared_future<void> gate) : as_status_(as_status), gate_(std::move(gate)) {}
   Expected<Tensor> forward(const model::ForwardBatch&) override {
+    gate_.wait();
     if (as_status_) return unavailable("device lost");
     throw std::runtime_error("device lost");
   }
 
  private:
   bool as_status_;
+  std::shared_future<void> gate_;
 };
 
 class FailingForward : public testing::TestWithParam<bool> {};
 
 TEST_P(FailingForward, FailsEveryRequestAndMarksTheEngineDead) {
-  Engine engine(std::make_unique<ThrowingRunner>(GetParam()), options());
+  std::promise<void> open;
+  Engine engine(std::make_unique<ThrowingRunner>(GetParam(), open.get_future().share()), options());
   std::vector<std::shared_ptr<Collected>> cs;
+  int accepted = 0;
   for (int i = 0; i < 3; ++i) {
     cs.push_back(std::make_shared<Collected>());
-    ASSERT_TRUE(engine.submit(greedy({1, 2, 3}, 4), collect(cs.back())).has_value());
+    accepted += engine.submit(greedy({1, 2, 3}, 4), collect(cs.back())).has_value();
   }
+  open.set_value();  // before any assertion can return: the engine's thread waits on it
+  ASSERT_EQ(accepted, 3);
   for (auto& c : cs) {
     c->done.get_future().wait();
     EXPECT_EQ(c->final_output.error.code(), StatusCode::kInternal);
