@@ -417,7 +417,14 @@ void bench_prefill_grouped_gemm() {
 // Decode attention: one new token per sequence over `context` cached tokens.
 // only_batch / only_context (0: all) pick one shape, e.g. for a profiler.
 void bench_decode_attention(double copy_gbs, int only_batch, int only_context) {
-  const int Hq = 64, Hkv = 4, D = 128, page = 16;
+  // MOE_BENCH_ATTENTION_PAGE: the KV page size in tokens (default 16, as `--page-size`).
+  const char* page_env = std::getenv("MOE_BENCH_ATTENTION_PAGE");
+  const int Hq = 64, Hkv = 4, D = 128, page = page_env != nullptr ? std::atoi(page_env) : 16;
+  if (page < 1 || 1024 % page != 0) {
+    std::fprintf(stderr, "MOE_BENCH_ATTENTION_PAGE must divide 1024\n");
+    return;
+  }
+  std::printf("decode attention: pages of %d tokens\n", page);
   for (auto [batch, context] :
        {std::pair{64, 1024}, std::pair{128, 1024}, std::pair{256, 1024}, std::pair{64, 8192},
         std::pair{256, 2048}, std::pair{256, 8192}, std::pair{64, 32768}, std::pair{64, 64}}) {
