@@ -59,7 +59,12 @@
 // epilogue's quad shuffles with the whole warp's mask (grouped_gemm.cuh;
 // 2026-12-02, two calls, old and new binaries alternated): FP8 1.90-1.96 ->
 // 1.83-1.88 ms, 0.90-0.91x -> 0.955x of cuBLASLt's; bf16 0.91x -> 0.93-0.94x
-// of cuBLASLt's dense GEMM.
+// of cuBLASLt's dense GEMM; the FP8 consumers looking up their next item
+// under the first MMAs of the current one (2026-12-03, three rounds
+// alternated): 1.866-1.886 -> 1.836-1.850 ms. No gain from rewriting the
+// promotion FFMAs' yield and operand-reuse bits in the SASS, as DeepGEMM
+// does (three variants, 0.92-0.95x of cuBLASLt's against 0.96x unpatched;
+// bench/results/2026-12-03_gpu_fp8_prefill_yield_lookahead.md).
 // A cluster-scope release on the consumers' arrivals
 // (mbarrier.arrive.release.cluster) had cost 30-50%: it fences every earlier
 // access of the thread. bf16's gate_up now keeps the tensor pipe 87% busy
@@ -388,11 +393,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i] * scale[(i >> 1) & 1];
       };
       // One stage whose data has arrived: both halves, each promoted; its
-      // scales are read while the first half's MMAs run, and the next stage
-      // of the item (if `has_next`) is waited for while the second half's do.
-      auto k_step = [&](int stage, bool has_next, int next_stage, uint32_t next_parity) {
+      // scales (and, in an item's first stage, the next item `look_ahead`: a
+      // binary search over the offsets) are read while the first half's MMAs
+      // run, and the next stage of the item (if `has_next`) is waited for
+      // while the second half's do.
+      ClusterItem next{};
+      auto k_step = [&](int stage, bool has_next, int next_stage, uint32_t next_parity, int look_ahead = -1) {
         issue_half(stage, 0);
         const StageScales scales = read_scales(stage);
+        if (look_ahead >= 0 && look_ahead < num_items) next = item_of(look_ahead);
         wgmma_wait_group<0>();
         promote(0, scales.half[0]);
         issue_half(stage, 1);
@@ -401,8 +410,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         release(stage);
         promote(1, scales.half[1]);
       };
-      for (int index = cluster; index < num_items; index += num_clusters) {
-        const auto [item, idle, share_weights] = item_of(index);
+      ClusterItem current = cluster < num_items ? item_of(cluster) : ClusterItem{};
+      for (int index = cluster; index < num_items; index += num_clusters, current = next) {
+        const auto [item, idle, share_weights] = current;
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
         mbarrier_wait(full(step % T::kStages), (step / T::kStages) & 1);
@@ -410,12 +420,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll 4
           for (int ks = 0; ks < kKSteps; ++ks)
             k_step(ks % T::kStages, ks + 1 < kKSteps, (ks + 1) % T::kStages,
-                   ((step + ks + 1) / T::kStages) & 1);
+                   ((step + ks + 1) / T::kStages) & 1, ks == 0 ? index + num_clusters : -1);
           step += kKSteps;
         } else {
           for (int ks = 0; ks < num_k_steps; ++ks, ++step)
             k_step(step % T::kStages, ks + 1 < num_k_steps, (step + 1) % T::kStages,
-                   ((step + 1) / T::kStages) & 1);
+                   ((step + 1) / T::kStages) & 1, ks == 0 ? index + num_clusters : -1);
         }
         if (!idle) store_rows<kGateUp>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }
