@@ -246,12 +246,8 @@ cudaError_t qk_norm_rope_kv(const QkNormRopeKvParams& p, cudaStream_t stream) {
   if (p.head_dim % 2 != 0 || p.head_dim > 1024 || p.head_dim < 2) return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
   const dim3 grid(p.num_tokens, (p.num_q_heads + 2 * p.num_kv_heads + kRopeWarps - 1) / kRopeWarps);
+  // At most 9 x 1024 floats (36 KB): within the default dynamic shared memory.
   const size_t smem = static_cast<size_t>(1 + kRopeWarps) * p.head_dim * sizeof(float);
-  if (smem > 48 * 1024) {
-    const cudaError_t error =
-        cudaFuncSetAttribute(qk_norm_rope_kv_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (error != cudaSuccess) return error;
-  }
   qk_norm_rope_kv_kernel<<<grid, kRopeWarps * 32, smem, stream>>>(p);
   return cudaGetLastError();
 }
