@@ -156,8 +156,17 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
               {in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows_in, K}, stream);
         }
       };
+      // gate_up: fp8-block's quantizes its own rows into act_q / act_s (as the model's).
       auto gate_up = [&](cudaStream_t stream) {
-        gemm(x_q, x_s, sorted.data_as<int32_t>(), w13, s13, mx13, act.data(), I, H, true, stream);
+        if (mx) {
+          gemm(x_q, x_s, sorted.data_as<int32_t>(), w13, s13, mx13, act.data(), I, H, true, stream);
+          return;
+        }
+        k::Fp8GroupedGemmParams p{x_q.data_as<uint8_t>(), x_s.data_as<float>(), sorted.data_as<int32_t>(),
+                                  w13.data_as<uint8_t>(), s13.data_as<float>(), offsets.data_as<int32_t>(),
+                                  tiles.data_as<int32_t>(), act_q.data(), I, H, E, max_tiles, true};
+        p.out_scales = act_s.data_as<float>();
+        k::fp8_grouped_gemm(p, stream);
       };
       auto down = [&](cudaStream_t stream, bool bf16_rows = true) {
         gemm(act_q, act_s, nullptr, w2, s2, mx2, rows.data(), H, I, false, stream, bf16_rows);
@@ -169,7 +178,7 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
             stream);
         quantize(x, x_q, x_s, T, H, stream);
         gate_up(stream);
-        quantize(act, act_q, act_s, pairs, I, stream);
+        if (mx) quantize(act, act_q, act_s, pairs, I, stream);
         down(stream);
         k::moe_unpermute({rows.data(), row_of.data_as<int32_t>(), weights.data_as<float>(),
                           out.data_as<float>(), T, topk, H, true},

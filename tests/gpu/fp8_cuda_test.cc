@@ -5,8 +5,10 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -119,6 +121,27 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
       ASSERT_EQ(k::quantize_fp8_groups(
                     {act.get<bf16>(), act_q.get<uint8_t>(), act_s.get<float>(), pairs, c.inter}, nullptr),
                 cudaSuccess);
+      // gate_up quantizing its own rows (out_scales, as the model runs it)
+      // gives quantize_fp8_groups' bytes and scales exactly.
+      {
+        k::Fp8GroupedGemmParams fused{gathered ? xg_q.get<uint8_t>() : x_q.get<uint8_t>(),
+                                      gathered ? xg_s.get<float>() : x_s.get<float>(),
+                                      gathered ? nullptr : sorted.get<int32_t>(),
+                                      d_w13.data_as<uint8_t>(), d_s13.data_as<float>(), offsets.get<int32_t>(),
+                                      tiles.get<int32_t>(), nullptr, c.inter, c.hidden, c.experts, max_tiles, true,
+                                      1, pairs};
+        Output fused_q = Output::make(static_cast<size_t>(pairs) * c.inter),
+               fused_s = Output::make(pairs * inter_groups * 4);
+        fused.out = fused_q.get<void>(), fused.out_scales = fused_s.get<float>();
+        ASSERT_EQ(gemm(fused, nullptr), cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        auto first_difference = [](const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+          const auto [i, j] = std::mismatch(a.begin(), a.end(), b.begin(), b.end());
+          return i == a.end() && j == b.end() ? int64_t{-1} : static_cast<int64_t>(i - a.begin());
+        };
+        EXPECT_EQ(first_difference(fused_q.download(), act_q.download()), -1) << "E4M3 rows, byte index";
+        EXPECT_EQ(first_difference(fused_s.download(), act_s.download()), -1) << "scales, byte index";
+      }
       ASSERT_EQ(gemm({act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
                       d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), rows.get<void>(),
                       c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs},
@@ -152,7 +175,7 @@ TEST_F(CudaOps, Fp8DenseProjectionSplitAlongKMatchesTheCpu) {
   for (const QuantFormat format : {QuantFormat::kFp8Block, QuantFormat::kMxfp8}) {
     const bool mx = format == QuantFormat::kMxfp8;
     // N 1000 ends in a part chunk of 16-byte atomics, N 998 takes scalar ones;
-    // 256 x 9216 (qkv at batch 256) has more tiles than an H200 has SMs.
+    // 256 x 9216 (qkv at batch 256) fills more than half of an H200's SMs unsplit.
     for (const Case& c : {Case{64, 2048, 4096}, Case{37, 1024, 8192}, Case{8, 4096, 1024},
                           Case{20, 1000, 2048}, Case{9, 998, 1024}, Case{256, 9216, 4096}}) {
       Host x = random_bf16({c.tokens, c.K}, rng_);
@@ -206,16 +229,17 @@ TEST_F(CudaOps, Fp8DenseProjectionSplitAlongKMatchesTheCpu) {
       EXPECT_LT(scaled_error(outs[1], outs[0].data(), static_cast<int64_t>(outs[0].size())), 1e-5)
           << "split along K (" << splits << ") against one item per tile";
       // Split shares add up in f32: bf16 rows with k_splits > 1 are refused.
+      const int refused_splits = std::max(splits, 2);
       Output bf16_out = Output::make(static_cast<size_t>(c.tokens) * c.N * sizeof(bf16));
       EXPECT_EQ(mx ? k::mxfp8_grouped_gemm(
                          {x_q.get<uint8_t>(), x_s.get<uint8_t>(), nullptr, d_w.data_as<uint8_t>(),
                           d_s.data_as<uint8_t>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-                          bf16_out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, splits, true},
+                          bf16_out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, refused_splits, true},
                          nullptr)
                    : k::fp8_grouped_gemm(
                          {x_q.get<uint8_t>(), x_s.get<float>(), nullptr, d_w.data_as<uint8_t>(),
                           d_s.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-                          bf16_out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, splits, 0, true},
+                          bf16_out.get<void>(), c.N, c.K, 1, row_tiles + 1, false, refused_splits, 0, true},
                          nullptr),
                 cudaErrorInvalidValue);
       if (row_tiles == 1) {
@@ -324,6 +348,35 @@ TEST_F(CudaOps, QuantizeFp8GroupsStopsAtTheDeviceRowCount) {
   EXPECT_TRUE(std::all_of(got_scales.begin() + static_cast<int64_t>(live_scale_bytes), got_scales.end(),
                           [](uint8_t b) { return b == kSentinel; }))
       << "scales past the count written";
+}
+
+// fp8-block activations (1 x 128 groups) against the CPU quantizer run on
+// each row as a one-row matrix (its 128 x 128 blocks are then 1 x 128), bit
+// for bit: whole groups (the kernel's 8-byte loads), a partial last group
+// (cols % 4 == 0) and odd widths (one column at a time).
+TEST_F(CudaOps, QuantizeFp8GroupsMatchesTheCpuQuantizer) {
+  for (const int cols : {1536, 328, 330}) {
+    const int rows = 37, groups = (cols + 127) / 128;
+    Host x = random_bf16({rows, cols}, rng_, 3.0f);
+    std::vector<uint8_t> values(static_cast<size_t>(rows) * cols);
+    std::vector<float> scales(static_cast<size_t>(rows) * groups);
+    for (int r = 0; r < rows; ++r) {
+      Tensor row_values(DType::kF8E4M3, {1, cols}),
+          row_scales(DType::kF32, quant_scale_shape(QuantFormat::kFp8Block, 1, cols));
+      quantize_matrix(x.f32.data_as<float>() + int64_t{r} * cols,
+                      QuantizedTensor{QuantFormat::kFp8Block, row_values.view(), row_scales.view(), TensorView(), 0});
+      std::memcpy(values.data() + int64_t{r} * cols, row_values.data(), cols);
+      std::memcpy(scales.data() + int64_t{r} * groups, row_scales.data(), groups * sizeof(float));
+    }
+    DeviceTensor d_x = upload(x.bf16);
+    Output out = Output::make(values.size()), out_scales = Output::make(scales.size() * sizeof(float));
+    ASSERT_EQ(k::quantize_fp8_groups({d_x.data_as<bf16>(), out.get<uint8_t>(), out_scales.get<float>(), rows, cols},
+                                     nullptr),
+              cudaSuccess);
+    const std::vector<uint8_t> got = out.download(), got_scales = out_scales.download();
+    EXPECT_EQ(std::memcmp(got_scales.data(), scales.data(), got_scales.size()), 0) << "scales, " << cols << " columns";
+    EXPECT_EQ(std::memcmp(got.data(), values.data(), got.size()), 0) << "E4M3 values, " << cols << " columns";
+  }
 }
 
 TEST_F(CudaOps, QuantizeMxfp8MatchesTheCpuQuantizer) {

@@ -263,7 +263,11 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
       auto* base = static_cast<uint8_t*>(s.expert_rows.data());
       return std::pair{base, reinterpret_cast<float*>(base + (pairs * K + 15) / 16 * 16)};
     };
-    // One expert GEMM: quantize `in` [rows, K], then gate_up (gathered by sorted_token) or down (bf16 rows).
+    // fp8-block's gate_up quantizes its own output rows (out_scales) into
+    // act_fp8 and act_scales, the down GEMM's input.
+    const bool gate_up_quantizes = !b.mx_experts;
+    // One expert GEMM: quantize `in` [rows, K] (unless gate_up did), then gate_up
+    // (gathered by sorted_token) or down (bf16 rows).
     auto gemm = [&](const DeviceTensor& in, DeviceTensor& in_q, DeviceTensor& in_s, int rows, int K,
                     const int32_t* gather, const DeviceTensor& w, const DeviceTensor& w_scales, void* out,
                     int N, bool gate_up) -> Status {
@@ -277,8 +281,9 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
             s.stream));
         return Status::ok();
       }
-      MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows, K},
-                                        s.stream));
+      if (gate_up || !gate_up_quantizes)
+        MOE_LAUNCH(k::quantize_fp8_groups(
+            {in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows, K}, s.stream));
       const uint8_t* a = in_q.data_as<uint8_t>();
       const float* a_scales = in_s.data_as<float>();
       if (prefill_gemm && gather != nullptr) {  // the prefill kernel reads its rows permuted, contiguous
@@ -292,12 +297,12 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
       MOE_LAUNCH((prefill_gemm ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
           {a, a_scales, gather, w.data_as<uint8_t>(), w_scales.data_as<float>(),
            s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), out, N, K, E, max_tiles,
-           gate_up, 1, rows, !gate_up},
+           gate_up, 1, rows, !gate_up, gate_up && gate_up_quantizes ? s.act_scales.data_as<float>() : nullptr},
           s.stream));
       return Status::ok();
     };
     MOE_RETURN_IF_ERROR(gemm(s.normed, s.x_fp8, s.x_scales, T, H, s.sorted_token.data_as<int32_t>(), b.w13,
-                             b.w13_scales, s.act.data(), inter, true));
+                             b.w13_scales, gate_up_quantizes ? s.act_fp8.data() : s.act.data(), inter, true));
     return gemm(s.act, s.act_fp8, s.act_scales, T * topk, inter, nullptr, b.w2, b.w2_scales, s.expert_rows.data(), H,
                 false);
   };
@@ -489,15 +494,12 @@ Status CudaQwen3MoeModel::exchange_experts(const LayerBuffers& b, int num_tokens
     return internal_error("the expert exchange may bring {} rows; this model holds {}", r.max_rows,
                           s.expert_rows.shape()[0]);
   if (b.fp8_experts) {
-    MOE_LAUNCH(k::fp8_grouped_gemm({static_cast<const uint8_t*>(r.rows), r.row_scales, r.gather,
+    // gate_up quantizes its rows for down (the received rows' count stays on the device).
+    k::Fp8GroupedGemmParams gate_up{static_cast<const uint8_t*>(r.rows), r.row_scales, r.gather,
                                     b.w13.data_as<uint8_t>(), b.w13_scales.data_as<float>(), r.expert_offsets,
-                                    r.tile_offsets, s.act.data(), inter, H, E_local, r.max_tiles, true},
-                                   s.stream));
-    // The received rows' count stays on the device (expert_offsets[E_local]).
-    k::QuantizeFp8Params act{s.act.data_as<bf16>(), s.act_fp8.data_as<uint8_t>(),
-                             s.act_scales.data_as<float>(), r.max_rows, inter};
-    act.live_rows = r.expert_offsets + E_local;
-    MOE_LAUNCH(k::quantize_fp8_groups(act, s.stream));
+                                    r.tile_offsets, s.act_fp8.data(), inter, H, E_local, r.max_tiles, true};
+    gate_up.out_scales = s.act_scales.data_as<float>();
+    MOE_LAUNCH(k::fp8_grouped_gemm(gate_up, s.stream));
     MOE_LAUNCH(
         k::fp8_grouped_gemm({s.act_fp8.data_as<uint8_t>(), s.act_scales.data_as<float>(), nullptr,
                              b.w2.data_as<uint8_t>(), b.w2_scales.data_as<float>(), r.expert_offsets,

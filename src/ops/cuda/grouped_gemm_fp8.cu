@@ -10,14 +10,38 @@
 // GEMMs, which also keeps the tensor cores' reduced-precision FP8 accumulation
 // to 128 products.
 //
-// Algorithm: as grouped_gemm_wgmma.cu (persistent items of up to 64 permuted
-// rows x 256 weight rows, one producer warp), with K-steps of 128 (one scale
-// block, 128 bytes per row: the 128-byte swizzle), five stages, and two
-// consumer warpgroups of 128 weight rows each (gate_up: 64 gate + 64 up rows;
-// down: 128 output columns), so one's promotion runs under the other's MMAs
-// (ptxas serialises wgmma when a warpgroup reads one accumulator while another
-// of its MMAs is in flight). Per stage the producer also copies the tile's 64
-// activation scales and the weight scales into shared memory.
+// Algorithm: a persistent grid walks items of up to 64 permuted rows of one
+// expert x 512 weight rows; per item K goes through shared memory 128
+// columns at a time (one scale block, 128 bytes per row: the 128-byte
+// swizzle). Two consumer warpgroups multiply all 64 rows, each by 256 of the
+// weight rows (gate_up: 128 gate rows and the matching 128 up rows, so
+// SiLU-multiply runs on the accumulators; down: 256 output columns), one
+// half (128 rows, one 128 x 128 scale block) at a time: the MMAs go into a
+// partial m64n128 accumulator, which is then added to the m64n256 sum times
+// (activation scale x weight scale) while the other consumer's MMAs run
+// (ptxas serialises wgmma when a warpgroup reads one accumulator while
+// another of its MMAs is in flight). One producer warp fills two rings: per
+// K-step the activation rows (cp.async, gathered through sorted_token for
+// gate_up) and the step's scales, three steps deep; and per K-step and half
+// a slot of the two consumers' 128 weight rows each (the bulk tensor copy
+// engine), six slots deep, each freed as soon as both consumers' MMAs of
+// that half are done. Registers: the producer's warpgroup hands its own
+// down to 64 so the consumers hold 216 (no spills in any variant).
+//
+// gate_up's epilogue can write the down GEMM's input directly: each
+// consumer's 128 output columns are one 1 x 128 quantization group, so it
+// quantizes its SiLU-multiplied rows to E4M3 with their scales
+// (store_silu_mul_fp8_row, the bytes quantize_fp8_groups would make).
+//
+// Why 512 weight rows: both GEMMs keep the link between the H200's two L2
+// partitions (lts__ltcfabric2ltc) 91-94% busy already at 1 row per expert
+// (ncu, 2026-12-01), and every activation row re-read per column tile crosses
+// it again, so the 256-row items before these reached 84-91.5% of the copy
+// bandwidth at 64 rows per expert, by machine. Items of 512 rows read the
+// activation rows half as often: alternated with the 256-row kernel in one
+// call (2026-12-03), 64 rows per expert 0.627-0.628 ms (89.8-90.0%) against
+// 0.637-0.670 ms, 1 row 0.580 against 0.575 ms. One 72 KB stage ring three
+// deep had lost 3% at 1 row, hence the weight slots of half a step.
 //
 // MXFP8 (OCP MX: one E8M0 scale per 1 x 32 for weights and activations)
 // has no block-scaled MMA on Hopper, so the same kernel runs each 32-wide K
@@ -41,22 +65,27 @@
 namespace moe::ops::cuda {
 namespace {
 
-constexpr int kM = kGroupedGemmTileRows, kWeightRows = 256, kKStep = 128, kStages = 5;
+constexpr int kM = kGroupedGemmTileRows, kWeightRows = 512, kKStep = 128;
+constexpr int kSteps = 3;          // K-steps in flight: activation rows and scales
+constexpr int kSlots = 2 * kSteps;  // weight slots: one per K-step and half
+constexpr int kBoxRows = 128;       // a consumer's half: one box, one scale block
 constexpr int kThreads = 384;  // warpgroup 0: the producer (warp 0); warpgroups 1, 2: the consumers
-constexpr int kABytes = kM * 128, kBBytes = kWeightRows * 128;
-// Scales per stage: fp8-block 64 activation + 4 weight floats; MXFP8 4 E8M0
-// bytes (the stage's 128 columns) per activation row, then per weight row.
+constexpr int kABytes = kM * 128, kSlotBytes = 2 * kBoxRows * 128;  // a slot: consumer 0's box, then consumer 1's
+// Scales per K-step: fp8-block 64 activation + 4 weight floats (box 2 c + half);
+// MXFP8 4 E8M0 bytes (the step's 128 columns) per activation row, then per
+// weight row (consumer c's half h: rows (2 c + h) x 128 ..).
 template <bool kMx>
-constexpr int kScaleBytes = kMx ? 2048 : 1024;
+constexpr int kScaleBytes = kMx ? kM * 4 + kWeightRows * 4 : (kM + 4) * 4;
 [[maybe_unused]] constexpr int kMxActivationScaleBytes = kM * 4;  // used by sm_90a device code only
+constexpr int kABase = kSlots * kSlotBytes;
+constexpr int kScaleBase = kABase + kSteps * kABytes;
 template <bool kMx>
-constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes<kMx>;
+constexpr int kBarrierBase = kScaleBase + kSteps * kScaleBytes<kMx>;  // full, empty x (steps, slots)
 template <bool kMx>
-constexpr int kBarrierBase = kStages * kStageBytes<kMx>;
-template <bool kMx>
-constexpr int kOffsetsBase = kBarrierBase<kMx> + 2 * kStages * 8;  // then the item offsets (copy_item_offsets)
+constexpr int kOffsetsBase = kBarrierBase<kMx> + 2 * (kSteps + kSlots) * 8;  // then copy_item_offsets' offsets
 template <bool kMx>
 constexpr int kSmemBytes = kOffsetsBase<kMx> + 1024;  // + alignment slack
+static_assert(kSlotBytes % 1024 == 0 && kABytes % 1024 == 0, "tiles keep the swizzle atoms 1024-aligned");
 constexpr int kGroup = 128;  // fp8-block quantization group along K
 constexpr int kMxGroup = 32;  // MXFP8's
 
@@ -75,6 +104,7 @@ struct Fp8GemmArgs {
   int gate_block_rows;   // fp8-block gate_up: ceil(N / 128), where the up half's block rows start
   int k_splits;          // down only: K-steps split over this many items, each adding its share into `out`
   bool bf16_out = false;  // down only, k_splits 1: bf16 rows
+  float* out_scales = nullptr;  // gate_up, fp8-block only: E4M3 rows into `out`, their 1 x 128 scales here
 };
 
 // 2^(code - 127); code 0 is 2^-127 (a denormal), as the CPU reference reads it.
@@ -86,7 +116,7 @@ template <bool kGateUp, bool kMx>
 __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap weights,
                                                                        Fp8GemmArgs args) {
 #if MOE_SM90A_DEVICE
-  constexpr int kStageSize = kStageBytes<kMx>, kBarriers = kBarrierBase<kMx>;
+  constexpr int kBarriers = kBarrierBase<kMx>;
   const Fp8GemmArgs& p = args;
   const int num_items = p.tile_offsets[p.num_experts] * args.num_n_tiles * args.k_splits;
   const int num_k_steps = (p.K + kKStep - 1) / kKStep;
@@ -94,24 +124,31 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
   const int columns_per_tile = kGateUp ? kWeightRows / 2 : kWeightRows;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t smem = (smem_u32(smem_raw) + 1023) & ~1023u;  // swizzle atoms are 1024-aligned
-  auto a_tile = [&](int stage) { return smem + stage * kStageSize; };
-  auto b_tile = [&](int stage) { return a_tile(stage) + kABytes; };
-  auto scale_tile = [&](int stage) { return b_tile(stage) + kBBytes; };  // activation, then weight scales
-  auto full = [&](int stage) { return smem + kBarriers + stage * 8; };
-  auto empty = [&](int stage) { return smem + kBarriers + (kStages + stage) * 8; };
+  auto slot_tile = [&](int slot) { return smem + slot * kSlotBytes; };
+  auto a_tile = [&](int step) { return smem + kABase + step * kABytes; };
+  auto scale_tile = [&](int step) { return smem + kScaleBase + step * kScaleBytes<kMx>; };  // activation, then weight
+  auto step_full = [&](int step) { return smem + kBarriers + step * 8; };
+  auto step_empty = [&](int step) { return smem + kBarriers + (kSteps + step) * 8; };
+  auto slot_full = [&](int slot) { return smem + kBarriers + (2 * kSteps + slot) * 8; };
+  auto slot_empty = [&](int slot) { return smem + kBarriers + (2 * kSteps + kSlots + slot) * 8; };
   const int warp_id = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const ItemOffsets offsets =
       copy_item_offsets(reinterpret_cast<int32_t*>(smem_raw + (smem + kOffsetsBase<kMx> - smem_u32(smem_raw))),
                         p.expert_offsets, p.tile_offsets, p.num_experts);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(full(s), 1 + 32);  // the expect-tx arrival + the producer lanes' cp.async arrivals
-      mbarrier_init(empty(s), 8);      // one per consumer warp
+    for (int s = 0; s < kSteps; ++s) {
+      mbarrier_init(step_full(s), 32);  // the producer lanes' cp.async arrivals
+      mbarrier_init(step_empty(s), 8);  // one per consumer warp
+    }
+    for (int s = 0; s < kSlots; ++s) {
+      mbarrier_init(slot_full(s), 1);  // the expect-tx arrival
+      mbarrier_init(slot_empty(s), 8);
     }
   }
   __syncthreads();
 
   if (warp_id < 4) {
+    setmaxnreg_dec<64>();
     if (warp_id != 0) return;
     // Producer warp. Lane l holds the source rows l and l + 32 (-1: past the tile).
     int step = 0;
@@ -125,153 +162,191 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
         const int r = lane + 32 * h;
         source[h] = r >= item.rows ? -1 : kGateUp ? p.sorted_token[item.row0 + r] : item.row0 + r;
       }
-      // The four 64-row weight boxes: consumer c reads boxes 2c, 2c + 1 (gate_up:
-      // gate rows n0 + 64c.., up rows n0 + 64c..; down: rows n0 + 128c..), and
-      // the scale blocks of its columns < 64 and >= 64.
+      // Box b = 2 c + half: consumer c's weight rows of that half (gate_up:
+      // half 0 the gate rows of output columns n0 + 128 c .. + 127, half 1
+      // the matching up rows; down: output columns n0 + 128 b ..), each within
+      // one 128-row scale block. Boxes past the expert's rows load finite
+      // values whose columns the stores drop (past the whole tensor: zeros).
       const int rows_per_expert = kGateUp ? 2 * p.N : p.N;
       const int base = item.expert * rows_per_expert + item.n0;
-      auto box_row = [&](int box) { return kGateUp ? base + (box & 1) * p.N + (box >> 1) * 64 : base + box * 64; };
-      const int blocks_per_expert = kGateUp ? 2 * args.gate_block_rows : (p.N + 127) / 128;
-      const int64_t first_block = static_cast<int64_t>(item.expert) * blocks_per_expert;
-      int64_t scale_row[4];
-      if constexpr (kMx) {
-      } else if (kGateUp) {
-        scale_row[0] = scale_row[2] = first_block + item.n0 / 128;
-        scale_row[1] = scale_row[3] = first_block + args.gate_block_rows + item.n0 / 128;
-      } else {
-        scale_row[0] = scale_row[1] = first_block + item.n0 / 128;
-        scale_row[2] = scale_row[3] = first_block + min(item.n0 / 128 + 1, blocks_per_expert - 1);
+      auto box_row = [&](int box) {
+        return kGateUp ? base + (box & 1) * p.N + (box >> 1) * kBoxRows : base + box * kBoxRows;
+      };
+      // fp8-block: lane b < 4 copies box b's weight scale.
+      int64_t scale_row = 0;
+      if constexpr (!kMx) {
+        const int box = min(lane, 3);
+        if (kGateUp) {
+          scale_row = static_cast<int64_t>(item.expert) * 2 * args.gate_block_rows + (box & 1) * args.gate_block_rows +
+                      min((item.n0 + (box >> 1) * kBoxRows) / 128, args.gate_block_rows - 1);
+        } else {
+          const int blocks_per_expert = (p.N + 127) / 128;
+          scale_row = static_cast<int64_t>(item.expert) * blocks_per_expert +
+                      min((item.n0 + box * kBoxRows) / 128, blocks_per_expert - 1);
+        }
       }
       for (int ks = ks_begin; ks < ks_end; ++ks, ++step) {
-        const int stage = step % kStages;
-        if (step >= kStages) mbarrier_wait(empty(stage), ((step / kStages) - 1) & 1);
-        if (lane == 0) {
-          mbarrier_arrive_expect_tx(full(stage), kBBytes);
+        const int s = step % kSteps, phase = ((step / kSteps) - 1) & 1;
+        // Half 0's weights as soon as its slot is free, then the step's rows and
+        // scales, then half 1's weights (their slots free together).
+        auto load_half = [&](int half) {
+          const int slot = 2 * s + half;
+          if (step >= kSteps) mbarrier_wait(slot_empty(slot), phase);
+          if (lane == 0) {
+            mbarrier_arrive_expect_tx(slot_full(slot), kSlotBytes);
 #pragma unroll
-          for (int box = 0; box < 4; ++box)
-            tma_load_2d(b_tile(stage) + box * (kBBytes / 4), &weights, ks * kKStep, box_row(box), full(stage));
-        }
+            for (int c = 0; c < 2; ++c)
+              tma_load_2d(slot_tile(slot) + c * (kSlotBytes / 2), &weights, ks * kKStep, box_row(2 * c + half),
+                          slot_full(slot));
+          }
+        };
+        load_half(0);
+        if (step >= kSteps) mbarrier_wait(step_empty(s), phase);
 #pragma unroll
         for (int i = 0; i < kM * 8 / 32; ++i) {
           const int r = 4 * i + (lane >> 3), chunk = lane & 7, column = ks * kKStep + chunk * 16;
           const int64_t row = __shfl_sync(0xffffffffu, source[i / 8], r & 31);
           const bool valid = row >= 0 && column < p.K;
-          cp_async_16(a_tile(stage) + sw128_offset(r, chunk), valid ? p.a + row * p.K + column : p.a, valid);
+          cp_async_16(a_tile(s) + sw128_offset(r, chunk), valid ? p.a + row * p.K + column : p.a, valid);
         }
         if constexpr (kMx) {
-          // The stage's 4 E8M0 bytes of activation rows lane, lane + 32, then of
-          // the 256 weight rows in shared-memory order (rows past the weights: zero).
+          // The step's 4 E8M0 bytes of activation rows lane, lane + 32, then of
+          // the 512 weight rows by box (rows past the weights: zero).
           const auto* a_scales = static_cast<const uint8_t*>(p.a_scales);
           const auto* w_scales = static_cast<const uint8_t*>(p.w_scales);
           const int64_t weight_rows = static_cast<int64_t>(p.num_experts) * rows_per_expert;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const bool valid = source[h] >= 0;
-            cp_async_4(scale_tile(stage) + (lane + 32 * h) * 4,
+            cp_async_4(scale_tile(s) + (lane + 32 * h) * 4,
                        a_scales + (valid ? source[h] * args.scale_cols + ks * 4 : 0), valid);
           }
+#pragma unroll 1  // (unrolled, all rows' addresses stay live across the K loop: producer spills)
+          for (int box = 0; box < 4; ++box)
 #pragma unroll
-          for (int i = 0; i < kWeightRows / 32; ++i) {
-            const int j = lane + 32 * i;
-            const int64_t y = box_row(j / 64) + j % 64;
-            cp_async_4(scale_tile(stage) + kMxActivationScaleBytes + j * 4,
-                       w_scales + (y < weight_rows ? y * args.scale_cols + ks * 4 : 0), y < weight_rows);
-          }
+            for (int i = 0; i < kBoxRows / 32; ++i) {
+              const int64_t y = box_row(box) + lane + 32 * i;
+              cp_async_4(scale_tile(s) + kMxActivationScaleBytes + (box * kBoxRows + lane + 32 * i) * 4,
+                         w_scales + (y < weight_rows ? y * args.scale_cols + ks * 4 : 0), y < weight_rows);
+            }
         } else {
-          // Activation rows lane and lane + 32, then the two weight blocks of each consumer.
+          // Activation rows lane and lane + 32, then the four boxes' weight scales.
           const auto* a_scales = static_cast<const float*>(p.a_scales);
           const auto* w_scales = static_cast<const float*>(p.w_scales);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const bool valid = source[h] >= 0;
-            cp_async_4(scale_tile(stage) + (lane + 32 * h) * 4,
+            cp_async_4(scale_tile(s) + (lane + 32 * h) * 4,
                        a_scales + (valid ? source[h] * args.scale_cols + ks : 0), valid);
           }
-          if (lane < 4) {
-            const int64_t row = lane == 0 ? scale_row[0] : lane == 1 ? scale_row[1] : lane == 2 ? scale_row[2] : scale_row[3];
-            cp_async_4(scale_tile(stage) + (64 + lane) * 4, w_scales + row * args.scale_cols + ks, true);
-          }
+          if (lane < 4) cp_async_4(scale_tile(s) + (kM + lane) * 4, w_scales + scale_row * args.scale_cols + ks, true);
         }
-        mbarrier_arrive_cp_async(full(stage));
+        mbarrier_arrive_cp_async(step_full(s));
+        load_half(1);
       }
     }
     cp_async_wait_group<0>();
     return;
   }
 
-  // Consumer warpgroup c: rows 16 w + g (+ 8) of the tile, columns 8 i + 2 q (+ 1) of its 128 weight rows.
+  setmaxnreg_inc<216>();
+  // Consumer warpgroup c: rows 16 w + g (+ 8) of the tile; accumulator column
+  // 8 i + 2 q (+ 1) is its weight row 8 i + 2 q (+ 1) (half 0's box, then half 1's).
   const int consumer = (warp_id >> 2) - 1, warp = warp_id & 3, g = lane >> 2, q = lane & 3;
-  float acc[64], part[64];
+  float acc[128], part[64];
   int step = 0;
   for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
     const GemmItem item = grouped_gemm_item(offsets.expert_offsets, offsets.tile_offsets, p.num_experts, index / args.k_splits,
                                             args.num_n_tiles, columns_per_tile);
     const int ks_begin = index % args.k_splits * split_steps, ks_end = min(num_k_steps, ks_begin + split_steps);
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     for (int ks = ks_begin; ks < ks_end; ++ks, ++step) {
-      const int stage = step % kStages;
-      mbarrier_wait(full(stage), (step / kStages) & 1);
+      const int s = step % kSteps, phase = (step / kSteps) & 1;
+      mbarrier_wait(step_full(s), phase);
       fence_proxy_async_shared();  // the A rows came through cp.async (generic proxy)
-      const unsigned char* scale_bytes = smem_raw + (scale_tile(stage) - smem_u32(smem_raw));
-      auto mma = [&](int kk, bool accumulate) {
-        wgmma_m64n128k32_e4m3_ss(part, sw128_descriptor(a_tile(stage) + kk * 32, 16, 1024),
-                                 sw128_descriptor(b_tile(stage) + consumer * (kBBytes / 2) + kk * 32, 16, 1024),
-                                 accumulate);
+      const unsigned char* scale_bytes = smem_raw + (scale_tile(s) - smem_u32(smem_raw));
+      // Half h: wait for its weights, start its MMAs (kk: the 32-wide K slices, into `part`).
+      auto mma = [&](int half, int kk, bool accumulate) {
+        wgmma_m64n128k32_e4m3_ss(
+            part, sw128_descriptor(a_tile(s) + kk * 32, 16, 1024),
+            sw128_descriptor(slot_tile(2 * s + half) + consumer * (kSlotBytes / 2) + kk * 32, 16, 1024), accumulate);
+      };
+      // A half's slot is free once its last MMA completes; the step's rows and
+      // scales once half 1's MMAs completed and the scales were read.
+      auto release_slot = [&](int half) {
+        if (lane == 0) mbarrier_arrive(slot_empty(2 * s + half));
+      };
+      auto release_step = [&] {
+        if (lane == 0) mbarrier_arrive(step_empty(s));
       };
       if constexpr (kMx) {
         // One 32-wide slice at a time: acc += part x activation scale (row) x weight scale (column).
 #pragma unroll
-        for (int kk = 0; kk < kKStep / kMxGroup; ++kk) {
+        for (int half = 0; half < 2; ++half) {
+          mbarrier_wait(slot_full(2 * s + half), phase);
+#pragma unroll
+          for (int kk = 0; kk < kKStep / kMxGroup; ++kk) {
+            wgmma_fence();
+            mma(half, kk, false);
+            wgmma_commit_group();
+            wgmma_wait_group<0>();
+            if (kk == kKStep / kMxGroup - 1) release_slot(half);
+            float a_scale[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) a_scale[h] = e8m0_to_float(scale_bytes[(warp * 16 + g + 8 * h) * 4 + kk]);
+#pragma unroll
+            for (int i = 0; i < 16; ++i)
+#pragma unroll
+              for (int j = 0; j < 2; ++j) {
+                const int column = (2 * consumer + half) * kBoxRows + 8 * i + 2 * q + j;
+                const float w_scale = e8m0_to_float(scale_bytes[kMxActivationScaleBytes + column * 4 + kk]);
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                  acc[64 * half + 4 * i + 2 * h + j] += part[4 * i + 2 * h + j] * a_scale[h] * w_scale;
+              }
+          }
+        }
+        release_step();
+      } else {
+        const float* scales = reinterpret_cast<const float*>(scale_bytes);
+        const float a_scale[2] = {scales[warp * 16 + g], scales[warp * 16 + g + 8]};
+        const float w_scale[2] = {scales[kM + 2 * consumer], scales[kM + 2 * consumer + 1]};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          mbarrier_wait(slot_full(2 * s + half), phase);
           wgmma_fence();
-          mma(kk, false);
+#pragma unroll
+          for (int kk = 0; kk < kKStep / 32; ++kk) mma(half, kk, kk > 0);
           wgmma_commit_group();
           wgmma_wait_group<0>();
-          float a_scale[2];
+          release_slot(half);
+          if (half == 1) release_step();  // the scales are in registers
+          const float row_scale[2] = {a_scale[0] * w_scale[half], a_scale[1] * w_scale[half]};
 #pragma unroll
-          for (int h = 0; h < 2; ++h) a_scale[h] = e8m0_to_float(scale_bytes[(warp * 16 + g + 8 * h) * 4 + kk]);
-#pragma unroll
-          for (int i = 0; i < 16; ++i)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int column = consumer * 128 + 8 * i + 2 * q + j;
-              const float w_scale = e8m0_to_float(scale_bytes[kMxActivationScaleBytes + column * 4 + kk]);
-#pragma unroll
-              for (int h = 0; h < 2; ++h) acc[4 * i + 2 * h + j] += part[4 * i + 2 * h + j] * a_scale[h] * w_scale;
-            }
+          for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i] * row_scale[(i >> 1) & 1];
         }
-        if (lane == 0) mbarrier_arrive(empty(stage));
-      } else {
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kKStep / 32; ++kk) mma(kk, kk > 0);
-        wgmma_commit_group();
-        wgmma_wait_group<0>();
-        const float* scales = reinterpret_cast<const float*>(scale_bytes);
-        float row_scale[2][2];  // [row half][weight block: columns < 64 or >= 64]
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float a_scale = scales[warp * 16 + g + 8 * h];
-          row_scale[h][0] = a_scale * scales[64 + 2 * consumer];
-          row_scale[h][1] = a_scale * scales[65 + 2 * consumer];
-        }
-        if (lane == 0) mbarrier_arrive(empty(stage));
-#pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] += part[i] * row_scale[(i >> 1) & 1][i >= 32];
       }
     }
+    const int n_base = item.n0 + consumer * (kGateUp ? kBoxRows : 2 * kBoxRows);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = warp * 16 + g + 8 * h;
       const bool live = r < item.rows;  // every lane calls the stores (they shuffle within quads)
       if constexpr (kGateUp) {
-        store_silu_mul_row<8>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
-                              item.n0 + 64 * consumer, p.N, h, q, live);
+        const int64_t row = item.row0 + r;
+        if (!kMx && args.out_scales != nullptr) {
+          store_silu_mul_fp8_row(static_cast<uint8_t*>(p.out) + row * p.N,
+                                 args.out_scales + row * args.gate_block_rows + n_base / 128, acc, n_base, p.N, h, q,
+                                 live);
+        } else {
+          store_silu_mul_row<16>(static_cast<bf16*>(p.out) + row * p.N, acc, n_base, p.N, h, q, live);
+        }
       } else if (args.k_splits > 1) {
-        add_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc,
-                    item.n0 + 128 * consumer, p.N, h, q, live);
+        add_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc, n_base, p.N, h, q,
+                    live);
       } else {
-        store_down_row(p.out, args.bf16_out, item.row0 + r, p.N, acc, item.n0 + 128 * consumer, h, q, live);
+        store_down_row(p.out, args.bf16_out, item.row0 + r, p.N, acc, n_base, h, q, live);
       }
     }
   }
@@ -365,11 +440,12 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& args, const void* w, int max_tile
   if (args.K % (kMx ? 128 : 16) != 0) return cudaErrorInvalidValue;
   if (args.k_splits < 1 || (gate_up && args.k_splits > 1)) return cudaErrorInvalidValue;
   if (args.bf16_out && args.k_splits > 1) return cudaErrorInvalidValue;  // the split shares add up in f32
+  if (args.out_scales != nullptr && (kMx || !gate_up || args.N % 16 != 0)) return cudaErrorInvalidValue;
   if (max_tiles == 0) return cudaSuccess;
   const uint64_t weight_rows = static_cast<uint64_t>(args.num_experts) * (gate_up ? 2 * args.N : args.N);
   CUtensorMap map;
   cudaError_t error = make_tensor_map_2d(&map, w, 1, weight_rows, args.K, static_cast<uint64_t>(args.K),
-                                         kWeightRows / 4, kKStep);
+                                         kBoxRows, kKStep);
   if (error != cudaSuccess) return error;
   const int blocks = std::min(multiprocessor_count(), args.num_n_tiles * max_tiles * args.k_splits);
   auto kernel = gate_up ? fp8_grouped_gemm_kernel<true, kMx> : fp8_grouped_gemm_kernel<false, kMx>;
@@ -391,17 +467,21 @@ int fp8_gemm_k_splits(int N, int K, int row_tiles) {
   const int items = fp8_n_tiles(N, false) * row_tiles, steps = (K + kKStep - 1) / kKStep;
   const int sms = multiprocessor_count();
   if (steps < 8) return 1;
-  if (items * 2 > sms) {
-    // Past half a wave: two splits only where they end a badly filled last
-    // wave, for a fifth less time (qkv at 256 tokens: 144 items on 132 SMs).
-    auto waves = [&](int n) { return (n + sms - 1) / sms; };
-    return waves(2 * items) * ((steps + 1) / 2) * 5 < waves(items) * steps * 4 ? 2 : 1;
+  // Each split at least 4 K-steps (512 columns). The time goes as the waves
+  // of items times the K-steps per item; every split adds atomics, so take
+  // the fewest splits within 10% of the best (qkv at 256 tokens without
+  // cuBLASLt: 72 items on 132 SMs, 3 splits).
+  auto cost = [&](int splits) {
+    return static_cast<int64_t>((items * splits + sms - 1) / sms) * ((steps + splits - 1) / splits);
+  };
+  int64_t best = cost(1);
+  for (int splits = 2; splits <= steps / 4; ++splits) best = std::min(best, cost(splits));
+  for (int splits = 1;; ++splits) {
+    if (cost(splits) * 10 <= best * 11) {
+      const int split_steps = (steps + splits - 1) / splits;
+      return (steps + split_steps - 1) / split_steps;  // none empty
+    }
   }
-  // As many items as fit one wave, each split at least 4 K-steps (512
-  // columns), then as many splits as that many steps each needs (none empty).
-  const int wanted = std::min(sms / items, steps / 4);
-  const int split_steps = (steps + wanted - 1) / wanted;
-  return (steps + split_steps - 1) / split_steps;
 }
 
 cudaError_t quantize_fp8_groups(const QuantizeFp8Params& p, cudaStream_t stream) {
@@ -426,6 +506,7 @@ cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream)
                    p.K, p.num_experts, fp8_n_tiles(p.N, p.gate_up), (p.K + kGroup - 1) / kGroup,
                    (p.N + 127) / 128, p.k_splits};
   args.bf16_out = p.bf16_out;
+  args.out_scales = p.out_scales;
   return launch_fp8_gemm<false>(args, p.w, p.max_tiles, p.gate_up, stream);
 }
 

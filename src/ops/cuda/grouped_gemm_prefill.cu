@@ -133,21 +133,31 @@ struct PrefillArgs {
   int scale_cols;       // ceil(K / 128)
   int gate_block_rows;  // gate_up: ceil(N / 128), where the up half's scale block rows start
   bool bf16_out;        // down: bf16 rows
+  float* out_scales;    // FP8 gate_up: E4M3 rows into `out`, their 1 x 128 scales here (store_silu_mul_fp8_row)
 };
 
 // The epilogue of a consumer thread: its tile rows `row` and `row + 8` (those
-// the item has; the whole warp runs it) from the accumulator, SiLU-multiplied to bf16 (gate_up) or as
-// they are (down: f32, or bf16 with bf16_out).
-template <bool kGateUp, int kSize>
+// the item has; the whole warp runs it) from the accumulator, SiLU-multiplied to bf16 (gate_up; FP8 with
+// out_scales: E4M3) or as they are (down: f32, or bf16 with bf16_out).
+template <bool kGateUp, bool kFp8, int kSize>
 __device__ __forceinline__ void store_rows(const PrefillArgs& p, const GemmItem& item,
                                            const float (&acc)[kSize], int row, int q) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = row + 8 * h;
     const bool live = r < item.rows;  // every lane calls the stores (they shuffle within quads)
+    const int64_t out_row = item.row0 + r;
+    if constexpr (kGateUp && kFp8) {
+      static_assert(kSize == 128, "an FP8 gate_up item's 128 output columns are one quantization group");
+      if (p.out_scales != nullptr) {
+        store_silu_mul_fp8_row(static_cast<uint8_t*>(p.out) + out_row * p.N,
+                               p.out_scales + out_row * p.gate_block_rows + item.n0 / 128, acc, item.n0, p.N, h, q,
+                               live);
+        continue;
+      }
+    }
     if constexpr (kGateUp) {
-      store_silu_mul_row<kSize / 8>(static_cast<bf16*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N,
-                                    acc, item.n0, p.N, h, q, live);
+      store_silu_mul_row<kSize / 8>(static_cast<bf16*>(p.out) + out_row * p.N, acc, item.n0, p.N, h, q, live);
     } else {
       store_down_row(p.out, p.bf16_out, item.row0 + r, p.N, acc, item.n0, h, q, live);
     }
@@ -343,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         wgmma_wait_group<0>();
         release((step - 1) % T::kStages);
-        if (!idle) store_rows<kGateUp>(p, item, acc, consumer * 64 + warp * 16 + g, q);
+        if (!idle) store_rows<kGateUp, kFp8>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }
     } else {
       // Per 128-wide K block (one scale block) and half of the weight rows,
@@ -427,7 +437,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             k_step(step % T::kStages, ks + 1 < num_k_steps, (step + 1) % T::kStages,
                    ((step + 1) / T::kStages) & 1, ks == 0 ? index + num_clusters : -1);
         }
-        if (!idle) store_rows<kGateUp>(p, item, acc, consumer * 64 + warp * 16 + g, q);
+        if (!idle) store_rows<kGateUp, kFp8>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }
     }
   }
@@ -544,7 +554,9 @@ cudaError_t wgmma_grouped_gemm_prefill(const GroupedGemmParams& p, cudaStream_t 
 
 cudaError_t fp8_grouped_gemm_prefill(const Fp8GroupedGemmParams& p, cudaStream_t stream) {
   if (p.k_splits != 1 || p.sorted_token != nullptr) return cudaErrorInvalidValue;
+  if (p.out_scales != nullptr && (!p.gate_up || p.N % 16 != 0)) return cudaErrorInvalidValue;
   PrefillArgs args = prefill_args(p, Tile<true>::kWeightRows);
+  args.out_scales = p.out_scales;
   args.a_scales = p.a_scales, args.w_scales = p.w_scales;
   args.scale_cols = (p.K + 127) / 128, args.gate_block_rows = (p.N + 127) / 128;
   return launch_prefill_gemm<true>(args, p.a, p.a_rows, p.w, p.max_tiles, p.gate_up, stream);

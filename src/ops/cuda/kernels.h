@@ -214,10 +214,14 @@ struct Fp8GroupedGemmParams {
   int k_splits = 1;
   int a_rows = 0;  // the *_prefill kernels, as in GroupedGemmParams
   bool bf16_out = false;  // as in GroupedGemmParams (k_splits must be 1)
+  // gate_up only (N a multiple of 16): `out` gets the rows
+  // in E4M3 [num_rows, N] and this their scales [num_rows, ceil(N / 128)],
+  // the bytes quantize_fp8_groups makes of the bf16 rows (the down GEMM's input).
+  float* out_scales = nullptr;
 };
 cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream);
-// The k_splits that gives a down GEMM of N columns, K deep and `row_tiles`
-// row tiles at most one wave of items (1 when its tiles already fill half the GPU).
+// The k_splits for a down GEMM of N columns, K deep and `row_tiles` row
+// tiles: the fewest within 10% of the best waves-of-items x K-steps-per-item.
 int fp8_gemm_k_splits(int N, int K, int row_tiles);
 
 // MXFP8 (OCP MX v1.0, ops/quant.h): E4M3 values and one E8M0 scale byte
