@@ -77,21 +77,26 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_vec_kernel(AddRmsNo
   }
 }
 
-// Block (token, group of kRopeWarps heads), a warp per head: head <
-// num_q_heads is a q head, then the k heads, then the v heads. The block
+// Block (token, group of heads), a warp per head of the group in turn: head
+// < num_q_heads is a q head, then the k heads, then the v heads. The block
 // first computes the token's rotation (cos, sin per frequency) into shared
-// memory; a q or k warp then reduces its head's sum of squares with shuffles,
-// keeps the normalised row in its own shared-memory row (the rotation pairs
-// element d with d +- head_dim / 2) and writes the rotated row. (A block per
+// memory; a q or k warp then reduces its head's sum of squares with shuffles
+// and writes the rotated row. With head_dim 128 (every Qwen3 MoE model) a
+// lane holds 4 consecutive elements (8-byte loads and stores) and takes the
+// rotation's partner (d +- 64) from lane +- 16; other sizes go through the
+// warp's shared-memory row. Decode batches take groups of kRopeWarps heads
+// (many blocks for few tokens); prefill ones all of a token's heads in one
+// block (its rotation computed once, not once per group). (A block per
 // (token, head) of head_dim threads, each with its own cosf and sinf and a
 // block-wide reduction, took 29 us per decode layer at batch 256 and ~10x its
-// bytes; H200, 2026-12-03.)
+// bytes; groups of 8 heads 137 us for 4096 prefill tokens, ~1.2 TB/s; H200,
+// 2026-12-03.)
 constexpr int kRopeWarps = 8;
 
-__global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kv_kernel(QkNormRopeKvParams p) {
+__global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kv_kernel(QkNormRopeKvParams p, int heads_per_block) {
   extern __shared__ float rope_smem[];  // cos [half], sin [half], then a [head_dim] row per warp
   const int t = blockIdx.x, D = p.head_dim, half = D / 2, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int head = blockIdx.y * kRopeWarps + warp, num_heads = p.num_q_heads + 2 * p.num_kv_heads;
+  const int num_heads = p.num_q_heads + 2 * p.num_kv_heads;
   const int pos = p.positions[t];
   float* cos_table = rope_smem;
   float* sin_table = rope_smem + half;
@@ -102,38 +107,79 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kv_kernel(QkNorm
     sin_table[i] = sn * p.attention_factor;
   }
   __syncthreads();
-  if (head >= num_heads) return;
-  const bf16* x = p.qkv + static_cast<int64_t>(t) * num_heads * D + static_cast<int64_t>(head) * D;
-  const bool is_q = head < p.num_q_heads, is_k = !is_q && head < p.num_q_heads + p.num_kv_heads;
-  int64_t kv_row = 0;  // k / v: the token's row of the head in its page
-  if (!is_q) {
-    const int seq = p.token_seq[t];
-    const int page = p.page_table[seq * p.max_pages_per_seq + pos / p.page_size];
-    const int kv_head = head - p.num_q_heads - (is_k ? 0 : p.num_kv_heads);
-    kv_row = ((static_cast<int64_t>(page) * p.num_kv_heads + kv_head) * p.page_size + pos % p.page_size) * D;
-  }
-  if (!is_q && !is_k) {  // v: stored as is
-    for (int d = lane; d < D; d += 32) p.v_pages[kv_row + d] = x[d];
-    return;
-  }
-  float* row = rope_smem + D + warp * D;
-  float sum_squares = 0.0f;
-  for (int d = lane; d < D; d += 32) {
-    const float v = __bfloat162float(x[d]);
-    row[d] = v;
-    sum_squares += v * v;
-  }
-  for (int offset = 16; offset > 0; offset >>= 1) sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
-  const float inv_rms = rsqrtf(sum_squares / static_cast<float>(D) + p.eps);
-  const bf16* weight = is_q ? p.q_norm : p.k_norm;
-  for (int d = lane; d < D; d += 32) row[d] = __bfloat162float(weight[d]) * (row[d] * inv_rms);
-  __syncwarp();
-  bf16* out = is_q ? p.q_out + (static_cast<int64_t>(t) * p.num_q_heads + head) * D : p.k_pages + kv_row;
-  for (int d = lane; d < D; d += 32) {
-    const int i = d < half ? d : d - half;
-    const float rotated = d < half ? row[d] * cos_table[i] - row[d + half] * sin_table[i]
-                                   : row[d] * cos_table[i] + row[d - half] * sin_table[i];
-    out[d] = __float2bfloat16(rotated);
+  const int first_head = blockIdx.y * heads_per_block, end_head = min(num_heads, first_head + heads_per_block);
+  // The token's row of kv head 0 in its page, in elements (head h adds h * page_size * D); read once per warp.
+  int64_t kv_base = -1;
+  for (int head = first_head + warp; head < end_head; head += kRopeWarps) {
+    const bf16* x = p.qkv + static_cast<int64_t>(t) * num_heads * D + static_cast<int64_t>(head) * D;
+    const bool is_q = head < p.num_q_heads, is_k = !is_q && head < p.num_q_heads + p.num_kv_heads;
+    int64_t kv_row = 0;
+    if (!is_q) {
+      if (kv_base < 0) {
+        const int page = p.page_table[p.token_seq[t] * p.max_pages_per_seq + pos / p.page_size];
+        kv_base = (static_cast<int64_t>(page) * p.num_kv_heads * p.page_size + pos % p.page_size) * D;
+      }
+      const int kv_head = head - p.num_q_heads - (is_k ? 0 : p.num_kv_heads);
+      kv_row = kv_base + static_cast<int64_t>(kv_head) * p.page_size * D;
+    }
+    const bf16* weight = is_q ? p.q_norm : p.k_norm;
+    bf16* out = is_q ? p.q_out + (static_cast<int64_t>(t) * p.num_q_heads + head) * D
+                     : (is_k ? p.k_pages : p.v_pages) + kv_row;
+    if (D == 128) {
+      const int d0 = 4 * lane;
+      const uint2 raw = *reinterpret_cast<const uint2*>(x + d0);
+      if (!is_q && !is_k) {  // v: stored as is
+        *reinterpret_cast<uint2*>(out + d0) = raw;
+        continue;
+      }
+      const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      const float v[4] = {x01.x, x01.y, x23.x, x23.y};
+      float sum_squares = v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3];
+      for (int offset = 16; offset > 0; offset >>= 1) sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
+      const float inv_rms = rsqrtf(sum_squares / static_cast<float>(D) + p.eps);
+      const uint2 w = *reinterpret_cast<const uint2*>(weight + d0);
+      const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+      const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+      const float normed[4] = {w01.x * (v[0] * inv_rms), w01.y * (v[1] * inv_rms), w23.x * (v[2] * inv_rms),
+                               w23.y * (v[3] * inv_rms)};
+      const float4 cs = *reinterpret_cast<const float4*>(cos_table + (d0 & 63));
+      const float4 sn = *reinterpret_cast<const float4*>(sin_table + (d0 & 63));
+      const float cos4[4] = {cs.x, cs.y, cs.z, cs.w}, sin4[4] = {sn.x, sn.y, sn.z, sn.w};
+      float rotated[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float partner = __shfl_xor_sync(0xffffffffu, normed[j], 16);  // element d0 + j -+ 64
+        rotated[j] = lane < 16 ? normed[j] * cos4[j] - partner * sin4[j] : normed[j] * cos4[j] + partner * sin4[j];
+      }
+      const __nv_bfloat162 o01 = __floats2bfloat162_rn(rotated[0], rotated[1]);
+      const __nv_bfloat162 o23 = __floats2bfloat162_rn(rotated[2], rotated[3]);
+      *reinterpret_cast<uint2*>(out + d0) =
+          make_uint2(*reinterpret_cast<const uint32_t*>(&o01), *reinterpret_cast<const uint32_t*>(&o23));
+      continue;
+    }
+    if (!is_q && !is_k) {  // v: stored as is
+      for (int d = lane; d < D; d += 32) out[d] = x[d];
+      continue;
+    }
+    float* row = rope_smem + D + warp * D;
+    float sum_squares = 0.0f;
+    for (int d = lane; d < D; d += 32) {
+      const float v = __bfloat162float(x[d]);
+      row[d] = v;
+      sum_squares += v * v;
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
+    const float inv_rms = rsqrtf(sum_squares / static_cast<float>(D) + p.eps);
+    for (int d = lane; d < D; d += 32) row[d] = __bfloat162float(weight[d]) * (row[d] * inv_rms);
+    __syncwarp();
+    for (int d = lane; d < D; d += 32) {
+      const int i = d < half ? d : d - half;
+      const float rotated = d < half ? row[d] * cos_table[i] - row[d + half] * sin_table[i]
+                                     : row[d] * cos_table[i] + row[d - half] * sin_table[i];
+      out[d] = __float2bfloat16(rotated);
+    }
+    __syncwarp();  // the row is the warp's next head's
   }
 }
 
@@ -245,10 +291,18 @@ cudaError_t add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream) {
 cudaError_t qk_norm_rope_kv(const QkNormRopeKvParams& p, cudaStream_t stream) {
   if (p.head_dim % 2 != 0 || p.head_dim > 1024 || p.head_dim < 2) return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
-  const dim3 grid(p.num_tokens, (p.num_q_heads + 2 * p.num_kv_heads + kRopeWarps - 1) / kRopeWarps);
+  // Groups of kRopeWarps heads while the grid has fewer than ~16 blocks per
+  // SM; past that, fewer, larger groups (one per token from ~2,100 tokens on
+  // an H200).
+  const int num_heads = p.num_q_heads + 2 * p.num_kv_heads, groups = (num_heads + kRopeWarps - 1) / kRopeWarps;
+  const int64_t wanted_blocks = int64_t{16} * multiprocessor_count();
+  const int blocks_per_token =
+      static_cast<int>(std::clamp<int64_t>((wanted_blocks + p.num_tokens - 1) / p.num_tokens, 1, groups));
+  const int heads_per_block = (num_heads + blocks_per_token - 1) / blocks_per_token;
+  const dim3 grid(p.num_tokens, (num_heads + heads_per_block - 1) / heads_per_block);
   // At most 9 x 1024 floats (36 KB): within the default dynamic shared memory.
   const size_t smem = static_cast<size_t>(1 + kRopeWarps) * p.head_dim * sizeof(float);
-  qk_norm_rope_kv_kernel<<<grid, kRopeWarps * 32, smem, stream>>>(p);
+  qk_norm_rope_kv_kernel<<<grid, kRopeWarps * 32, smem, stream>>>(p, heads_per_block);
   return cudaGetLastError();
 }
 

@@ -353,46 +353,86 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
 #endif
 }
 
-// One warp per (row, group of 128 columns); each lane holds 4 columns. With
-// a row count on the device, a fixed grid strides over the live rows.
+// A half-warp per (row, group of 128 columns), each lane 8 columns read with
+// one 16-byte load where the columns allow (cols % 8 == 0, aligned rows); a
+// warp takes four groups per round, both of each half-warp's loads issued
+// before either is reduced, and the grid strides over the groups (at most
+// 8 blocks per SM). The division by the scale is divide_by_scale's. One
+// group per warp with four 2-byte loads per lane streamed at ~1.1 TB/s at
+// prefill sizes (4096 x 4096 and 4096 x 8192: 45 and 88 us, H200, ncu).
+// With a row count on the device the grid covers `rows`, the kernel the live ones.
 __global__ void quantize_fp8_groups_kernel(QuantizeFp8Params p) {
+  constexpr int kColumns = 8, kRounds = 2;  // per lane; groups per half-warp per round
   const int groups = (p.cols + kGroup - 1) / kGroup;
   const int rows = p.live_rows != nullptr ? min(p.rows, *p.live_rows) : p.rows;
-  const int lane = threadIdx.x & 31;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x >> 5;
-  for (int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-       warp < static_cast<int64_t>(rows) * groups; warp += stride) {
-    const int row = static_cast<int>(warp / groups), group = static_cast<int>(warp % groups);
-    const int64_t base = static_cast<int64_t>(row) * p.cols + group * kGroup;
-    float v[4];
-    float amax = 0.0f;
+  const int64_t tasks = static_cast<int64_t>(rows) * groups;
+  const int lane = threadIdx.x & 31, half = lane >> 4, sub = lane & 15;
+  const bool vector = p.cols % kColumns == 0 && reinterpret_cast<uintptr_t>(p.in) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(p.out) % 8 == 0;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x >> 5;
+  for (int64_t first = ((static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5) * 2 * kRounds;
+       first < tasks; first += warps * 2 * kRounds) {  // warp-uniform: every lane shuffles
+    float v[kRounds][kColumns];
+    int64_t at[kRounds];  // this lane's first column in the matrix
+    int col0[kRounds], row[kRounds], group[kRounds];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int col = group * kGroup + lane * 4 + j;
-      v[j] = col < p.cols ? __bfloat162float(p.in[base + lane * 4 + j]) : 0.0f;
-      amax = fmaxf(amax, fabsf(v[j]));
+    for (int u = 0; u < kRounds; ++u) {
+      const int64_t task = first + 2 * u + half;
+      row[u] = static_cast<int>(task / groups), group[u] = static_cast<int>(task % groups);
+      col0[u] = task < tasks ? group[u] * kGroup + sub * kColumns : p.cols;  // past the tasks: no columns
+      at[u] = static_cast<int64_t>(row[u]) * p.cols + col0[u];
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) v[u][j] = 0.0f;
+      if (vector) {
+        if (col0[u] < p.cols) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(p.in + at[u]);
+          const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float2 pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
+            v[u][2 * j] = pair.x, v[u][2 * j + 1] = pair.y;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kColumns; ++j)
+          if (col0[u] + j < p.cols) v[u][j] = __bfloat162float(p.in[at[u] + j]);
+      }
     }
-    for (int offset = 16; offset > 0; offset >>= 1)
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    const float scale = fmaxf(amax, 1e-10f) / 448.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int col = group * kGroup + lane * 4 + j;
-      if (col < p.cols)
-        p.out[base + lane * 4 + j] =
-            static_cast<uint8_t>(__nv_cvt_float_to_fp8(v[j] / scale, __NV_SATFINITE, __NV_E4M3));
-    }
-    if (lane == 0 && p.scales != nullptr)
-      p.scales[p.scales_by_group ? static_cast<int64_t>(group) * p.rows + row
-                                 : static_cast<int64_t>(row) * groups + group] = scale;
-    if (p.dequantized != nullptr) {
+    for (int u = 0; u < kRounds; ++u) {
+      float amax = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int col = group * kGroup + lane * 4 + j;
-        if (col < p.cols) {
-          const float q =
-              __half2float(__half(__nv_cvt_fp8_to_halfraw(p.out[base + lane * 4 + j], __NV_E4M3)));
-          p.dequantized[base + lane * 4 + j] = __float2bfloat16(q * scale);
+      for (int j = 0; j < kColumns; ++j) amax = fmaxf(amax, fabsf(v[u][j]));
+#pragma unroll
+      for (int offset = 8; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      const float scale = fmaxf(amax, 1e-10f) / 448.0f, inv = 1.0f / scale;
+      uint32_t words[2] = {0, 0};  // columns col0 .. col0 + 7, E4M3, the first in the low byte
+#pragma unroll
+      for (int j = 0; j < kColumns; j += 2) {
+        const float2 pair = make_float2(divide_by_scale(v[u][j], scale, inv), divide_by_scale(v[u][j + 1], scale, inv));
+        const uint32_t two = __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
+        words[j / 4] |= two << (8 * (j % 4));
+      }
+      if (col0[u] >= p.cols) continue;
+      if (vector) {
+        *reinterpret_cast<uint2*>(p.out + at[u]) = make_uint2(words[0], words[1]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kColumns; ++j)
+          if (col0[u] + j < p.cols) p.out[at[u] + j] = static_cast<uint8_t>(words[j / 4] >> (8 * (j % 4)));
+      }
+      if (sub == 0 && p.scales != nullptr)
+        p.scales[p.scales_by_group ? static_cast<int64_t>(group[u]) * p.rows + row[u]
+                                   : static_cast<int64_t>(row[u]) * groups + group[u]] = scale;
+      if (p.dequantized != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kColumns; ++j) {
+          if (col0[u] + j < p.cols) {
+            const auto e4m3 = static_cast<__nv_fp8_storage_t>(words[j / 4] >> (8 * (j % 4)));
+            const float q = __half2float(__half(__nv_cvt_fp8_to_halfraw(e4m3, __NV_E4M3)));
+            p.dequantized[at[u] + j] = __float2bfloat16(q * scale);
+          }
         }
       }
     }
@@ -486,10 +526,8 @@ int fp8_gemm_k_splits(int N, int K, int row_tiles) {
 
 cudaError_t quantize_fp8_groups(const QuantizeFp8Params& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
-  const int64_t warps = static_cast<int64_t>(p.rows) * ((p.cols + kGroup - 1) / kGroup);
-  // Rows counted on the device: a grid of ~8 blocks per SM strides over them.
-  const int64_t blocks =
-      p.live_rows != nullptr ? std::min<int64_t>((warps * 32 + 255) / 256, 1056) : (warps * 32 + 255) / 256;
+  const int64_t tasks = static_cast<int64_t>(p.rows) * ((p.cols + kGroup - 1) / kGroup);
+  const int64_t blocks = std::min<int64_t>((tasks + 31) / 32, int64_t{8} * multiprocessor_count());  // 32 per round
   quantize_fp8_groups_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
