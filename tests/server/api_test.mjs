@@ -284,8 +284,10 @@ test('a client disconnect cancels the request and frees its KV pages', async () 
     return m['moeserve:kv_cache_usage_perc'] === 0 && m['moeserve:num_requests_running'] === 0 &&
            m['moeserve:request_success_total{abort}'] === (before['moeserve:request_success_total{abort}'] || 0) + 1;
   });
-  assert.ok(freed, 'KV usage back to baseline and the request counted as aborted');
   const after = await metrics(server.url);
+  const seen = ['moeserve:kv_cache_usage_perc', 'moeserve:num_requests_running', 'moeserve:request_success_total{abort}',
+                'moeserve:request_success_total{length}'].map((k) => `${k} ${before[k] ?? 0} -> ${after[k] ?? 0}`);
+  assert.ok(freed, `KV usage back to baseline and the request counted as aborted (${seen.join(', ')})`);
   assert.ok(after['moeserve:generation_tokens_total'] - before['moeserve:generation_tokens_total'] < 240);
 });
 
