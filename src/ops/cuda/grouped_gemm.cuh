@@ -153,11 +153,12 @@ __device__ __forceinline__ void store_silu_mul_row(bf16* out_row, const float (&
 
 // x / scale rounded as the IEEE division, from inv = 1 / scale (itself one
 // IEEE division per row): q = x * inv, corrected once with the residual the
-// FMA computes exactly (Markstein's theorem). A division per element made the
-// fused gate_up epilogue below cost gate_up 8-10% at 8 and 64 rows per
-// expert (H200, 2026-12-03). Where x is so small that the residual is
-// subnormal the last bit can differ, far below E4M3's smallest step: over
-// 2e8 random pairs of the quantizers' range the E4M3 bytes were the same.
+// FMA computes exactly (Markstein's theorem). With a division per element
+// the fused gate_up epilogue below made the two expert GEMMs 2-9% slower
+// from 1 to 64 rows per expert (H200, 2026-12-03). Where x is so small that
+// the residual is subnormal the last bit can differ, far below E4M3's
+// smallest step: over 2e8 random pairs of the quantizers' range the E4M3
+// bytes were the same.
 __device__ __forceinline__ float divide_by_scale(float x, float scale, float inv) {
   const float q = __fmul_rn(x, inv);
   const float residual = __fmaf_rn(-q, scale, x);
