@@ -258,37 +258,48 @@ test('64 concurrent streams each equal the same request alone', async () => {
 });
 
 test('a client disconnect cancels the request and frees its KV pages', async () => {
-  const before = await metrics(server.url);
-  assert.equal(before['moeserve:kv_cache_usage_perc'], 0);
-  const controller = new AbortController();
-  const stream = await client.completions.create({ model, prompt: [5, 6, 7, 8, 9], max_tokens: 240, temperature: 0,
-                                                   ignore_eos: true, stream: true, return_token_ids: true },
-                                                 { signal: controller.signal });
-  let chunks = 0;
-  let during = null;
-  try {
-    for await (const _ of stream) {
-      if (++chunks === 3) {
-        during = await metrics(server.url);
-        controller.abort();  // the client's stream ends (or throws APIUserAbortError)
+  // This model generates the 240 tokens in a fraction of a second: under a loaded ctest -j the
+  // client's metrics read and abort can come after the request has already finished (counted
+  // under "length", seen in two CI runs). Such an attempt shows nothing either way and is
+  // repeated; the abort path must be observed within five.
+  const abortKey = 'moeserve:request_success_total{abort}', lengthKey = 'moeserve:request_success_total{length}';
+  for (let attempt = 1; ; ++attempt) {
+    const before = await metrics(server.url);
+    assert.equal(before['moeserve:kv_cache_usage_perc'], 0);
+    const controller = new AbortController();
+    const stream = await client.completions.create({ model, prompt: [5, 6, 7, 8, 9], max_tokens: 240, temperature: 0,
+                                                     ignore_eos: true, stream: true, return_token_ids: true },
+                                                   { signal: controller.signal });
+    let chunks = 0;
+    let during = null;
+    try {
+      for await (const _ of stream) {
+        if (++chunks === 3) {
+          during = await metrics(server.url);
+          controller.abort();  // the client's stream ends (or throws APIUserAbortError)
+        }
       }
+    } catch (e) {
+      assert.ok(e instanceof OpenAI.APIUserAbortError, String(e));
     }
-  } catch (e) {
-    assert.ok(e instanceof OpenAI.APIUserAbortError, String(e));
+    assert.ok(chunks < 240);
+    const ended = await waitFor(async () => {
+      const m = await metrics(server.url);
+      return m['moeserve:kv_cache_usage_perc'] === 0 && m['moeserve:num_requests_running'] === 0 &&
+             (m[abortKey] ?? 0) + (m[lengthKey] ?? 0) === (before[abortKey] ?? 0) + (before[lengthKey] ?? 0) + 1;
+    });
+    const after = await metrics(server.url);
+    const seen = ['moeserve:kv_cache_usage_perc', 'moeserve:num_requests_running', abortKey, lengthKey].map(
+        (k) => `${k} ${before[k] ?? 0} -> ${after[k] ?? 0}`);
+    assert.ok(ended, `the request ended and its KV pages were freed (${seen.join(', ')})`);
+    const aborted = (after[abortKey] ?? 0) === (before[abortKey] ?? 0) + 1;
+    if (!aborted && attempt < 5) continue;  // it finished before the disconnect reached the server
+    assert.ok(aborted, `the request counted as aborted in one of ${attempt} attempts (${seen.join(', ')})`);
+    assert.ok(during['moeserve:kv_cache_usage_perc'] > 0);
+    assert.equal(during['moeserve:num_requests_running'], 1);
+    assert.ok(after['moeserve:generation_tokens_total'] - before['moeserve:generation_tokens_total'] < 240);
+    return;
   }
-  assert.ok(during['moeserve:kv_cache_usage_perc'] > 0);
-  assert.equal(during['moeserve:num_requests_running'], 1);
-  assert.ok(chunks < 240);
-  const freed = await waitFor(async () => {
-    const m = await metrics(server.url);
-    return m['moeserve:kv_cache_usage_perc'] === 0 && m['moeserve:num_requests_running'] === 0 &&
-           m['moeserve:request_success_total{abort}'] === (before['moeserve:request_success_total{abort}'] || 0) + 1;
-  });
-  const after = await metrics(server.url);
-  const seen = ['moeserve:kv_cache_usage_perc', 'moeserve:num_requests_running', 'moeserve:request_success_total{abort}',
-                'moeserve:request_success_total{length}'].map((k) => `${k} ${before[k] ?? 0} -> ${after[k] ?? 0}`);
-  assert.ok(freed, `KV usage back to baseline and the request counted as aborted (${seen.join(', ')})`);
-  assert.ok(after['moeserve:generation_tokens_total'] - before['moeserve:generation_tokens_total'] < 240);
 });
 
 test('X-Request-Id is honoured and returned', async () => {
