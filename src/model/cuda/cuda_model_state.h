@@ -1,7 +1,8 @@
-// The insides of CudaQwen3MoeModel (cuda_model.h), shared by its two source
-// files: cuda_model.cc (creation: weights, buffers, the KV pools) and
+// The insides of CudaQwen3MoeModel (cuda_model.h), shared by its source
+// files: cuda_model.cc (creation: weights, buffers, the KV pools),
 // cuda_model_step.cc (running a step: metadata upload, CUDA graphs, the layer
-// kernels, the forward variants, the MTP pass). Not for other users.
+// kernels, the forward variants) and cuda_model_mtp.cc (the MTP passes). Not
+// for other users.
 #pragma once
 
 #include <functional>
