@@ -21,6 +21,7 @@
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 #include "ops/cuda/kernels.h"
+#include "ops/quant.h"
 
 namespace moe::ops::cuda_test {
 
@@ -157,6 +158,28 @@ void expect_unpermuted(const Output& rows, const Output& out, const int32_t* row
   const Output bf16_rows = Output::make(f32_rows.size() / 2);
   expect_bf16_rows(
       f32_rows, bf16_rows, [&] { return rerun_bf16(bf16_rows.get<void>()); }, unpermute, ref, tolerance);
+}
+
+// The CPU quantizer's 1 x 128 groups of x [rows, cols], row by row: E4M3
+// bytes and scales [rows, ceil(cols / 128)] or (by_group) [ceil(cols / 128), rows].
+struct Fp8Groups {
+  std::vector<uint8_t> values;
+  std::vector<float> scales;
+};
+inline Fp8Groups cpu_fp8_groups(const float* x, int rows, int cols, bool by_group = false) {
+  const int groups = (cols + 127) / 128;
+  Fp8Groups q{std::vector<uint8_t>(static_cast<size_t>(rows) * cols),
+              std::vector<float>(static_cast<size_t>(rows) * groups)};
+  for (int r = 0; r < rows; ++r) {
+    Tensor row_values(DType::kF8E4M3, {1, cols}),
+        row_scales(DType::kF32, quant_scale_shape(QuantFormat::kFp8Block, 1, cols));
+    quantize_matrix(x + int64_t{r} * cols,
+                    QuantizedTensor{QuantFormat::kFp8Block, row_values.view(), row_scales.view(), TensorView(), 0});
+    std::memcpy(q.values.data() + int64_t{r} * cols, row_values.data(), cols);
+    for (int g = 0; g < groups; ++g)
+      q.scales[by_group ? int64_t{g} * rows + r : int64_t{r} * groups + g] = row_scales.data_as<float>()[g];
+  }
+  return q;
 }
 
 class CudaOps : public testing::Test {

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ops/cuda/gemm.h"
@@ -354,29 +355,54 @@ TEST_F(CudaOps, QuantizeFp8GroupsStopsAtTheDeviceRowCount) {
 // each row as a one-row matrix (its 128 x 128 blocks are then 1 x 128), bit
 // for bit: whole groups (the kernel's 8-byte loads), a partial last group
 // (cols % 4 == 0) and odd widths (one column at a time).
+// Decode sizes (one group per half-warp) and prefill sizes (two per round).
 TEST_F(CudaOps, QuantizeFp8GroupsMatchesTheCpuQuantizer) {
-  for (const int cols : {1536, 328, 330}) {
-    const int rows = 37, groups = (cols + 127) / 128;
+  for (const auto& [rows, cols] : {std::pair{37, 1536}, std::pair{37, 328}, std::pair{37, 330}, std::pair{2100, 1024}}) {
     Host x = random_bf16({rows, cols}, rng_, 3.0f);
-    std::vector<uint8_t> values(static_cast<size_t>(rows) * cols);
-    std::vector<float> scales(static_cast<size_t>(rows) * groups);
-    for (int r = 0; r < rows; ++r) {
-      Tensor row_values(DType::kF8E4M3, {1, cols}),
-          row_scales(DType::kF32, quant_scale_shape(QuantFormat::kFp8Block, 1, cols));
-      quantize_matrix(x.f32.data_as<float>() + int64_t{r} * cols,
-                      QuantizedTensor{QuantFormat::kFp8Block, row_values.view(), row_scales.view(), TensorView(), 0});
-      std::memcpy(values.data() + int64_t{r} * cols, row_values.data(), cols);
-      std::memcpy(scales.data() + int64_t{r} * groups, row_scales.data(), groups * sizeof(float));
-    }
+    const Fp8Groups ref = cpu_fp8_groups(x.f32.data_as<float>(), rows, cols);
     DeviceTensor d_x = upload(x.bf16);
-    Output out = Output::make(values.size()), out_scales = Output::make(scales.size() * sizeof(float));
+    Output out = Output::make(ref.values.size()), out_scales = Output::make(ref.scales.size() * sizeof(float));
     ASSERT_EQ(k::quantize_fp8_groups({d_x.data_as<bf16>(), out.get<uint8_t>(), out_scales.get<float>(), rows, cols},
                                      nullptr),
               cudaSuccess);
     const std::vector<uint8_t> got = out.download(), got_scales = out_scales.download();
-    EXPECT_EQ(std::memcmp(got_scales.data(), scales.data(), got_scales.size()), 0) << "scales, " << cols << " columns";
-    EXPECT_EQ(std::memcmp(got.data(), values.data(), got.size()), 0) << "E4M3 values, " << cols << " columns";
+    EXPECT_EQ(std::memcmp(got_scales.data(), ref.scales.data(), got_scales.size()), 0)
+        << "scales, " << rows << " x " << cols;
+    EXPECT_EQ(std::memcmp(got.data(), ref.values.data(), got.size()), 0) << "E4M3 values, " << rows << " x " << cols;
   }
+}
+
+// add_rms_norm writing its rows in FP8 too: the bytes and scales the CPU
+// quantizer makes of the bf16 rows it wrote, in both scale layouts.
+TEST_F(CudaOps, AddRmsNormQuantizesItsRows) {
+  for (const auto& [tokens, hidden] : {std::pair{37, 4096}, std::pair{3, 256}, std::pair{130, 1536}}) {
+    Host residual = random_bf16({tokens, hidden}, rng_, 2.0f), delta = random_bf16({tokens, hidden}, rng_);
+    Host weight = random_bf16({hidden}, rng_);
+    const int groups = hidden / 128;
+    for (const bool by_group : {false, true}) {
+      SCOPED_TRACE(std::to_string(tokens) + " x " + std::to_string(hidden) + (by_group ? ", scales by group" : ""));
+      DeviceTensor d_residual = upload(residual.f32), d_delta = upload(delta.f32), d_weight = upload(weight.bf16);
+      Output out = Output::make(static_cast<size_t>(tokens) * hidden * sizeof(bf16)),
+             out_fp8 = Output::make(static_cast<size_t>(tokens) * hidden),
+             out_scales = Output::make(static_cast<size_t>(tokens) * groups * sizeof(float));
+      k::AddRmsNormParams p{d_residual.data_as<float>(), d_delta.data_as<float>(), d_weight.data_as<bf16>(),
+                            out.get<bf16>(), tokens, hidden, 1e-6f};
+      p.out_fp8 = out_fp8.get<uint8_t>(), p.out_scales = out_scales.get<float>(), p.scales_by_group = by_group;
+      ASSERT_TRUE(k::add_rms_norm_quantizes(hidden));
+      ASSERT_EQ(k::add_rms_norm(p, nullptr), cudaSuccess);
+      const std::vector<float> rows = as_floats(out.download(), DType::kBF16);
+      const Fp8Groups ref = cpu_fp8_groups(rows.data(), tokens, hidden, by_group);
+      const std::vector<uint8_t> got = out_fp8.download(), got_scales = out_scales.download();
+      EXPECT_EQ(std::memcmp(got_scales.data(), ref.scales.data(), got_scales.size()), 0) << "scales";
+      EXPECT_EQ(std::memcmp(got.data(), ref.values.data(), got.size()), 0) << "E4M3 values";
+    }
+  }
+  // Rows that are not whole groups: refused, nothing written.
+  EXPECT_FALSE(k::add_rms_norm_quantizes(4098));
+  Output residual = Output::make(4098 * sizeof(float)), fp8 = Output::make(4098);
+  k::AddRmsNormParams p{residual.get<float>(), nullptr, nullptr, nullptr, 1, 4098, 1e-6f};
+  p.out_fp8 = fp8.get<uint8_t>();
+  EXPECT_EQ(k::add_rms_norm(p, nullptr), cudaErrorInvalidValue);
 }
 
 TEST_F(CudaOps, QuantizeMxfp8MatchesTheCpuQuantizer) {

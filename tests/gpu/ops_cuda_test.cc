@@ -6,11 +6,13 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "core/cuda/device_buffer.h"
 #include "ops/attention.h"
@@ -159,6 +161,28 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
                   2e-2)
             << kernel.name << " prefill attention, " << c.q_heads << "/" << c.kv_heads << " heads, prefix " << c.prefix
             << ", " << c.new_tokens << " new tokens";
+        // Its output in FP8 (the o projection's input): the CPU quantizer's
+        // bytes of the bf16 rows above, a (token, head) per group; the other
+        // kernels refuse it.
+        const std::vector<float> rows = as_floats(prefill_out.download(), DType::kBF16);
+        for (const bool by_group : {false, true}) {
+          const int heads = c.new_tokens * c.q_heads;
+          Output fp8 = Output::make(static_cast<size_t>(heads) * c.dim), scales = Output::make(heads * sizeof(float));
+          pp.out = nullptr, pp.out_fp8 = fp8.get<uint8_t>(), pp.out_scales = scales.get<float>();
+          pp.scales_by_group = by_group;
+          const cudaError_t status =
+              kernel.launch(pp, d_groups.data_as<int32_t>(), static_cast<int>(groups.size()) - 1, nullptr);
+          if (kernel.launch != k::wgmma_prefill_attention) {
+            EXPECT_EQ(status, cudaErrorInvalidValue) << kernel.name;
+            break;
+          }
+          ASSERT_EQ(status, cudaSuccess);
+          const Fp8Groups ref = cpu_fp8_groups(rows.data(), c.new_tokens, c.q_heads * c.dim, by_group);
+          const std::vector<uint8_t> got = fp8.download(), got_scales = scales.download();
+          EXPECT_EQ(std::memcmp(got.data(), ref.values.data(), got.size()), 0)
+              << "E4M3 attention output, " << c.q_heads << " heads, prefix " << c.prefix << (by_group ? ", by group" : "");
+          EXPECT_EQ(std::memcmp(got_scales.data(), ref.scales.data(), got_scales.size()), 0) << "scales";
+        }
       }
     }
   }
@@ -250,6 +274,74 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
     }
   }
 }
+// moe_permute against the permutation's definition, on the one-block path
+// (decode sizes) and the multi-block one (with its workspace), with and
+// without expert parallelism: offsets are the prefix sums of the host's
+// counts, every local pair gets one row of its expert holding its token.
+TEST_F(CudaOps, MoePermuteGroupsPairsByExpert) {
+  struct Case {
+    int tokens, topk, experts, first_expert, local_experts, tile_rows;
+  };
+  for (const Case& c : {Case{64, 8, 128, 0, 128, 64}, Case{4096, 8, 128, 0, 128, 128}, Case{3001, 8, 128, 32, 32, 128},
+                        Case{700, 6, 20, 0, 20, 64}, Case{40000, 8, 128, 0, 128, 128}}) {
+    const int pairs = c.tokens * c.topk, blocks = k::moe_permute_blocks(pairs);
+    SCOPED_TRACE(std::to_string(c.tokens) + " tokens x " + std::to_string(c.topk) + ", " + std::to_string(blocks) +
+                 " blocks, experts " + std::to_string(c.first_expert) + "+" + std::to_string(c.local_experts));
+    // Distinct experts per token, skewed towards the low ids (uneven counts).
+    std::vector<int32_t> ids(static_cast<size_t>(pairs));
+    std::uniform_real_distribution<float> u(0.0f, 1.0f);
+    for (int t = 0; t < c.tokens; ++t)
+      for (int j = 0; j < c.topk; ++j) {
+        int e;
+        do e = static_cast<int>(c.experts * u(rng_) * u(rng_));
+        while (std::find(ids.begin() + int64_t{t} * c.topk, ids.begin() + int64_t{t} * c.topk + j, e) !=
+               ids.begin() + int64_t{t} * c.topk + j);
+        ids[int64_t{t} * c.topk + j] = e;
+      }
+    std::vector<int32_t> counts(c.local_experts, 0);
+    for (int32_t e : ids)
+      if (e >= c.first_expert && e < c.first_expert + c.local_experts) ++counts[e - c.first_expert];
+    Tensor ids_t(DType::kI32, {pairs});
+    std::memcpy(ids_t.data(), ids.data(), ids.size() * 4);
+    DeviceTensor d_ids = upload(ids_t);
+    Output offsets = Output::make((c.local_experts + 1) * 4), tiles = Output::make((c.local_experts + 1) * 4);
+    Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
+    Output workspace = Output::make(static_cast<size_t>(blocks) * c.local_experts * 4);
+    ASSERT_EQ(k::moe_permute({d_ids.data_as<int32_t>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
+                              sorted.get<int32_t>(), row_of.get<int32_t>(), c.tokens, c.topk, c.local_experts,
+                              c.tile_rows, c.first_expert, workspace.get<int32_t>()},
+                             nullptr),
+              cudaSuccess);
+    auto ints = [](const Output& o) {
+      const std::vector<uint8_t> bytes = o.download();
+      std::vector<int32_t> v(bytes.size() / 4);
+      std::memcpy(v.data(), bytes.data(), bytes.size());
+      return v;
+    };
+    const std::vector<int32_t> got_offsets = ints(offsets), got_tiles = ints(tiles), got_sorted = ints(sorted),
+                               got_row_of = ints(row_of);
+    int32_t rows = 0, tile_count = 0;
+    for (int e = 0; e <= c.local_experts; ++e) {
+      ASSERT_EQ(got_offsets[e], rows) << "expert_offsets[" << e << "]";
+      ASSERT_EQ(got_tiles[e], tile_count) << "tile_offsets[" << e << "]";
+      if (e < c.local_experts) rows += counts[e], tile_count += (counts[e] + c.tile_rows - 1) / c.tile_rows;
+    }
+    std::vector<int> hits(static_cast<size_t>(rows), 0);
+    for (int i = 0; i < pairs; ++i) {
+      const int e = ids[i] - c.first_expert;
+      if (e < 0 || e >= c.local_experts) {
+        ASSERT_EQ(got_row_of[i], -1) << "pair " << i << " (another rank's expert)";
+        continue;
+      }
+      const int row = got_row_of[i];
+      ASSERT_TRUE(row >= got_offsets[e] && row < got_offsets[e + 1]) << "pair " << i << " row " << row;
+      ASSERT_EQ(got_sorted[row], i / c.topk) << "row " << row;
+      ++hits[row];
+    }
+    EXPECT_EQ(std::count(hits.begin(), hits.end(), 1), rows) << "every row taken once";
+  }
+}
+
 TEST_F(CudaOps, ArgmaxTakesTheLowestIndexOnTies) {
   // A vocabulary of a multiple of 4 (float4 loads) and an odd one (scalar).
   for (const int vocab : {151936, 1001}) {

@@ -374,6 +374,7 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
       {&s->tile_offsets, DType::kI32, {E + 1}},
       {&s->sorted_token, DType::kI32, {T * kk}},
       {&s->row_of, DType::kI32, {T * kk}},
+      {&s->permute_counts, DType::kI32, {k::moe_permute_blocks(static_cast<int>(T * kk)), E}},
       {&s->act, DType::kBF16, {expert_rows, std::max(moe_inter, inter)}},
       {&s->expert_rows, DType::kF32, {expert_rows, H}},
       {&s->gate_up, DType::kBF16, {T, 2 * inter}},

@@ -175,12 +175,29 @@ class CudaQwen3MoeModel {
   Expected<StepShape> upload_step(const ForwardBatch& batch, GraphShape graph,
                                   const LayerBuffers* heads = nullptr);
   Status launch_step(const StepShape& shape);
+  // An FP8 GEMM input's layout (E4M3 in 1 x 128 groups): its scales per row
+  // ([T, K / 128]) or per group ([K / 128, T], cuBLASLt's block scaling);
+  // kNone: not quantized.
+  enum class Fp8Layout { kNone, kRows, kGroups };
   // One decoder layer over state's `residual` (in) / `normed` (the input
-  // norm's output in; next_norm's output out); `layer` < 0: not a target layer.
-  Status launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer);
+  // norm's output in; next_norm's output out, quantized as next_fp8 says);
+  // `layer` < 0: not a target layer.
+  Status launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer,
+                      Fp8Layout next_fp8 = Fp8Layout::kNone);
   Status upload_mtp(const MtpWeights& weights);
-  Status layer_boundary(const void* norm_weight, int num_tokens, bool reduce);
-  Status exchange_experts(const LayerBuffers& b, int num_tokens, const void* next_norm);
+  // residual += delta (summed over the ranks when `reduce`), then the norm
+  // into `normed` and, where the kernel can, into x_fp8 as `fp8` says.
+  Status layer_boundary(const void* norm_weight, int num_tokens, bool reduce, Fp8Layout fp8 = Fp8Layout::kNone);
+  Status exchange_experts(const LayerBuffers& b, int num_tokens, const void* next_norm, Fp8Layout next_fp8);
+  // Whether an FP8 projection of that shape goes through cuBLASLt's block-scaled GEMM.
+  bool cublas_fp8_projection(int num_tokens, int n, int k, DType out) const;
+  // The layout b's qkv projection reads its FP8 input in (kNone: bf16, or mxfp8).
+  Fp8Layout qkv_input_fp8(const LayerBuffers& b, int num_tokens) const;
+  // Whether state's x_fp8 / x_scales hold `source` (written by the kernel
+  // that wrote source) in `layout`; either way they no longer count as holding it.
+  bool take_x_fp8(const void* source, Fp8Layout layout);
+  // The layout the o projection reads its FP8 input in (kNone: bf16, or mxfp8).
+  Fp8Layout o_input_fp8(const LayerBuffers& b, int num_tokens) const;
   Status sync_and_fetch_hidden(int num_tokens, std::span<const int32_t> hidden_rows, Tensor& hidden);
   // Queues one MTP pass up to its greedy tokens (state_->greedy) and normed
   // output rows (state_->logit_rows); forward_mtp and forward_mtp_chain wait.

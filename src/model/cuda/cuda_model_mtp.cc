@@ -143,6 +143,7 @@ Status CudaQwen3MoeModel::launch_mtp(const StepShape& shape, MtpInput input) {
                                      DType::kF32, T, H, 2 * H, s.stream));
   MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.mtp_layer->input_norm.data_as<bf16>(),
                               s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  s.x_fp8_holds = {};
   MOE_RETURN_IF_ERROR(launch_layer(*s.mtp_layer, shape, s.mtp_final_norm.data(), -1));
   if (rows > 0) {
     MOE_LAUNCH(k::gather_rows(

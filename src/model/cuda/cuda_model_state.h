@@ -47,6 +47,7 @@ struct CudaQwen3MoeModel::State {
   // Activations, sized for options.max_num_tokens.
   DeviceTensor residual, normed, qkv, q, attended, delta, router_logits, expert_ids, expert_weights;
   DeviceTensor expert_offsets, tile_offsets, sorted_token, row_of, act, expert_rows, gate_up, logit_rows, logits, greedy;
+  DeviceTensor permute_counts;  // moe_permute's per-block expert counts at prefill sizes
   // Step metadata.
   DeviceTensor token_ids, positions, token_seq, page_table, logits_rows;
   DeviceTensor attention_workspace;  // split-KV partials of the tensor-core attention
@@ -56,6 +57,13 @@ struct CudaQwen3MoeModel::State {
   bool fp8_experts = false;          // MoE experts in FP8 (fp8-block or mxfp8), activations quantized alike
   bool mx_experts = false;           // mxfp8: E8M0 scales per 1 x 32 (x_scales, act_scales hold bytes)
   DeviceTensor x_fp8, x_scales, act_fp8, act_scales;
+  // What x_fp8 / x_scales hold: `source` (normed or attended) in E4M3,
+  // written by the kernel that wrote it (take_x_fp8).
+  struct Fp8Copy {
+    const void* source = nullptr;
+    Fp8Layout layout = Fp8Layout::kNone;
+  };
+  Fp8Copy x_fp8_holds;
   // FP8 attention projections: one-group offsets of the grouped GEMMs (set
   // per step) and the qkv projection's f32 output before its bf16 cast.
   DeviceTensor dense_offsets, dense_tile_offsets, qkv_f32;

@@ -206,11 +206,14 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
                            static_cast<int>(c.vocab_size)}, s.stream));
   MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.layers[0].input_norm.data_as<bf16>(),
                               s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
+  s.x_fp8_holds = {};
   if (s.layer_hook && s.kv_written == nullptr)
     MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.kv_written, cudaEventDisableTiming));
   for (int l = 0; l < c.num_layers; ++l) {
-    const bf16* next_norm = l + 1 < c.num_layers ? s.layers[l + 1].input_norm.data_as<bf16>() : s.final_norm.data_as<bf16>();
-    MOE_RETURN_IF_ERROR(launch_layer(s.layers[l], shape, next_norm, l));
+    const bool last = l + 1 == c.num_layers;
+    const bf16* next_norm = last ? s.final_norm.data_as<bf16>() : s.layers[l + 1].input_norm.data_as<bf16>();
+    const Fp8Layout next_fp8 = last ? Fp8Layout::kNone : qkv_input_fp8(s.layers[l + 1], T);
+    MOE_RETURN_IF_ERROR(launch_layer(s.layers[l], shape, next_norm, l, next_fp8));
     if (s.layer_hook) {
       // The rest of this layer is queued behind the KV store, so the GPU keeps
       // working while the hook hands the layer's pages to the transfer engine
@@ -229,7 +232,8 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
   return Status::ok();
 }
 
-Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer) {
+Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer,
+                                        Fp8Layout next_fp8) {
   State& s = *state_;
   const ModelConfig& c = config();
   const int T = shape.num_tokens, H = static_cast<int>(c.hidden_size);
@@ -281,7 +285,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
             s.stream));
         return Status::ok();
       }
-      if (gate_up || !gate_up_quantizes)
+      if ((gate_up && !take_x_fp8(s.normed.data(), Fp8Layout::kRows)) || !gate_up_quantizes)
         MOE_LAUNCH(k::quantize_fp8_groups(
             {in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows, K}, s.stream));
       const uint8_t* a = in_q.data_as<uint8_t>();
@@ -307,7 +311,8 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                 false);
   };
   // An attention projection in FP8: `in` [T, K] quantized as the experts'
-  // inputs are, into bf16_out [T, N] (qkv) or else the f32 `out`. fp8-block
+  // inputs are (unless the kernel that wrote `in` quantized it too),
+  // into bf16_out [T, N] (qkv) or else the f32 `out`. fp8-block
   // goes through cuBLASLt's block-scaled GEMM where it has an algorithm for
   // the shape (the activation scales laid out by group for it). Otherwise the
   // grouped GEMM with one group writes f32 rows (cast to bf16_out after): at
@@ -316,10 +321,11 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
   auto fp8_projection = [&](const DeviceTensor& in, int K, const DeviceTensor& w,
                             const DeviceTensor& w_scales, void* out, bf16* bf16_out, int N) -> Status {
     const DType out_dtype = bf16_out != nullptr ? DType::kBF16 : DType::kF32;
-    if (!s.mx_experts && s.cublas_fp8_projections && s.gemm->has_fp8_block(T, N, K, out_dtype)) {
-      MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(),
-                                         s.x_scales.data_as<float>(), T, K, nullptr, nullptr, true},
-                                        s.stream));
+    if (cublas_fp8_projection(T, N, K, out_dtype)) {
+      if (!take_x_fp8(in.data(), Fp8Layout::kGroups))
+        MOE_LAUNCH(k::quantize_fp8_groups({in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(),
+                                           s.x_scales.data_as<float>(), T, K, nullptr, nullptr, true},
+                                          s.stream));
       return s.gemm->matmul_fp8_block(s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(),
                                       w.data_as<uint8_t>(), w_scales.data_as<float>(),
                                       bf16_out != nullptr ? bf16_out : out, out_dtype, T, N, K, s.stream);
@@ -335,8 +341,9 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                                         s.dense_offsets.data_as<int32_t>(), s.dense_tile_offsets.data_as<int32_t>(),
                                         out, N, K, 1, tiles, false, k_splits}, s.stream));
     } else {
-      MOE_LAUNCH(k::quantize_fp8_groups(
-          {in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), T, K}, s.stream));
+      if (!take_x_fp8(in.data(), Fp8Layout::kRows))
+        MOE_LAUNCH(k::quantize_fp8_groups(
+            {in.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), T, K}, s.stream));
       MOE_LAUNCH((tile == k::kPrefillGemmTileRows ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
           {s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), nullptr, w.data_as<uint8_t>(),
            w_scales.data_as<float>(), s.dense_offsets.data_as<int32_t>(),
@@ -368,22 +375,29 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
   // stored its heads by then, and the prefill leader sends them all).
   const bool tp = layer >= 0 && s.options.plan.tp_size > 1;
   if (s.layer_hook && layer >= 0 && !tp) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
-  const k::PagedAttentionParams attention{s.q.data_as<bf16>(),
-                                          b.k_pages.data_as<bf16>(),
-                                          b.v_pages.data_as<bf16>(),
-                                          s.positions.data_as<int32_t>(),
-                                          s.token_seq.data_as<int32_t>(),
-                                          s.page_table.data_as<int32_t>(),
-                                          s.attended.data_as<bf16>(),
-                                          T,
-                                          b.num_q_heads,
-                                          b.num_kv_heads,
-                                          c.head_dim,
-                                          s.options.page_size,
-                                          shape.stride,
-                                          1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  k::PagedAttentionParams attention{s.q.data_as<bf16>(),
+                                    b.k_pages.data_as<bf16>(),
+                                    b.v_pages.data_as<bf16>(),
+                                    s.positions.data_as<int32_t>(),
+                                    s.token_seq.data_as<int32_t>(),
+                                    s.page_table.data_as<int32_t>(),
+                                    s.attended.data_as<bf16>(),
+                                    T,
+                                    b.num_q_heads,
+                                    b.num_kv_heads,
+                                    c.head_dim,
+                                    s.options.page_size,
+                                    shape.stride,
+                                    1.0f / std::sqrt(static_cast<float>(c.head_dim))};
   if (k::mma_attention_supported(attention) && prefill) {
+    // FP8 o projection: the prefill kernel writes its input in E4M3 straight away.
+    const Fp8Layout o_fp8 = k::prefill_attention_quantizes() ? o_input_fp8(b, T) : Fp8Layout::kNone;
+    if (o_fp8 != Fp8Layout::kNone) {
+      attention.out_fp8 = s.x_fp8.data_as<uint8_t>(), attention.out_scales = s.x_scales.data_as<float>();
+      attention.scales_by_group = o_fp8 == Fp8Layout::kGroups;
+    }
     MOE_LAUNCH(k::prefill_attention(attention, s.attention_groups.data_as<int32_t>(), shape.num_groups, s.stream));
+    s.x_fp8_holds = {s.attended.data(), o_fp8};
   } else if (k::mma_attention_supported(attention)) {
     MOE_LAUNCH(k::mma_paged_attention(attention, max_position, s.attention_workspace.data_as<float>(),
                                       s.attention_workspace.num_bytes(), s.stream));
@@ -397,7 +411,10 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.attended.data_as<bf16>(), b.o_proj.data_as<bf16>(), s.delta.data(),
                                        DType::kF32, T, H, q_size, s.stream));
   }
-  MOE_RETURN_IF_ERROR(layer_boundary(b.post_attention_norm.data_as<bf16>(), T, tp));
+  // fp8-block experts read the MoE input in E4M3, a row's scales together.
+  const bool fp8_block_experts = b.is_moe && b.fp8_experts && !b.mx_experts;
+  MOE_RETURN_IF_ERROR(layer_boundary(b.post_attention_norm.data_as<bf16>(), T, tp,
+                                     fp8_block_experts ? Fp8Layout::kRows : Fp8Layout::kNone));
   if (s.layer_hook && tp) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
   // MLP.
   if (b.is_moe) {
@@ -408,7 +425,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                               s.expert_weights.data_as<float>(), T, E, topk, c.norm_topk_prob}, s.stream));
     // A data-parallel rank's target layers exchange their tokens; its MTP
     // layer (layer < 0) holds every expert and runs here, on its own requests.
-    if (s.options.experts != nullptr && layer >= 0) return exchange_experts(b, T, next_norm);
+    if (s.options.experts != nullptr && layer >= 0) return exchange_experts(b, T, next_norm, next_fp8);
     // This rank's experts only (all of them without expert parallelism, and
     // in the MTP layer): the grouped GEMMs below run E_local experts; the
     // other ranks' pairs get no row.
@@ -416,7 +433,8 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     const int first_expert = layer >= 0 ? s.first_expert : 0;
     MOE_LAUNCH(k::moe_permute({s.expert_ids.data_as<int32_t>(), s.expert_offsets.data_as<int32_t>(),
                                s.tile_offsets.data_as<int32_t>(), s.sorted_token.data_as<int32_t>(),
-                               s.row_of.data_as<int32_t>(), T, topk, E_local, moe_tile_rows, first_expert},
+                               s.row_of.data_as<int32_t>(), T, topk, E_local, moe_tile_rows, first_expert,
+                               s.permute_counts.data_as<int32_t>()},
                               s.stream));
     const int max_tiles = (T * topk + moe_tile_rows - 1) / moe_tile_rows + E_local;
     const auto gemm = prefill_gemm ? k::wgmma_grouped_gemm_prefill : k::grouped_gemm;
@@ -463,7 +481,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
   // replicated tokens), a dense one's under tensor parallelism.
   const bool reduce = layer >= 0 && (b.is_moe ? s.options.plan.ep_size > 1 && !s.options.plan.dp_attention
                                               : s.options.plan.tp_size > 1);
-  MOE_RETURN_IF_ERROR(layer_boundary(static_cast<const bf16*>(next_norm), T, reduce));
+  MOE_RETURN_IF_ERROR(layer_boundary(static_cast<const bf16*>(next_norm), T, reduce, next_fp8));
 #undef MOE_LAUNCH
   return Status::ok();
 }
@@ -473,7 +491,8 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
 // (the grouped GEMMs over the exchange's groups), the outputs go back and are
 // summed per token into delta; then the layer boundary, with nothing to reduce.
 // num_tokens 0: an idle rank's share of its peers' exchange.
-Status CudaQwen3MoeModel::exchange_experts(const LayerBuffers& b, int num_tokens, const void* next_norm) {
+Status CudaQwen3MoeModel::exchange_experts(const LayerBuffers& b, int num_tokens, const void* next_norm,
+                                            Fp8Layout next_fp8) {
   State& s = *state_;
   const ModelConfig& c = config();
   const int H = static_cast<int>(c.hidden_size), inter = static_cast<int>(c.moe_intermediate_size);
@@ -481,7 +500,7 @@ Status CudaQwen3MoeModel::exchange_experts(const LayerBuffers& b, int num_tokens
 #define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
   // FP8 experts: the rows travel quantized (1 x 128 groups, as the one-GPU
   // path quantizes them before its GEMM), so the expert inputs are the same.
-  if (b.fp8_experts && num_tokens > 0)
+  if (b.fp8_experts && num_tokens > 0 && !take_x_fp8(s.normed.data(), Fp8Layout::kRows))
     MOE_LAUNCH(k::quantize_fp8_groups(
         {s.normed.data_as<bf16>(), s.x_fp8.data_as<uint8_t>(), s.x_scales.data_as<float>(), num_tokens, H},
         s.stream));
@@ -519,7 +538,7 @@ Status CudaQwen3MoeModel::exchange_experts(const LayerBuffers& b, int num_tokens
                                                  s.expert_weights.data_as<float>(), s.delta.data_as<float>(),
                                                  num_tokens, s.stream));
   if (num_tokens == 0) return Status::ok();
-  return layer_boundary(next_norm, num_tokens, false);
+  return layer_boundary(next_norm, num_tokens, false, next_fp8);
 }
 
 Status CudaQwen3MoeModel::exchange_idle() {
@@ -528,24 +547,57 @@ Status CudaQwen3MoeModel::exchange_idle() {
     return invalid_argument("exchange_idle: this model has no expert exchange");
   MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(s.options.device));
   for (const LayerBuffers& b : s.layers)
-    if (b.is_moe) MOE_RETURN_IF_ERROR(exchange_experts(b, 0, nullptr));
+    if (b.is_moe) MOE_RETURN_IF_ERROR(exchange_experts(b, 0, nullptr, Fp8Layout::kNone));
   return finish_step();
 }
 
-// residual += delta (summed over the ranks when `reduce`), then the next norm into `normed`.
-Status CudaQwen3MoeModel::layer_boundary(const void* norm_weight, int num_tokens, bool reduce) {
+Status CudaQwen3MoeModel::layer_boundary(const void* norm_weight, int num_tokens, bool reduce, Fp8Layout fp8) {
   State& s = *state_;
   const ModelConfig& c = config();
   const int H = static_cast<int>(c.hidden_size);
   const auto* weight = static_cast<const bf16*>(norm_weight);
-  if (!reduce)
-    return cuda_status(k::add_rms_norm({s.residual.data_as<float>(), s.delta.data_as<float>(), weight,
-                                        s.normed.data_as<bf16>(), num_tokens, H, c.rms_norm_eps}, s.stream),
-                       "add_rms_norm");
+  s.x_fp8_holds = {};
+  if (!reduce) {
+    k::AddRmsNormParams norm{s.residual.data_as<float>(), s.delta.data_as<float>(), weight, s.normed.data_as<bf16>(),
+                             num_tokens, H, c.rms_norm_eps};
+    if (fp8 != Fp8Layout::kNone && k::add_rms_norm_quantizes(H)) {
+      norm.out_fp8 = s.x_fp8.data_as<uint8_t>(), norm.out_scales = s.x_scales.data_as<float>();
+      norm.scales_by_group = fp8 == Fp8Layout::kGroups;
+      s.x_fp8_holds = {s.normed.data(), fp8};
+    }
+    return cuda_status(k::add_rms_norm(norm, s.stream), "add_rms_norm");
+  }
   MOE_RETURN_IF_ERROR(cuda_status(k::cast_to_bf16({s.delta.data_as<float>(), s.delta_bf16.data_as<bf16>(),
                                                    int64_t{num_tokens} * H}, s.stream), "cast_to_bf16"));
   return s.options.comm->all_reduce_add_rms_norm(s.delta_bf16.data_as<bf16>(), s.residual.data_as<float>(), weight,
                                                  s.normed.data_as<bf16>(), num_tokens, H, c.rms_norm_eps, s.stream);
+}
+
+bool CudaQwen3MoeModel::cublas_fp8_projection(int num_tokens, int n, int k, DType out) const {
+  const State& s = *state_;
+  return !s.mx_experts && s.cublas_fp8_projections && s.gemm->has_fp8_block(num_tokens, n, k, out);
+}
+
+CudaQwen3MoeModel::Fp8Layout CudaQwen3MoeModel::qkv_input_fp8(const LayerBuffers& b, int num_tokens) const {
+  const ModelConfig& c = config();
+  if (!b.fp8_attention || state_->mx_experts) return Fp8Layout::kNone;
+  const int qkv_width = (b.num_q_heads + 2 * b.num_kv_heads) * c.head_dim;
+  return cublas_fp8_projection(num_tokens, qkv_width, static_cast<int>(c.hidden_size), DType::kBF16)
+             ? Fp8Layout::kGroups
+             : Fp8Layout::kRows;
+}
+
+CudaQwen3MoeModel::Fp8Layout CudaQwen3MoeModel::o_input_fp8(const LayerBuffers& b, int num_tokens) const {
+  const ModelConfig& c = config();
+  if (!b.fp8_attention || state_->mx_experts) return Fp8Layout::kNone;
+  return cublas_fp8_projection(num_tokens, static_cast<int>(c.hidden_size), b.num_q_heads * c.head_dim, DType::kF32)
+             ? Fp8Layout::kGroups
+             : Fp8Layout::kRows;
+}
+
+bool CudaQwen3MoeModel::take_x_fp8(const void* source, Fp8Layout layout) {
+  const State::Fp8Copy held = std::exchange(state_->x_fp8_holds, {});
+  return layout != Fp8Layout::kNone && held.source == source && held.layout == layout;
 }
 
 Status CudaQwen3MoeModel::fill_kv_random(uint64_t seed) {

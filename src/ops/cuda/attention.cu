@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kWarps * 32) paged_attention_kernel(PagedAtten
 
 cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream) {
   if (p.head_dim > kMaxPerLane * 32 || p.num_kv_heads < 1 || p.num_q_heads % p.num_kv_heads != 0 ||
-      p.num_q_heads / p.num_kv_heads > kMaxGroup)
+      p.num_q_heads / p.num_kv_heads > kMaxGroup || p.out_fp8 != nullptr)
     return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
   paged_attention_kernel<<<dim3(p.num_tokens, p.num_kv_heads), kWarps * 32, 0, stream>>>(p);

@@ -627,7 +627,7 @@ cudaError_t launch_decode(const MmaAttentionParams& args, cudaStream_t stream) {
 
 cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position, float* workspace,
                                 size_t workspace_bytes, cudaStream_t stream) {
-  if (!mma_attention_supported(p)) return cudaErrorInvalidValue;
+  if (!mma_attention_supported(p) || p.out_fp8 != nullptr) return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
   const int stages = p.decode_stages != 0 ? p.decode_stages : kDefaultDecodeStages;
   if (stages < 2 || stages > 4 || p.decode_splits < 0) return cudaErrorInvalidValue;
@@ -675,9 +675,11 @@ cudaError_t prefill_attention(const PagedAttentionParams& p, const int32_t* grou
                                     : mma_prefill_attention(p, group_start, num_groups, stream);
 }
 
+bool prefill_attention_quantizes() { return hopper_kernels_available(); }
+
 cudaError_t mma_prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
                                   cudaStream_t stream) {
-  if (!mma_attention_supported(p)) return cudaErrorInvalidValue;
+  if (!mma_attention_supported(p) || p.out_fp8 != nullptr) return cudaErrorInvalidValue;
   if (num_groups == 0) return cudaSuccess;
   constexpr int kSmem = 2 * kPrefillStageBytes;
   cudaError_t error = cudaFuncSetAttribute(mma_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "ops/cuda/common.cuh"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/wgmma.cuh"
 
@@ -294,16 +295,29 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_prefill_kernel(WgmmaPrefill
     if (lane == 0) mbarrier_arrive(empty(step % kStages));
     ++step;
 
-    // Normalise and store this thread's two rows.
+    // Normalise and store this thread's two rows: bf16, or their E4M3 (a
+    // (token, head) row is one 1 x 128 group, quantized across the quad).
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-      if (row_position[h] < 0) continue;
+      const bool live = row_position[h] >= 0;
       const int row = warpgroup * 64 + warp * 16 + g + 8 * h;
-      const int t = tile.t0 + row / group;
-      bf16* out = p.out + (static_cast<int64_t>(t) * p.num_q_heads + tile.kv_head * group + row % group) * kD;
-      const float inv = 1.0f / l[h];
+      const int t = live ? tile.t0 + row / group : 0, head = tile.kv_head * group + row % group;
+      const float inv = live ? 1.0f / l[h] : 0.0f;
+      if (p.out_fp8 != nullptr) {  // warp-uniform: every lane shuffles
+        float v[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+          v[i] = __bfloat162float(__float2bfloat16_rn(o[4 * (i >> 1) + 2 * h + (i & 1)] * inv));
+        float* scale = p.out_scales + (p.scales_by_group ? static_cast<int64_t>(head) * p.num_tokens + t
+                                                         : static_cast<int64_t>(t) * p.num_q_heads + head);
+        store_fp8_group_quad(p.out_fp8 + (static_cast<int64_t>(t) * p.num_q_heads + head) * kD, scale, v, kD, q,
+                             live);
+        continue;
+      }
+      if (!live) continue;
+      bf16* out = p.out + (static_cast<int64_t>(t) * p.num_q_heads + head) * kD;
 #pragma unroll
       for (int i = 0; i < 16; ++i)
         *reinterpret_cast<uint32_t*>(out + i * 8 + 2 * q) =

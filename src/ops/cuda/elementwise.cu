@@ -74,6 +74,19 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_vec_kernel(AddRmsNo
     const __nv_bfloat162 o01 = __floats2bfloat162_rn(w01.x * (v[j].x * inv_rms), w01.y * (v[j].y * inv_rms));
     const __nv_bfloat162 o23 = __floats2bfloat162_rn(w23.x * (v[j].z * inv_rms), w23.y * (v[j].w * inv_rms));
     out[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&o01), *reinterpret_cast<const uint32_t*>(&o23));
+    if (p.out_fp8 == nullptr) continue;
+    // 32 float4 are a 1 x 128 group: warp w holds group i / 32 (hidden % 128
+    // == 0, so a warp is all in or all out). The bf16 values, as
+    // quantize_fp8_groups reads them.
+    const float2 r01 = __bfloat1622float2(o01), r23 = __bfloat1622float2(o23);
+    const float amax = warp_max(fmaxf(fmaxf(fabsf(r01.x), fabsf(r01.y)), fmaxf(fabsf(r23.x), fabsf(r23.y))));
+    const float scale = fmaxf(amax, 1e-10f) / 448.0f, inv = 1.0f / scale;
+    reinterpret_cast<uint32_t*>(p.out_fp8 + base)[i] = e4m3x4(r01.x, r01.y, r23.x, r23.y, scale, inv);
+    if ((threadIdx.x & 31) == 0 && p.out_scales != nullptr) {
+      const int group = i / 32, row = blockIdx.x;
+      p.out_scales[p.scales_by_group ? static_cast<int64_t>(group) * p.num_tokens + row
+                                     : static_cast<int64_t>(row) * (p.hidden / 128) + group] = scale;
+    }
   }
 }
 
@@ -278,8 +291,11 @@ cudaError_t embedding(const EmbeddingParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+bool add_rms_norm_quantizes(int hidden) { return hidden % 128 == 0 && hidden <= 4 * kNormThreads * kNormVec; }
+
 cudaError_t add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
+  if (p.out_fp8 != nullptr && !add_rms_norm_quantizes(p.hidden)) return cudaErrorInvalidValue;
   if (p.hidden % 4 == 0 && p.hidden <= 4 * kNormThreads * kNormVec) {
     add_rms_norm_vec_kernel<<<p.num_tokens, kNormThreads, 0, stream>>>(p);
   } else {

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "ops/cuda/common.cuh"
 #include "ops/cuda/kernels.h"
 
 namespace moe::ops::cuda {
@@ -63,24 +64,8 @@ __device__ __forceinline__ ItemOffsets copy_item_offsets(int32_t* dst, const int
 // quad's lanes, because lanes past the rows skipped the call, ptxas checked
 // convergence before every shuffle with MATCH.ANY and REDUX: 40-60% of the
 // FP8 prefill down GEMM's epilogue, and the epilogue 22% of its consumers'
-// time; H200 profile, 2026-12-02.)
-//
-// quad_transpose: v[k] of quad lane q becomes v[q] of lane k (two
-// xor-shuffle steps; every lane of the warp takes part).
-__device__ __forceinline__ void quad_transpose(uint32_t (&v)[4], int q) {
-#pragma unroll
-  for (int bit = 1; bit <= 2; bit <<= 1)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      if (c & bit) continue;
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, (q & bit) ? v[c] : v[c | bit], bit);
-      if (q & bit) {
-        v[c] = got;
-      } else {
-        v[c | bit] = got;
-      }
-    }
-}
+// time; H200 profile, 2026-12-02.) The quad helpers they share with the
+// attention kernels (quad_transpose, store_fp8_group_quad) are in common.cuh.
 
 // Stores the bf16 pairs of chunks 4j .. 4j + 3 (pair[k]: columns 8 (4j + k)
 // + 2q, + 1 of this thread). With N a multiple of 8, the quad first
@@ -151,31 +136,14 @@ __device__ __forceinline__ void store_silu_mul_row(bf16* out_row, const float (&
   }
 }
 
-// x / scale rounded as the IEEE division, from inv = 1 / scale (itself one
-// IEEE division per row): q = x * inv, corrected once with the residual the
-// FMA computes exactly (Markstein's theorem). With a division per element
-// the fused gate_up epilogue below made the two expert GEMMs 2-9% slower
-// from 1 to 64 rows per expert (H200, 2026-12-03). Where x is so small that
-// the residual is subnormal the last bit can differ, far below E4M3's
-// smallest step: over 2e8 random pairs of the quantizers' range the E4M3
-// bytes were the same.
-__device__ __forceinline__ float divide_by_scale(float x, float scale, float inv) {
-  const float q = __fmul_rn(x, inv);
-  const float residual = __fmaf_rn(-q, scale, x);
-  return residual == 0.0f ? q : __fmaf_rn(residual, inv, q);  // q keeps the sign of a zero x
-}
-
 // gate_up's epilogue straight into the down GEMM's input: 128 output columns
 // of the thread's rows (n_base a multiple of 128: one quantization group) as
-// store_silu_mul_row<16> computes them, rounded to bf16, then quantized as
-// quantize_fp8_groups quantizes those bf16 rows (scale max(amax, 1e-10) /
-// 448, element e4m3(v / scale)), so the bytes are the same; columns >= N
-// count as zero. Lane m of the quad stores columns 32 m .. 32 m + 31 after
-// two quad transposes (N % 16 == 0), and lane 0 the row's scale.
+// store_silu_mul_row<16> computes them, rounded to bf16, then quantized by
+// store_fp8_group_quad (the bytes quantize_fp8_groups makes of the bf16
+// rows); columns >= N count as zero (N % 16 == 0).
 __device__ __forceinline__ void store_silu_mul_fp8_row(uint8_t* out_row, float* scale_out, const float (&acc)[128],
                                                        int n_base, int N, int h, int q, bool live) {
   float v[32];
-  float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 16; ++i)
 #pragma unroll
@@ -183,43 +151,10 @@ __device__ __forceinline__ void store_silu_mul_fp8_row(uint8_t* out_row, float* 
       const float gate = acc[4 * i + 2 * h + c], up = acc[4 * (i + 16) + 2 * h + c];
       const float x = __bfloat162float(__float2bfloat16_rn(__fdividef(gate, 1.0f + __expf(-gate)) * up));
       v[2 * i + c] = n_base + 8 * i + 2 * q + c < N ? x : 0.0f;
-      amax = fmaxf(amax, fabsf(v[2 * i + c]));
     }
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  const float scale = fmaxf(amax, 1e-10f) / 448.0f, inv = 1.0f / scale;
-  auto e4m3_pair = [&](int i) -> uint32_t {  // columns 8 i + 2 q (low byte), + 1
-    const float2 pair = make_float2(divide_by_scale(v[2 * i], scale, inv), divide_by_scale(v[2 * i + 1], scale, inv));
-    return __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
-  };
-  // lo[m], hi[m]: chunks 4 m, 4 m + 1 and 4 m + 2, 4 m + 3 (two bytes each);
-  // after the transposes lane m holds every lane's pairs of its 4 chunks.
-  // Only live rows convert (at 1 row per expert 63 of an item's 64 are not).
-  uint32_t lo[4] = {}, hi[4] = {};
-  if (live) {
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      lo[m] = e4m3_pair(4 * m) | e4m3_pair(4 * m + 1) << 16;
-      hi[m] = e4m3_pair(4 * m + 2) | e4m3_pair(4 * m + 3) << 16;
-    }
-  }
-  quad_transpose(lo, q);
-  quad_transpose(hi, q);
-  // Byte 8 k + 2 q' + c of lane m's 32 is chunk 4 m + k's pair from lane q'.
-  if (!live || n_base >= N) return;
-  const int n = n_base + 32 * q;
-  if (n + 16 <= N)
-    *reinterpret_cast<uint4*>(out_row + n) =
-        make_uint4(__byte_perm(lo[0], lo[1], 0x5410), __byte_perm(lo[2], lo[3], 0x5410),
-                   __byte_perm(lo[0], lo[1], 0x7632), __byte_perm(lo[2], lo[3], 0x7632));
-  if (n + 32 <= N)
-    *reinterpret_cast<uint4*>(out_row + n + 16) =
-        make_uint4(__byte_perm(hi[0], hi[1], 0x5410), __byte_perm(hi[2], hi[3], 0x5410),
-                   __byte_perm(hi[0], hi[1], 0x7632), __byte_perm(hi[2], hi[3], 0x7632));
-  if (q == 0) *scale_out = scale;
+  store_fp8_group_quad(out_row + n_base, scale_out, v, N - n_base, q, live);
 }
 
-// down: out_row[n] = acc (f32), kSize / 4 chunks of 8 columns.
 template <int kSize>
 __device__ __forceinline__ void store_f32_row(float* out_row, const float (&acc)[kSize], int n_base, int N, int h,
                                               int q, bool live) {

@@ -37,8 +37,16 @@ struct AddRmsNormParams {
   bf16* out;           // [num_tokens, hidden]
   int num_tokens, hidden;
   float eps;
+  // Optional (add_rms_norm_quantizes(hidden)): `out` quantized as well, the
+  // bytes and scales quantize_fp8_groups makes of it (QuantizeFp8Params).
+  uint8_t* out_fp8 = nullptr;  // [num_tokens, hidden] E4M3
+  float* out_scales = nullptr;
+  bool scales_by_group = false;
 };
 cudaError_t add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream);
+// Whether add_rms_norm can write its rows in FP8 too (hidden a multiple of
+// 128 within the one-pass kernel's width).
+bool add_rms_norm_quantizes(int hidden);
 
 // Per head of the fused qkv projection: q and k RMS-normed (q_norm, k_norm)
 // and rotated (RoPE, rotate-half), q written to q_out, k and v stored in the
@@ -77,6 +85,14 @@ struct PagedAttentionParams {
   // (0: chosen from the grid; at most what the workspace holds).
   int decode_stages = 0;
   int decode_splits = 0;
+  // Optional (prefill_attention where prefill_attention_quantizes()): the
+  // output in E4M3 instead of bf16 `out`, each (token, head) one 1 x 128
+  // group: the bytes and scales quantize_fp8_groups makes of the bf16 rows,
+  // scales [num_tokens, num_q_heads] or (scales_by_group) [num_q_heads,
+  // num_tokens]. The decode kernels refuse it.
+  uint8_t* out_fp8 = nullptr;
+  float* out_scales = nullptr;
+  bool scales_by_group = false;
 };
 // head_dim <= 128 and num_q_heads / num_kv_heads <= 16.
 cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
@@ -102,6 +118,8 @@ int prefill_group_tokens(int num_q_heads, int num_kv_heads);
 std::vector<int32_t> prefill_token_groups(std::span<const int32_t> query_start, int group_tokens);
 cudaError_t prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
                               cudaStream_t stream);
+// Whether prefill_attention can write its output in FP8 (out_fp8): the wgmma kernel's.
+bool prefill_attention_quantizes();
 // The two kernels, for tests and benchmarks; each with its own group size.
 inline constexpr int kMmaPrefillGroupTokens = 8;
 cudaError_t mma_prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
@@ -141,8 +159,12 @@ struct MoePermuteParams {
   int32_t* row_of;            // [num_tokens * k]
   int num_tokens, k, num_experts, tile_rows;
   int first_expert = 0;
+  // Optional workspace [moe_permute_blocks(num_tokens * k), num_experts]:
+  // prefill sizes then take several blocks (else one).
+  int32_t* block_counts = nullptr;
 };
 cudaError_t moe_permute(const MoePermuteParams& p, cudaStream_t stream);
+int moe_permute_blocks(int pairs);
 
 // Grouped GEMM over experts. For permuted row r of expert e:
 //   gate_up: act[r, n] = bf16(silu(x[tok] . w[e, n]) * (x[tok] . w[e, inter + n])),

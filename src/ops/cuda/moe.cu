@@ -12,6 +12,7 @@
 // wgmma/TMA kernel of grouped_gemm_wgmma.cu takes its place.
 #include <mma.h>
 
+#include <algorithm>
 #include <cfloat>
 
 #include "ops/cuda/common.cuh"
@@ -72,61 +73,118 @@ __global__ void route_topk_kernel(RouteTopkParams p) {
   if (p.renormalize && lane < p.k) p.weights[warp * p.k + lane] /= chosen_sum;
 }
 
-// One block: counts, prefix sums and the scatter of (token, slot) pairs.
-// The prefix sums run in warp 0, 32 experts per pass (a serial loop in one
-// thread, reading each count and writing both offsets to global memory, had
-// taken most of the kernel's 6-9 us at decode sizes; ncu on an H200).
-__global__ void moe_permute_kernel(MoePermuteParams p) {
-  extern __shared__ int32_t shared[];
-  int32_t* counts = shared;                     // [num_experts]
-  int32_t* cursor = shared + p.num_experts;     // [num_experts]
-  int32_t* first = shared + 2 * p.num_experts;  // [num_experts]: each expert's first row
-  const int pairs = p.num_tokens * p.k;
-  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) counts[e] = 0, cursor[e] = 0;
-  __syncthreads();
-  auto local = [&](int i) { return p.expert_ids[i] - p.first_expert; };  // outside [0, num_experts): another rank's
-  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
-    const int e = local(i);
-    if (e >= 0 && e < p.num_experts) atomicAdd(&counts[e], 1);
-  }
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int32_t rows = 0, tiles = 0;  // before this pass's experts
-    for (int base = 0; base < p.num_experts; base += 32) {
-      const int e = base + lane;
-      const int32_t count = e < p.num_experts ? counts[e] : 0;
-      int32_t row_sum = count, tile_sum = (count + p.tile_rows - 1) / p.tile_rows;  // inclusive scans
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const int32_t r = __shfl_up_sync(0xffffffffu, row_sum, offset),
-                      t = __shfl_up_sync(0xffffffffu, tile_sum, offset);
-        if (lane >= offset) row_sum += r, tile_sum += t;
-      }
-      if (e < p.num_experts) {
-        const int32_t tile_count = (count + p.tile_rows - 1) / p.tile_rows;
-        first[e] = rows + row_sum - count;
-        p.expert_offsets[e] = rows + row_sum - count;
-        p.tile_offsets[e] = tiles + tile_sum - tile_count;
-      }
-      rows += __shfl_sync(0xffffffffu, row_sum, 31);
-      tiles += __shfl_sync(0xffffffffu, tile_sum, 31);
+// The permutation's prefix sums, in warp 0 (the caller's), 32 experts per
+// pass: each expert's first row into first[] and, with write_offsets, the
+// expert and tile offsets. (A serial loop in one thread, reading each count
+// and writing both offsets to global memory, had taken most of the
+// single-block kernel's 6-9 us at decode sizes; ncu on an H200.)
+__device__ void scan_expert_counts(const MoePermuteParams& p, const int32_t* counts, int32_t* first,
+                                   bool write_offsets) {
+  const int lane = threadIdx.x;
+  int32_t rows = 0, tiles = 0;  // before this pass's experts
+  for (int base = 0; base < p.num_experts; base += 32) {
+    const int e = base + lane;
+    const int32_t count = e < p.num_experts ? counts[e] : 0;
+    int32_t row_sum = count, tile_sum = (count + p.tile_rows - 1) / p.tile_rows;  // inclusive scans
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int32_t r = __shfl_up_sync(0xffffffffu, row_sum, offset),
+                    t = __shfl_up_sync(0xffffffffu, tile_sum, offset);
+      if (lane >= offset) row_sum += r, tile_sum += t;
     }
-    if (lane == 0) {
-      p.expert_offsets[p.num_experts] = rows;
-      p.tile_offsets[p.num_experts] = tiles;
+    if (e < p.num_experts) {
+      const int32_t tile_count = (count + p.tile_rows - 1) / p.tile_rows;
+      first[e] = rows + row_sum - count;
+      if (write_offsets) p.expert_offsets[e] = rows + row_sum - count, p.tile_offsets[e] = tiles + tile_sum - tile_count;
     }
+    rows += __shfl_sync(0xffffffffu, row_sum, 31);
+    tiles += __shfl_sync(0xffffffffu, tile_sum, 31);
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
-    const int e = local(i);
+  if (lane == 0 && write_offsets) p.expert_offsets[p.num_experts] = rows, p.tile_offsets[p.num_experts] = tiles;
+}
+
+// The pair's expert among this rank's (outside [0, num_experts): another rank's).
+__device__ __forceinline__ int local_expert(const MoePermuteParams& p, int i) {
+  return p.expert_ids[i] - p.first_expert;
+}
+
+// Pairs [begin, end) to their rows: cursor[e] is the next free row of expert e.
+__device__ __forceinline__ void scatter_pairs(const MoePermuteParams& p, int begin, int end, int32_t* cursor) {
+  for (int i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const int e = local_expert(p, i);
     if (e < 0 || e >= p.num_experts) {
       p.row_of[i] = -1;
       continue;
     }
-    const int row = first[e] + atomicAdd(&cursor[e], 1);
+    const int row = atomicAdd(&cursor[e], 1);
     p.sorted_token[row] = i / p.k;
     p.row_of[i] = row;
   }
+}
+
+// Decode sizes, one block: counts, prefix sums and the scatter of (token,
+// slot) pairs.
+__global__ void moe_permute_kernel(MoePermuteParams p) {
+  extern __shared__ int32_t shared[];
+  int32_t* counts = shared;                     // [num_experts]
+  int32_t* cursor = shared + p.num_experts;     // [num_experts]
+  const int pairs = p.num_tokens * p.k;
+  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+    const int e = local_expert(p, i);
+    if (e >= 0 && e < p.num_experts) atomicAdd(&counts[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) scan_expert_counts(p, counts, cursor, true);
+  __syncthreads();
+  scatter_pairs(p, 0, pairs, cursor);
+}
+
+// Prefill sizes, two kernels over the same chunks of pairs (a block each):
+// the chunk's counts per expert into block_counts, then in each block the
+// prefix sums over experts (every block computes them; block 0 writes the
+// offsets) and the chunk's rows after those of the chunks before it. One
+// block of 1024 threads took 60 us at 4096 tokens x top-8 (H200, ncu),
+// its shared-memory atomics on 128 counters serialised.
+__device__ __forceinline__ int chunk_begin(const MoePermuteParams& p, int block) {
+  const int pairs = p.num_tokens * p.k, chunk = (pairs + gridDim.x - 1) / gridDim.x;
+  return min(pairs, block * chunk);
+}
+
+__global__ void moe_permute_count_kernel(MoePermuteParams p) {
+  extern __shared__ int32_t counts[];  // [num_experts]
+  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  const int end = chunk_begin(p, blockIdx.x + 1);
+  for (int i = chunk_begin(p, blockIdx.x) + threadIdx.x; i < end; i += blockDim.x) {
+    const int e = local_expert(p, i);
+    if (e >= 0 && e < p.num_experts) atomicAdd(&counts[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x)
+    p.block_counts[static_cast<int64_t>(blockIdx.x) * p.num_experts + e] = counts[e];
+}
+
+__global__ void moe_permute_scatter_kernel(MoePermuteParams p) {
+  extern __shared__ int32_t shared[];
+  int32_t* counts = shared;                  // [num_experts]: all chunks'
+  int32_t* before = shared + p.num_experts;  // [num_experts]: the chunks' before this one
+  int32_t* first = shared + 2 * p.num_experts;
+  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
+    int32_t total = 0, earlier = 0;
+    for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
+      const int32_t count = p.block_counts[static_cast<int64_t>(b) * p.num_experts + e];
+      total += count;
+      if (b < static_cast<int>(blockIdx.x)) earlier += count;
+    }
+    counts[e] = total, before[e] = earlier;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) scan_expert_counts(p, counts, first, blockIdx.x == 0);
+  __syncthreads();
+  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) before[e] += first[e];  // the chunk's first rows
+  __syncthreads();
+  scatter_pairs(p, chunk_begin(p, blockIdx.x), chunk_begin(p, blockIdx.x + 1), before);
 }
 
 constexpr int kTileM = kGroupedGemmTileRows, kTileN = 64, kTileK = 128, kPad = 8, kStages = 2;
@@ -344,8 +402,20 @@ cudaError_t route_topk(const RouteTopkParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+int moe_permute_blocks(int pairs) {
+  constexpr int kPairsPerBlock = 1024, kMaxBlocks = 256;
+  return pairs <= 4096 ? 1 : std::min((pairs + kPairsPerBlock - 1) / kPairsPerBlock, kMaxBlocks);
+}
+
 cudaError_t moe_permute(const MoePermuteParams& p, cudaStream_t stream) {
-  moe_permute_kernel<<<1, 1024, 3 * p.num_experts * sizeof(int32_t), stream>>>(p);
+  const int blocks = moe_permute_blocks(p.num_tokens * p.k);
+  const size_t experts_bytes = p.num_experts * sizeof(int32_t);
+  if (blocks == 1 || p.block_counts == nullptr) {
+    moe_permute_kernel<<<1, 1024, 2 * experts_bytes, stream>>>(p);
+    return cudaGetLastError();
+  }
+  moe_permute_count_kernel<<<blocks, 256, experts_bytes, stream>>>(p);
+  moe_permute_scatter_kernel<<<blocks, 256, 3 * experts_bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
