@@ -388,7 +388,7 @@ TEST_F(CudaOps, AddRmsNormQuantizesItsRows) {
       k::AddRmsNormParams p{d_residual.data_as<float>(), d_delta.data_as<float>(), d_weight.data_as<bf16>(),
                             out.get<bf16>(), tokens, hidden, 1e-6f};
       p.out_fp8 = out_fp8.get<uint8_t>(), p.out_scales = out_scales.get<float>(), p.scales_by_group = by_group;
-      ASSERT_TRUE(k::add_rms_norm_quantizes(hidden));
+      ASSERT_TRUE(k::add_rms_norm_fuses(hidden));
       ASSERT_EQ(k::add_rms_norm(p, nullptr), cudaSuccess);
       const std::vector<float> rows = as_floats(out.download(), DType::kBF16);
       const Fp8Groups ref = cpu_fp8_groups(rows.data(), tokens, hidden, by_group);
@@ -398,7 +398,7 @@ TEST_F(CudaOps, AddRmsNormQuantizesItsRows) {
     }
   }
   // Rows that are not whole groups: refused, nothing written.
-  EXPECT_FALSE(k::add_rms_norm_quantizes(4098));
+  EXPECT_FALSE(k::add_rms_norm_fuses(4098));
   Output residual = Output::make(4098 * sizeof(float)), fp8 = Output::make(4098);
   k::AddRmsNormParams p{residual.get<float>(), nullptr, nullptr, nullptr, 1, 4098, 1e-6f};
   p.out_fp8 = fp8.get<uint8_t>();

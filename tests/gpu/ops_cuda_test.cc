@@ -12,6 +12,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/cuda/device_buffer.h"
@@ -44,6 +45,48 @@ TEST_F(CudaOps, AddRmsNorm) {
     Tensor new_residual = download(d_residual.view()).value();
     EXPECT_LT(scaled_error(std::vector<float>(new_residual.data_as<float>(), new_residual.data_as<float>() + ref.num_elements()),
                            residual.f32.data_as<float>(), ref.num_elements()), 1e-6);
+  }
+}
+
+// The RMSNorm summing the MoE's bf16 expert rows itself: the same residual
+// and rows, bit for bit, as moe_unpermute into delta followed by add_rms_norm
+// (itself checked against the CPU above and in the MoE tests).
+TEST_F(CudaOps, AddRmsNormSumsTheExpertRows) {
+  for (const auto& [tokens, hidden, topk] : {std::tuple{37, 4096, 8}, std::tuple{5, 256, 3}, std::tuple{300, 1024, 8}}) {
+    SCOPED_TRACE(std::to_string(tokens) + " tokens x " + std::to_string(hidden) + ", top-" + std::to_string(topk));
+    const int pairs = tokens * topk;
+    Host residual = random_bf16({tokens, hidden}, rng_, 2.0f), rows = random_bf16({pairs, hidden}, rng_);
+    Host weight = random_bf16({hidden}, rng_), weights = random_bf16({tokens, topk}, rng_);
+    // A shuffled row per pair; every fifth pair another rank's (-1).
+    std::vector<int32_t> row_of(static_cast<size_t>(pairs));
+    for (int i = 0; i < pairs; ++i) row_of[i] = i;
+    std::shuffle(row_of.begin(), row_of.end(), rng_);
+    for (int i = 0; i < pairs; i += 5) row_of[i] = -1;
+    DeviceTensor d_rows = upload(rows.bf16), d_weights = upload(weights.f32), d_weight = upload(weight.bf16);
+    DeviceTensor d_row_of = upload_vector(row_of, DType::kI32);
+    const size_t bytes = static_cast<size_t>(tokens) * hidden;
+    // Two kernels: delta, then the add and the norm.
+    DeviceTensor residual_a = upload(residual.f32), residual_b = upload(residual.f32);
+    Output delta = Output::make(bytes * 4), out_a = Output::make(bytes * 2), out_b = Output::make(bytes * 2);
+    ASSERT_EQ(k::moe_unpermute({d_rows.data(), d_row_of.data_as<int32_t>(), d_weights.data_as<float>(),
+                                delta.get<float>(), tokens, topk, hidden, true},
+                               nullptr),
+              cudaSuccess);
+    ASSERT_EQ(k::add_rms_norm({residual_a.data_as<float>(), delta.get<float>(), d_weight.data_as<bf16>(),
+                               out_a.get<bf16>(), tokens, hidden, 1e-6f},
+                              nullptr),
+              cudaSuccess);
+    // One.
+    k::AddRmsNormParams fused{residual_b.data_as<float>(), nullptr, d_weight.data_as<bf16>(), out_b.get<bf16>(),
+                              tokens, hidden, 1e-6f};
+    fused.expert_rows = d_rows.data_as<bf16>(), fused.row_of = d_row_of.data_as<int32_t>();
+    fused.expert_weights = d_weights.data_as<float>(), fused.k = topk;
+    ASSERT_TRUE(k::add_rms_norm_fuses(hidden));
+    ASSERT_EQ(k::add_rms_norm(fused, nullptr), cudaSuccess);
+    Tensor res_a = download(residual_a.view()).value(), res_b = download(residual_b.view()).value();
+    EXPECT_EQ(std::memcmp(res_a.data(), res_b.data(), res_a.num_bytes()), 0) << "residual";
+    const std::vector<uint8_t> a = out_a.download(), b = out_b.download();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0) << "normed rows";
   }
 }
 

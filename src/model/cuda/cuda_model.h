@@ -185,9 +185,11 @@ class CudaQwen3MoeModel {
   Status launch_layer(const LayerBuffers& b, const StepShape& shape, const void* next_norm, int layer,
                       Fp8Layout next_fp8 = Fp8Layout::kNone);
   Status upload_mtp(const MtpWeights& weights);
-  // residual += delta (summed over the ranks when `reduce`), then the norm
+  // residual += delta (summed over the ranks when `reduce`; moe_delta: the
+  // MoE's weighted sum of its bf16 expert_rows, not reduced), then the norm
   // into `normed` and, where the kernel can, into x_fp8 as `fp8` says.
-  Status layer_boundary(const void* norm_weight, int num_tokens, bool reduce, Fp8Layout fp8 = Fp8Layout::kNone);
+  Status layer_boundary(const void* norm_weight, int num_tokens, bool reduce, Fp8Layout fp8 = Fp8Layout::kNone,
+                        bool moe_delta = false);
   Status exchange_experts(const LayerBuffers& b, int num_tokens, const void* next_norm, Fp8Layout next_fp8);
   // Whether an FP8 projection of that shape goes through cuBLASLt's block-scaled GEMM.
   bool cublas_fp8_projection(int num_tokens, int n, int k, DType out) const;

@@ -416,7 +416,11 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
   MOE_RETURN_IF_ERROR(layer_boundary(b.post_attention_norm.data_as<bf16>(), T, tp,
                                      fp8_block_experts ? Fp8Layout::kRows : Fp8Layout::kNone));
   if (s.layer_hook && tp) MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(s.kv_written, s.stream));
-  // MLP.
+  // MLP. Partial sums to reduce: a MoE layer's under expert parallelism (on
+  // replicated tokens), a dense one's under tensor parallelism.
+  const bool reduce = layer >= 0 && (b.is_moe ? s.options.plan.ep_size > 1 && !s.options.plan.dp_attention
+                                              : s.options.plan.tp_size > 1);
+  const bool moe_delta = b.is_moe && !reduce && k::add_rms_norm_fuses(H);  // layer_boundary's
   if (b.is_moe) {
     const int E = c.num_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.normed.data_as<bf16>(), b.router.data_as<bf16>(), s.router_logits.data(),
@@ -462,11 +466,13 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                       s.stream));
     }
     // The down GEMMs above write bf16 rows (each expert's output rounded once,
-    // as transformers' Qwen3-MoE does): half the bytes of f32 both ways.
-    MOE_LAUNCH(
-        k::moe_unpermute({s.expert_rows.data(), s.row_of.data_as<int32_t>(),
-                          s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H, true},
-                         s.stream));
+    // as transformers' Qwen3-MoE does): half the bytes of f32 both ways. With
+    // nothing to reduce, the layer boundary's RMSNorm sums them itself.
+    if (!moe_delta)
+      MOE_LAUNCH(
+          k::moe_unpermute({s.expert_rows.data(), s.row_of.data_as<int32_t>(),
+                            s.expert_weights.data_as<float>(), s.delta.data_as<float>(), T, topk, H, true},
+                           s.stream));
   } else {
     const int inter = b.mlp_columns;
     if (b.fake_quant_mlp) MOE_RETURN_IF_ERROR(fake_quantize(s.normed, H));
@@ -477,11 +483,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_RETURN_IF_ERROR(s.gemm->matmul(s.act.data_as<bf16>(), b.w2.data_as<bf16>(), s.delta.data(), DType::kF32, T, H,
                                        inter, s.stream));
   }
-  // Partial sums to reduce: a MoE layer's under expert parallelism (on
-  // replicated tokens), a dense one's under tensor parallelism.
-  const bool reduce = layer >= 0 && (b.is_moe ? s.options.plan.ep_size > 1 && !s.options.plan.dp_attention
-                                              : s.options.plan.tp_size > 1);
-  MOE_RETURN_IF_ERROR(layer_boundary(static_cast<const bf16*>(next_norm), T, reduce, next_fp8));
+  MOE_RETURN_IF_ERROR(layer_boundary(static_cast<const bf16*>(next_norm), T, reduce, next_fp8, moe_delta));
 #undef MOE_LAUNCH
   return Status::ok();
 }
@@ -551,7 +553,8 @@ Status CudaQwen3MoeModel::exchange_idle() {
   return finish_step();
 }
 
-Status CudaQwen3MoeModel::layer_boundary(const void* norm_weight, int num_tokens, bool reduce, Fp8Layout fp8) {
+Status CudaQwen3MoeModel::layer_boundary(const void* norm_weight, int num_tokens, bool reduce, Fp8Layout fp8,
+                                         bool moe_delta) {
   State& s = *state_;
   const ModelConfig& c = config();
   const int H = static_cast<int>(c.hidden_size);
@@ -560,7 +563,11 @@ Status CudaQwen3MoeModel::layer_boundary(const void* norm_weight, int num_tokens
   if (!reduce) {
     k::AddRmsNormParams norm{s.residual.data_as<float>(), s.delta.data_as<float>(), weight, s.normed.data_as<bf16>(),
                              num_tokens, H, c.rms_norm_eps};
-    if (fp8 != Fp8Layout::kNone && k::add_rms_norm_quantizes(H)) {
+    if (moe_delta) {  // the expert rows' weighted sum is the delta
+      norm.expert_rows = s.expert_rows.data_as<bf16>(), norm.row_of = s.row_of.data_as<int32_t>();
+      norm.expert_weights = s.expert_weights.data_as<float>(), norm.k = c.num_experts_per_tok;
+    }
+    if (fp8 != Fp8Layout::kNone && k::add_rms_norm_fuses(H)) {
       norm.out_fp8 = s.x_fp8.data_as<uint8_t>(), norm.out_scales = s.x_scales.data_as<float>();
       norm.scales_by_group = fp8 == Fp8Layout::kGroups;
       s.x_fp8_holds = {s.normed.data(), fp8};

@@ -34,31 +34,77 @@ __global__ void add_rms_norm_kernel(AddRmsNormParams p) {
 }
 
 // The same for rows of hidden % 4 == 0 and hidden <= 4 * kNormThreads *
-// kNormVec (every Qwen3 MoE): float4 loads, the row kept in registers between
-// the sum of squares and the scaling, 512 threads. A decode step has few
-// tokens, so each block's latency is the kernel's: measured on an H200 at 64
-// tokens x 4096, 13 us for the scalar kernel above (two passes over the row).
-constexpr int kNormThreads = 512, kNormVec = 4;
+// kMaxNormVec (every Qwen3 MoE): float4 loads, kNormVec per thread, the row
+// kept in registers between the sum of squares and the scaling, 512 threads.
+// A decode step has few tokens, so each block's latency is the kernel's:
+// measured on an H200 at 64 tokens x 4096, 13 us for the scalar kernel above
+// (two passes over the row). kNormVec is the row's need (2 at hidden 4096),
+// so no registers go to columns past it.
+constexpr int kNormThreads = 512, kMaxNormVec = 4;
 
+template <int kNormVec>
 __global__ void __launch_bounds__(kNormThreads) add_rms_norm_vec_kernel(AddRmsNormParams p) {
   __shared__ float scratch[32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * p.hidden;
   auto* residual = reinterpret_cast<float4*>(p.residual + base);
   const auto* delta = p.delta != nullptr ? reinterpret_cast<const float4*>(p.delta + base) : nullptr;
   const int n = p.hidden / 4;
-  float4 v[kNormVec];
+  // The residual and delta rows, every load issued before any is used.
+  float4 v[kNormVec], add[kNormVec];
+#pragma unroll
+  for (int j = 0; j < kNormVec; ++j) {
+    const int i = threadIdx.x + j * kNormThreads;
+    add[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (i >= n) continue;
+    v[j] = residual[i];
+    if (delta != nullptr && p.expert_rows == nullptr) add[j] = delta[i];
+  }
+  // Or the MoE's delta (moe_unpermute's sum, in its order), kInFlight
+  // experts' loads issued before any is summed. (Each summed as it came, one
+  // row load at a time per thread, 4096 tokens took 204 us against 162 for
+  // the un-permute and the RMSNorm apart; H200, ncu.)
+  if (p.expert_rows != nullptr) {
+    constexpr int kInFlight = 4;
+    const int32_t* row_of = p.row_of + static_cast<int64_t>(blockIdx.x) * p.k;
+    const float* weights = p.expert_weights + static_cast<int64_t>(blockIdx.x) * p.k;
+    for (int e0 = 0; e0 < p.k; e0 += kInFlight) {
+      int32_t rows[kInFlight];
+      uint2 raw[kInFlight][kNormVec];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) rows[u] = e0 + u < p.k ? row_of[e0 + u] : -1;
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const auto* row = reinterpret_cast<const uint2*>(p.expert_rows + static_cast<int64_t>(max(rows[u], 0)) * p.hidden);
+#pragma unroll
+        for (int j = 0; j < kNormVec; ++j) {
+          const int i = threadIdx.x + j * kNormThreads;
+          if (rows[u] >= 0 && i < n) raw[u][j] = row[i];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        if (rows[u] < 0) continue;
+        const float w = weights[e0 + u];
+#pragma unroll
+        for (int j = 0; j < kNormVec; ++j) {
+          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u][j].x));
+          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u][j].y));
+          add[j].x += w * lo.x, add[j].y += w * lo.y, add[j].z += w * hi.x, add[j].w += w * hi.y;
+        }
+      }
+    }
+  }
+  const bool adds = delta != nullptr || p.expert_rows != nullptr;
   float sum_squares = 0.0f;
 #pragma unroll
   for (int j = 0; j < kNormVec; ++j) {
     const int i = threadIdx.x + j * kNormThreads;
     if (i >= n) continue;
-    float4 x = residual[i];
-    if (delta != nullptr) {
-      const float4 d = delta[i];
-      x.x += d.x, x.y += d.y, x.z += d.z, x.w += d.w;
+    float4& x = v[j];
+    if (adds) {
+      x.x += add[j].x, x.y += add[j].y, x.z += add[j].z, x.w += add[j].w;
       residual[i] = x;
     }
-    v[j] = x;
     sum_squares += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
   }
   const float inv_rms = rsqrtf(block_sum(sum_squares, scratch) / static_cast<float>(p.hidden) + p.eps);
@@ -123,54 +169,84 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kv_kernel(QkNorm
   const int first_head = blockIdx.y * heads_per_block, end_head = min(num_heads, first_head + heads_per_block);
   // The token's row of kv head 0 in its page, in elements (head h adds h * page_size * D); read once per warp.
   int64_t kv_base = -1;
-  for (int head = first_head + warp; head < end_head; head += kRopeWarps) {
-    const bf16* x = p.qkv + static_cast<int64_t>(t) * num_heads * D + static_cast<int64_t>(head) * D;
-    const bool is_q = head < p.num_q_heads, is_k = !is_q && head < p.num_q_heads + p.num_kv_heads;
-    int64_t kv_row = 0;
-    if (!is_q) {
+  // Head `head`'s input row, and where it goes: q_out, or its page's K or V row.
+  struct Head {
+    const bf16* x;
+    bf16* out;
+    bool is_q, is_k;
+  };
+  auto row_in = [&](int head) { return p.qkv + (static_cast<int64_t>(t) * num_heads + head) * D; };
+  auto locate = [&](int head) {
+    Head h;
+    h.x = row_in(head);
+    h.is_q = head < p.num_q_heads, h.is_k = !h.is_q && head < p.num_q_heads + p.num_kv_heads;
+    if (h.is_q) {
+      h.out = p.q_out + (static_cast<int64_t>(t) * p.num_q_heads + head) * D;
+    } else {
       if (kv_base < 0) {
         const int page = p.page_table[p.token_seq[t] * p.max_pages_per_seq + pos / p.page_size];
         kv_base = (static_cast<int64_t>(page) * p.num_kv_heads * p.page_size + pos % p.page_size) * D;
       }
-      const int kv_head = head - p.num_q_heads - (is_k ? 0 : p.num_kv_heads);
-      kv_row = kv_base + static_cast<int64_t>(kv_head) * p.page_size * D;
+      const int kv_head = head - p.num_q_heads - (h.is_k ? 0 : p.num_kv_heads);
+      h.out = (h.is_k ? p.k_pages : p.v_pages) + kv_base + static_cast<int64_t>(kv_head) * p.page_size * D;
     }
-    const bf16* weight = is_q ? p.q_norm : p.k_norm;
-    bf16* out = is_q ? p.q_out + (static_cast<int64_t>(t) * p.num_q_heads + head) * D
-                     : (is_k ? p.k_pages : p.v_pages) + kv_row;
-    if (D == 128) {
-      const int d0 = 4 * lane;
-      const uint2 raw = *reinterpret_cast<const uint2*>(x + d0);
-      if (!is_q && !is_k) {  // v: stored as is
-        *reinterpret_cast<uint2*>(out + d0) = raw;
-        continue;
-      }
-      const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      const float v[4] = {x01.x, x01.y, x23.x, x23.y};
-      float sum_squares = v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3];
-      for (int offset = 16; offset > 0; offset >>= 1) sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
-      const float inv_rms = rsqrtf(sum_squares / static_cast<float>(D) + p.eps);
-      const uint2 w = *reinterpret_cast<const uint2*>(weight + d0);
-      const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
-      const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
-      const float normed[4] = {w01.x * (v[0] * inv_rms), w01.y * (v[1] * inv_rms), w23.x * (v[2] * inv_rms),
-                               w23.y * (v[3] * inv_rms)};
-      const float4 cs = *reinterpret_cast<const float4*>(cos_table + (d0 & 63));
-      const float4 sn = *reinterpret_cast<const float4*>(sin_table + (d0 & 63));
-      const float cos4[4] = {cs.x, cs.y, cs.z, cs.w}, sin4[4] = {sn.x, sn.y, sn.z, sn.w};
-      float rotated[4];
+    return h;
+  };
+  if (D == 128) {
+    // kInFlight heads per warp per round, their loads issued first (one at a
+    // time, 4096 prefill tokens took 76 us: ~2 TB/s; H200, ncu).
+    constexpr int kInFlight = 3;
+    const int d0 = 4 * lane;
+    for (int head0 = first_head + warp; head0 < end_head; head0 += kRopeWarps * kInFlight) {
+      uint2 raw[kInFlight];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float partner = __shfl_xor_sync(0xffffffffu, normed[j], 16);  // element d0 + j -+ 64
-        rotated[j] = lane < 16 ? normed[j] * cos4[j] - partner * sin4[j] : normed[j] * cos4[j] + partner * sin4[j];
+      for (int u = 0; u < kInFlight; ++u) {
+        const int head = head0 + u * kRopeWarps;
+        if (head < end_head) raw[u] = *reinterpret_cast<const uint2*>(row_in(head) + d0);
       }
-      const __nv_bfloat162 o01 = __floats2bfloat162_rn(rotated[0], rotated[1]);
-      const __nv_bfloat162 o23 = __floats2bfloat162_rn(rotated[2], rotated[3]);
-      *reinterpret_cast<uint2*>(out + d0) =
-          make_uint2(*reinterpret_cast<const uint32_t*>(&o01), *reinterpret_cast<const uint32_t*>(&o23));
-      continue;
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int head = head0 + u * kRopeWarps;
+        if (head >= end_head) break;  // warp-uniform
+        const Head h = locate(head);
+        if (!h.is_q && !h.is_k) {  // v: stored as is
+          *reinterpret_cast<uint2*>(h.out + d0) = raw[u];
+          continue;
+        }
+        const float2 x01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].x));
+        const float2 x23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].y));
+        const float v[4] = {x01.x, x01.y, x23.x, x23.y};
+        float sum_squares = v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3];
+        for (int offset = 16; offset > 0; offset >>= 1) sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
+        const float inv_rms = rsqrtf(sum_squares / static_cast<float>(D) + p.eps);
+        const uint2 w = *reinterpret_cast<const uint2*>((h.is_q ? p.q_norm : p.k_norm) + d0);
+        const float2 w01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.x));
+        const float2 w23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w.y));
+        const float normed[4] = {w01.x * (v[0] * inv_rms), w01.y * (v[1] * inv_rms), w23.x * (v[2] * inv_rms),
+                                 w23.y * (v[3] * inv_rms)};
+        const float4 cs = *reinterpret_cast<const float4*>(cos_table + (d0 & 63));
+        const float4 sn = *reinterpret_cast<const float4*>(sin_table + (d0 & 63));
+        const float cos4[4] = {cs.x, cs.y, cs.z, cs.w}, sin4[4] = {sn.x, sn.y, sn.z, sn.w};
+        float rotated[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float partner = __shfl_xor_sync(0xffffffffu, normed[j], 16);  // element d0 + j -+ 64
+          rotated[j] = lane < 16 ? normed[j] * cos4[j] - partner * sin4[j] : normed[j] * cos4[j] + partner * sin4[j];
+        }
+        const __nv_bfloat162 o01 = __floats2bfloat162_rn(rotated[0], rotated[1]);
+        const __nv_bfloat162 o23 = __floats2bfloat162_rn(rotated[2], rotated[3]);
+        *reinterpret_cast<uint2*>(h.out + d0) =
+            make_uint2(*reinterpret_cast<const uint32_t*>(&o01), *reinterpret_cast<const uint32_t*>(&o23));
+      }
     }
+    return;
+  }
+  for (int head = first_head + warp; head < end_head; head += kRopeWarps) {
+    const Head h = locate(head);
+    const bf16* x = h.x;
+    const bool is_q = h.is_q, is_k = h.is_k;
+    const bf16* weight = is_q ? p.q_norm : p.k_norm;
+    bf16* out = h.out;
     if (!is_q && !is_k) {  // v: stored as is
       for (int d = lane; d < D; d += 32) out[d] = x[d];
       continue;
@@ -252,17 +328,28 @@ __global__ void argmax_kernel(ArgmaxParams p) {
   }
 }
 
-// One warp per row, 16 (or 4) bytes per lane per step.
+// One warp per row, 16 (or 4) bytes per lane per step, 8 steps' loads issued
+// before their stores (one at a time, FP8 prefill rows of 4 KB went at ~2.5
+// TB/s of writes: 4096 tokens x top-8 in 53 us; H200, ncu).
 template <typename Unit>
 __global__ void gather_rows_kernel(GatherRowsParams p) {
+  constexpr int kSteps = 8;
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   const int64_t live = p.live_rows != nullptr ? min(p.rows, static_cast<int64_t>(*p.live_rows)) : p.rows;
   if (row >= live) return;
-  const int64_t units = p.row_bytes / static_cast<int64_t>(sizeof(Unit));
-  const Unit* src = static_cast<const Unit*>(p.src) + p.index[row] * units;
+  const int units = static_cast<int>(p.row_bytes / static_cast<int64_t>(sizeof(Unit)));
+  const Unit* src = static_cast<const Unit*>(p.src) + p.index[row] * int64_t{units};
   Unit* dst = static_cast<Unit*>(p.dst) + row * units;
-  for (int64_t i = lane; i < units; i += 32) dst[i] = src[i];
+  int i = lane;
+  for (; i + 32 * (kSteps - 1) < units; i += 32 * kSteps) {
+    Unit v[kSteps];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) v[u] = src[i + 32 * u];
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) dst[i + 32 * u] = v[u];
+  }
+  for (; i < units; i += 32) dst[i] = src[i];
 }
 
 __global__ void fill_random_kernel(FillRandomParams p) {
@@ -291,13 +378,17 @@ cudaError_t embedding(const EmbeddingParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-bool add_rms_norm_quantizes(int hidden) { return hidden % 128 == 0 && hidden <= 4 * kNormThreads * kNormVec; }
+bool add_rms_norm_fuses(int hidden) { return hidden % 128 == 0 && hidden <= 4 * kNormThreads * kMaxNormVec; }
 
 cudaError_t add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
-  if (p.out_fp8 != nullptr && !add_rms_norm_quantizes(p.hidden)) return cudaErrorInvalidValue;
-  if (p.hidden % 4 == 0 && p.hidden <= 4 * kNormThreads * kNormVec) {
-    add_rms_norm_vec_kernel<<<p.num_tokens, kNormThreads, 0, stream>>>(p);
+  if ((p.out_fp8 != nullptr || p.expert_rows != nullptr) && !add_rms_norm_fuses(p.hidden)) return cudaErrorInvalidValue;
+  if (p.hidden % 4 == 0 && p.hidden <= 4 * kNormThreads * kMaxNormVec) {
+    const int vec = (p.hidden / 4 + kNormThreads - 1) / kNormThreads;
+    static_assert(kMaxNormVec == 4);
+    const auto kernel = vec == 1 ? add_rms_norm_vec_kernel<1>
+                                 : (vec == 2 ? add_rms_norm_vec_kernel<2> : add_rms_norm_vec_kernel<4>);
+    kernel<<<p.num_tokens, kNormThreads, 0, stream>>>(p);
   } else {
     add_rms_norm_kernel<<<p.num_tokens, 256, 0, stream>>>(p);
   }

@@ -37,16 +37,23 @@ struct AddRmsNormParams {
   bf16* out;           // [num_tokens, hidden]
   int num_tokens, hidden;
   float eps;
-  // Optional (add_rms_norm_quantizes(hidden)): `out` quantized as well, the
+  // Optional (add_rms_norm_fuses(hidden)): `out` quantized as well, the
   // bytes and scales quantize_fp8_groups makes of it (QuantizeFp8Params).
   uint8_t* out_fp8 = nullptr;  // [num_tokens, hidden] E4M3
   float* out_scales = nullptr;
   bool scales_by_group = false;
+  // Optional (add_rms_norm_fuses(hidden)), instead of `delta`: the MoE
+  // output, delta[t] = sum over j of expert_weights[t, j] * expert_rows[row_of[t, j]]
+  // as moe_unpermute sums it (bf16 rows; row -1: no term).
+  const bf16* expert_rows = nullptr;  // [*, hidden]
+  const int32_t* row_of = nullptr;    // [num_tokens, k]
+  const float* expert_weights = nullptr;
+  int k = 0;
 };
 cudaError_t add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream);
-// Whether add_rms_norm can write its rows in FP8 too (hidden a multiple of
-// 128 within the one-pass kernel's width).
-bool add_rms_norm_quantizes(int hidden);
+// Whether add_rms_norm takes the optional fields above (the one-pass kernel:
+// hidden a multiple of 128, at most 8192).
+bool add_rms_norm_fuses(int hidden);
 
 // Per head of the fused qkv projection: q and k RMS-normed (q_norm, k_norm)
 // and rotated (RoPE, rotate-half), q written to q_out, k and v stored in the
