@@ -178,10 +178,31 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
           pm.decode_splits = split == 2 ? 3 : 0;
           ASSERT_EQ(k::mma_paged_attention(pm, max_position, split ? workspace->data_as<float>() : nullptr,
                                            split ? bytes : 0, nullptr), cudaSuccess);
-          EXPECT_LT(scaled_error(as_floats(mma_out.download(), DType::kBF16), out.data_as<float>(), out.num_elements()),
+          const std::vector<uint8_t> bf16_rows = mma_out.download();
+          EXPECT_LT(scaled_error(as_floats(bf16_rows, DType::kBF16), out.data_as<float>(), out.num_elements()),
                     2e-2)
               << "tensor-core attention (split " << split << ", " << stages << " stages), " << c.q_heads
               << " heads, prefix " << c.prefix;
+          if (stages != 3) continue;
+          // Its output in FP8 (the o projection's input), merged in the
+          // kernel or by the split combine: the CPU quantizer's bytes of the
+          // bf16 rows just checked, a (token, head) per group.
+          const std::vector<float> rows = as_floats(bf16_rows, DType::kBF16);
+          for (const bool by_group : {false, true}) {
+            const int heads = c.new_tokens * c.q_heads;
+            Output fp8 = Output::make(static_cast<size_t>(heads) * c.dim), scales = Output::make(heads * sizeof(float));
+            pm.out = nullptr, pm.out_fp8 = fp8.get<uint8_t>(), pm.out_scales = scales.get<float>();
+            pm.scales_by_group = by_group;
+            ASSERT_EQ(k::mma_paged_attention(pm, max_position, split ? workspace->data_as<float>() : nullptr,
+                                             split ? bytes : 0, nullptr),
+                      cudaSuccess);
+            const Fp8Groups ref = cpu_fp8_groups(rows.data(), c.new_tokens, c.q_heads * c.dim, by_group);
+            const std::vector<uint8_t> got = fp8.download(), got_scales = scales.download();
+            EXPECT_EQ(std::memcmp(got.data(), ref.values.data(), got.size()), 0)
+                << "E4M3 decode attention output, split " << split << ", prefix " << c.prefix
+                << (by_group ? ", by group" : "");
+            EXPECT_EQ(std::memcmp(got_scales.data(), ref.scales.data(), got_scales.size()), 0) << "scales";
+          }
         }
       // The prefill kernels (token groups sharing K/V blocks): mma.sync everywhere, wgmma on sm_90.
       struct PrefillKernel {
@@ -205,8 +226,8 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
             << kernel.name << " prefill attention, " << c.q_heads << "/" << c.kv_heads << " heads, prefix " << c.prefix
             << ", " << c.new_tokens << " new tokens";
         // Its output in FP8 (the o projection's input): the CPU quantizer's
-        // bytes of the bf16 rows above, a (token, head) per group; the other
-        // kernels refuse it.
+        // bytes of the bf16 rows above, a (token, head) per group; the
+        // mma.sync prefill kernel refuses it.
         const std::vector<float> rows = as_floats(prefill_out.download(), DType::kBF16);
         for (const bool by_group : {false, true}) {
           const int heads = c.new_tokens * c.q_heads;

@@ -399,8 +399,14 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
     MOE_LAUNCH(k::prefill_attention(attention, s.attention_groups.data_as<int32_t>(), shape.num_groups, s.stream));
     s.x_fp8_holds = {s.attended.data(), o_fp8};
   } else if (k::mma_attention_supported(attention)) {
+    const Fp8Layout o_fp8 = o_input_fp8(b, T);  // as at prefill, the kernel quantizes its rows
+    if (o_fp8 != Fp8Layout::kNone) {
+      attention.out_fp8 = s.x_fp8.data_as<uint8_t>(), attention.out_scales = s.x_scales.data_as<float>();
+      attention.scales_by_group = o_fp8 == Fp8Layout::kGroups;
+    }
     MOE_LAUNCH(k::mma_paged_attention(attention, max_position, s.attention_workspace.data_as<float>(),
                                       s.attention_workspace.num_bytes(), s.stream));
+    s.x_fp8_holds = {s.attended.data(), o_fp8};
   } else {
     MOE_LAUNCH(k::paged_attention(attention, s.stream));
   }

@@ -92,11 +92,12 @@ struct PagedAttentionParams {
   // (0: chosen from the grid; at most what the workspace holds).
   int decode_stages = 0;
   int decode_splits = 0;
-  // Optional (prefill_attention where prefill_attention_quantizes()): the
-  // output in E4M3 instead of bf16 `out`, each (token, head) one 1 x 128
-  // group: the bytes and scales quantize_fp8_groups makes of the bf16 rows,
-  // scales [num_tokens, num_q_heads] or (scales_by_group) [num_q_heads,
-  // num_tokens]. The decode kernels refuse it.
+  // Optional (mma_paged_attention, and prefill_attention where
+  // prefill_attention_quantizes()): the output in E4M3 instead of bf16 `out`,
+  // each (token, head) one 1 x 128 group: the bytes and scales
+  // quantize_fp8_groups makes of the bf16 rows, scales [num_tokens,
+  // num_q_heads] or (scales_by_group) [num_q_heads, num_tokens]. The other
+  // kernels refuse it.
   uint8_t* out_fp8 = nullptr;
   float* out_scales = nullptr;
   bool scales_by_group = false;
