@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
 # Prefill throughput of one GPU: a dummy Qwen3-235B-A22B cut to LAYERS layers
-# (default 8) served by `moeserve serve --device cuda`, bf16 and then with
-# fp8-block experts, loaded by `moeserve bench serve` with PROMPTS prompts of
+# (default 8) served by `moeserve serve --device cuda`, in each of FORMATS
+# (default "bf16 fp8": bf16, then fp8-block experts and attention
+# projections), loaded by `moeserve bench serve` with PROMPTS prompts of
 # PREFILL_LEN tokens (1 output token each) at 8 in flight. Prints input tokens
 # per second and mean TTFT per case; the bench results JSON and the server
 # logs go to $OUT. The reference the GPU-rank layouts (ranks_bench.sh) and
 # later kernels are compared with. Binaries: BIN (default build-gpu/bin), built
 # as tools/gpu/check.sh says.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 BIN=${BIN:-build-gpu/bin}
 LAYERS=${LAYERS:-8}
 PREFILL_LEN=${PREFILL_LEN:-2048}
 PROMPTS=${PROMPTS:-32}
+FORMATS=${FORMATS:-bf16 fp8}
 CONFIG=tests/data/configs/qwen3-235b-a22b.config.json
 mkdir -p "$OUT"
-for quant in "" "--quantization fp8-block"; do
-  name=bf16
-  [[ -n $quant ]] && name=fp8
+for name in $FORMATS; do
+  case $name in
+    bf16) quant="" ;;
+    fp8) quant="--quantization fp8-block" ;;
+    *) echo "FORMATS: unknown format '$name' (bf16, fp8)" >&2; exit 2 ;;
+  esac
   # shellcheck disable=SC2086  # $quant is empty or two words
   "$BIN/moeserve" serve --device cuda --model "$CONFIG" --load-format dummy --num-layers "$LAYERS" $quant \
     --max-num-seqs 256 --max-num-batched-tokens 4096 --max-model-len $((PREFILL_LEN + 128 > 4096 ? PREFILL_LEN + 128 : 4096)) \
