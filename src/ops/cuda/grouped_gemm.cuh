@@ -155,6 +155,7 @@ __device__ __forceinline__ void store_silu_mul_fp8_row(uint8_t* out_row, float* 
   store_fp8_group_quad(out_row + n_base, scale_out, v, N - n_base, q, live);
 }
 
+// down: out_row[n] = acc (f32), kSize / 4 chunks of 8 columns.
 template <int kSize>
 __device__ __forceinline__ void store_f32_row(float* out_row, const float (&acc)[kSize], int n_base, int N, int h,
                                               int q, bool live) {
