@@ -340,18 +340,19 @@ void bench_prefill_grouped_gemm() {
     check(k::quantize_fp8_groups({x.data_as<bf16>(), x_q.data_as<uint8_t>(), x_s.data_as<float>(), T, H}, nullptr), "q");
     check(k::quantize_fp8_groups({act.data_as<bf16>(), act_q.data_as<uint8_t>(), act_s.data_as<float>(), pairs, I},
                                  nullptr), "q");
-    DeviceTensor xg_q = alloc(DType::kF8E4M3, {pairs, H}), xg_s = alloc(DType::kF32, {pairs, H / 128});
+    DeviceTensor xg_q = alloc(DType::kF8E4M3, {pairs, H});
     double gather_ms = 0.0;
     using Gemm = cudaError_t (*)(const k::Fp8GroupedGemmParams&, cudaStream_t);
     auto run_gemms = [&](Gemm gemm, int tile_rows, bool bf16_rows) {  // permute() first
       const int max_tiles = (pairs + tile_rows - 1) / tile_rows + E;
       const bool gathered = tile_rows == k::kPrefillGemmTileRows;
-      gemm({gathered ? xg_q.data_as<uint8_t>() : x_q.data_as<uint8_t>(),
-            gathered ? xg_s.data_as<float>() : x_s.data_as<float>(),
-            gathered ? nullptr : sorted.data_as<int32_t>(), w13.data_as<uint8_t>(), s13.data_as<float>(),
-            offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true, 1,
-            pairs},
-           nullptr);
+      // The prefill kernel: gate_up's rows gathered, their scales read by token (as the model runs it).
+      k::Fp8GroupedGemmParams gate_up{gathered ? xg_q.data_as<uint8_t>() : x_q.data_as<uint8_t>(),
+                                      x_s.data_as<float>(), gathered ? nullptr : sorted.data_as<int32_t>(),
+                                      w13.data_as<uint8_t>(), s13.data_as<float>(), offsets.data_as<int32_t>(),
+                                      tiles.data_as<int32_t>(), act.data(), I, H, E, max_tiles, true, 1, pairs};
+      gate_up.a_scale_rows = gathered ? sorted.data_as<int32_t>() : nullptr;
+      gemm(gate_up, nullptr);
       gemm({act_q.data_as<uint8_t>(), act_s.data_as<float>(), nullptr, w2.data_as<uint8_t>(),
             s2.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(), rows.data(), H, I, E,
             max_tiles, false, 1, pairs, bf16_rows},
@@ -360,10 +361,7 @@ void bench_prefill_grouped_gemm() {
     auto time_gemms = [&](Gemm gemm, int tile_rows, bool bf16_rows = true) {
       permute(tile_rows);
       if (tile_rows == k::kPrefillGemmTileRows) {
-        gather_ms = time_ms([&] {
-          k::gather_rows({x_q.data(), xg_q.data(), sorted.data_as<int32_t>(), pairs, H}, nullptr);
-          k::gather_rows({x_s.data(), xg_s.data(), sorted.data_as<int32_t>(), pairs, H / 128 * 4}, nullptr);
-        });
+        gather_ms = time_ms([&] { k::gather_rows({x_q.data(), xg_q.data(), sorted.data_as<int32_t>(), pairs, H}, nullptr); });
       }
       const double ms = time_ms([&] { run_gemms(gemm, tile_rows, bf16_rows); });
       check(cudaGetLastError(), "fp8 grouped gemm");

@@ -99,38 +99,28 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
                      sorted.get<int32_t>(), row_of.get<int32_t>(), c.tokens, c.topk, c.experts, tile_rows},
                     nullptr),
                 cudaSuccess);
-      // The prefill kernel reads gate_up's rows and scales permuted (gather_rows).
+      // The prefill kernel reads gate_up's rows permuted (gather_rows) and
+      // their scales where the quantizer left them (a_scale_rows, as the model runs it).
       const bool gathered = tile_rows == k::kPrefillGemmTileRows;
-      Output xg_q = Output::make(static_cast<size_t>(pairs) * c.hidden),
-             xg_s = Output::make(pairs * hidden_groups * 4);
+      Output xg_q = Output::make(static_cast<size_t>(pairs) * c.hidden);
       if (gathered) {
         ASSERT_EQ(k::gather_rows({x_q.get<void>(), xg_q.get<void>(), sorted.get<int32_t>(), pairs, c.hidden},
                                  nullptr),
                   cudaSuccess);
-        ASSERT_EQ(k::gather_rows(
-                      {x_s.get<void>(), xg_s.get<void>(), sorted.get<int32_t>(), pairs, hidden_groups * 4},
-                      nullptr),
-                  cudaSuccess);
       }
-      ASSERT_EQ(gemm({gathered ? xg_q.get<uint8_t>() : x_q.get<uint8_t>(),
-                      gathered ? xg_s.get<float>() : x_s.get<float>(),
-                      gathered ? nullptr : sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
-                      d_s13.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), act.get<void>(),
-                      c.inter, c.hidden, c.experts, max_tiles, true, 1, pairs},
-                     nullptr),
-                cudaSuccess);
+      k::Fp8GroupedGemmParams gate_up{gathered ? xg_q.get<uint8_t>() : x_q.get<uint8_t>(), x_s.get<float>(),
+                                      gathered ? nullptr : sorted.get<int32_t>(), d_w13.data_as<uint8_t>(),
+                                      d_s13.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
+                                      act.get<void>(), c.inter, c.hidden, c.experts, max_tiles, true, 1, pairs};
+      gate_up.a_scale_rows = gathered ? sorted.get<int32_t>() : nullptr;
+      ASSERT_EQ(gemm(gate_up, nullptr), cudaSuccess);
       ASSERT_EQ(k::quantize_fp8_groups(
                     {act.get<bf16>(), act_q.get<uint8_t>(), act_s.get<float>(), pairs, c.inter}, nullptr),
                 cudaSuccess);
       // gate_up quantizing its own rows (out_scales, as the model runs it)
       // gives quantize_fp8_groups' bytes and scales exactly.
       {
-        k::Fp8GroupedGemmParams fused{gathered ? xg_q.get<uint8_t>() : x_q.get<uint8_t>(),
-                                      gathered ? xg_s.get<float>() : x_s.get<float>(),
-                                      gathered ? nullptr : sorted.get<int32_t>(),
-                                      d_w13.data_as<uint8_t>(), d_s13.data_as<float>(), offsets.get<int32_t>(),
-                                      tiles.get<int32_t>(), nullptr, c.inter, c.hidden, c.experts, max_tiles, true,
-                                      1, pairs};
+        k::Fp8GroupedGemmParams fused = gate_up;
         Output fused_q = Output::make(static_cast<size_t>(pairs) * c.inter),
                fused_s = Output::make(pairs * inter_groups * 4);
         fused.out = fused_q.get<void>(), fused.out_scales = fused_s.get<float>();

@@ -190,6 +190,9 @@ class CudaQwen3MoeModel {
   // into `normed` and, where the kernel can, into x_fp8 as `fp8` says.
   Status layer_boundary(const void* norm_weight, int num_tokens, bool reduce, Fp8Layout fp8 = Fp8Layout::kNone,
                         bool moe_delta = false);
+  // residual += delta (none: nullptr; moe_delta: the expert rows' weighted
+  // sum), then the norm into `normed` and, where the kernel can, into x_fp8 as `fp8` says.
+  Status add_rms_norm(const void* norm_weight, const float* delta, int num_tokens, Fp8Layout fp8, bool moe_delta);
   Status exchange_experts(const LayerBuffers& b, int num_tokens, const void* next_norm, Fp8Layout next_fp8);
   // Whether an FP8 projection of that shape goes through cuBLASLt's block-scaled GEMM.
   bool cublas_fp8_projection(int num_tokens, int n, int k, DType out) const;

@@ -204,9 +204,7 @@ Status CudaQwen3MoeModel::launch_step(const StepShape& shape) {
 #define MOE_LAUNCH(call) MOE_RETURN_IF_ERROR(cuda_status((call), #call))
   MOE_LAUNCH(k::embedding({s.embed.data_as<bf16>(), s.token_ids.data_as<int32_t>(), s.residual.data_as<float>(), T, H,
                            static_cast<int>(c.vocab_size)}, s.stream));
-  MOE_LAUNCH(k::add_rms_norm({s.residual.data_as<float>(), nullptr, s.layers[0].input_norm.data_as<bf16>(),
-                              s.normed.data_as<bf16>(), T, H, c.rms_norm_eps}, s.stream));
-  s.x_fp8_holds = {};
+  MOE_RETURN_IF_ERROR(add_rms_norm(s.layers[0].input_norm.data(), nullptr, T, qkv_input_fp8(s.layers[0], T), false));
   if (s.layer_hook && s.kv_written == nullptr)
     MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.kv_written, cudaEventDisableTiming));
   for (int l = 0; l < c.num_layers; ++l) {
@@ -262,11 +260,6 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
   const bool prefill_gemm = moe_tile_rows == k::kPrefillGemmTileRows;
   auto fp8_experts_step = [&](int max_tiles) -> Status {
     const int E = s.num_local_experts, topk = c.num_experts_per_tok, inter = static_cast<int>(c.moe_intermediate_size);
-    // The prefill kernel's gate_up rows and scales, gathered into expert_rows until down writes it.
-    auto gathered_fp8_rows = [&](int64_t pairs, int K) {
-      auto* base = static_cast<uint8_t*>(s.expert_rows.data());
-      return std::pair{base, reinterpret_cast<float*>(base + (pairs * K + 15) / 16 * 16)};
-    };
     // fp8-block's gate_up quantizes its own output rows (out_scales) into
     // act_fp8 and act_scales, the down GEMM's input.
     const bool gate_up_quantizes = !b.mx_experts;
@@ -289,20 +282,19 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
         MOE_LAUNCH(k::quantize_fp8_groups(
             {in.data_as<bf16>(), in_q.data_as<uint8_t>(), in_s.data_as<float>(), rows, K}, s.stream));
       const uint8_t* a = in_q.data_as<uint8_t>();
-      const float* a_scales = in_s.data_as<float>();
+      const int32_t* scale_rows = nullptr;
       if (prefill_gemm && gather != nullptr) {  // the prefill kernel reads its rows permuted, contiguous
-        const int64_t pairs = int64_t{T} * topk, scale_cols = (K + 127) / 128;
-        const auto [rows_out, scales_out] = gathered_fp8_rows(pairs, K);
-        const int32_t* live = s.expert_offsets.data_as<int32_t>() + E;
-        MOE_LAUNCH(k::gather_rows({a, rows_out, gather, pairs, K, live}, s.stream));
-        MOE_LAUNCH(k::gather_rows({a_scales, scales_out, gather, pairs, scale_cols * 4, live}, s.stream));
-        a = rows_out, a_scales = scales_out, gather = nullptr, rows = static_cast<int>(pairs);
+        const int64_t pairs = int64_t{T} * topk;
+        auto* rows_out = static_cast<uint8_t*>(s.expert_rows.data());  // until down writes it
+        MOE_LAUNCH(k::gather_rows({a, rows_out, gather, pairs, K, s.expert_offsets.data_as<int32_t>() + E}, s.stream));
+        a = rows_out, scale_rows = gather, gather = nullptr, rows = static_cast<int>(pairs);  // scales by token
       }
-      MOE_LAUNCH((prefill_gemm ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(
-          {a, a_scales, gather, w.data_as<uint8_t>(), w_scales.data_as<float>(),
-           s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), out, N, K, E, max_tiles,
-           gate_up, 1, rows, !gate_up, gate_up && gate_up_quantizes ? s.act_scales.data_as<float>() : nullptr},
-          s.stream));
+      k::Fp8GroupedGemmParams params{a, in_s.data_as<float>(), gather, w.data_as<uint8_t>(), w_scales.data_as<float>(),
+                                     s.expert_offsets.data_as<int32_t>(), s.tile_offsets.data_as<int32_t>(), out, N,
+                                     K, E, max_tiles, gate_up, 1, rows, !gate_up,
+                                     gate_up && gate_up_quantizes ? s.act_scales.data_as<float>() : nullptr};
+      params.a_scale_rows = scale_rows;
+      MOE_LAUNCH((prefill_gemm ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(params, s.stream));
       return Status::ok();
     };
     MOE_RETURN_IF_ERROR(gemm(s.normed, s.x_fp8, s.x_scales, T, H, s.sorted_token.data_as<int32_t>(), b.w13,
@@ -564,26 +556,33 @@ Status CudaQwen3MoeModel::layer_boundary(const void* norm_weight, int num_tokens
   State& s = *state_;
   const ModelConfig& c = config();
   const int H = static_cast<int>(c.hidden_size);
-  const auto* weight = static_cast<const bf16*>(norm_weight);
+  if (!reduce) return add_rms_norm(norm_weight, s.delta.data_as<float>(), num_tokens, fp8, moe_delta);
   s.x_fp8_holds = {};
-  if (!reduce) {
-    k::AddRmsNormParams norm{s.residual.data_as<float>(), s.delta.data_as<float>(), weight, s.normed.data_as<bf16>(),
-                             num_tokens, H, c.rms_norm_eps};
-    if (moe_delta) {  // the expert rows' weighted sum is the delta
-      norm.expert_rows = s.expert_rows.data_as<bf16>(), norm.row_of = s.row_of.data_as<int32_t>();
-      norm.expert_weights = s.expert_weights.data_as<float>(), norm.k = c.num_experts_per_tok;
-    }
-    if (fp8 != Fp8Layout::kNone && k::add_rms_norm_fuses(H)) {
-      norm.out_fp8 = s.x_fp8.data_as<uint8_t>(), norm.out_scales = s.x_scales.data_as<float>();
-      norm.scales_by_group = fp8 == Fp8Layout::kGroups;
-      s.x_fp8_holds = {s.normed.data(), fp8};
-    }
-    return cuda_status(k::add_rms_norm(norm, s.stream), "add_rms_norm");
-  }
+  const auto* weight = static_cast<const bf16*>(norm_weight);
   MOE_RETURN_IF_ERROR(cuda_status(k::cast_to_bf16({s.delta.data_as<float>(), s.delta_bf16.data_as<bf16>(),
                                                    int64_t{num_tokens} * H}, s.stream), "cast_to_bf16"));
   return s.options.comm->all_reduce_add_rms_norm(s.delta_bf16.data_as<bf16>(), s.residual.data_as<float>(), weight,
                                                  s.normed.data_as<bf16>(), num_tokens, H, c.rms_norm_eps, s.stream);
+}
+
+Status CudaQwen3MoeModel::add_rms_norm(const void* norm_weight, const float* delta, int num_tokens, Fp8Layout fp8,
+                                       bool moe_delta) {
+  State& s = *state_;
+  const ModelConfig& c = config();
+  const int H = static_cast<int>(c.hidden_size);
+  k::AddRmsNormParams norm{s.residual.data_as<float>(), delta, static_cast<const bf16*>(norm_weight),
+                           s.normed.data_as<bf16>(), num_tokens, H, c.rms_norm_eps};
+  if (moe_delta) {  // the expert rows' weighted sum is the delta
+    norm.expert_rows = s.expert_rows.data_as<bf16>(), norm.row_of = s.row_of.data_as<int32_t>();
+    norm.expert_weights = s.expert_weights.data_as<float>(), norm.k = c.num_experts_per_tok;
+  }
+  s.x_fp8_holds = {};
+  if (fp8 != Fp8Layout::kNone && k::add_rms_norm_fuses(H)) {
+    norm.out_fp8 = s.x_fp8.data_as<uint8_t>(), norm.out_scales = s.x_scales.data_as<float>();
+    norm.scales_by_group = fp8 == Fp8Layout::kGroups;
+    s.x_fp8_holds = {s.normed.data(), fp8};
+  }
+  return cuda_status(k::add_rms_norm(norm, s.stream), "add_rms_norm");
 }
 
 bool CudaQwen3MoeModel::cublas_fp8_projection(int num_tokens, int n, int k, DType out) const {

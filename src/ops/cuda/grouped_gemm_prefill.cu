@@ -125,6 +125,7 @@ struct Tile {
 
 struct PrefillArgs {
   const float* a_scales;        // FP8: [rows, scale_cols]
+  const int32_t* a_scale_rows;  // FP8, optional: row r's scales are a_scales row a_scale_rows[r]
   const float* w_scales;        // FP8: [num_experts, blocks per expert, scale_cols]
   const int32_t* expert_offsets;
   const int32_t* tile_offsets;
@@ -272,6 +273,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                         (own == 1 ? (kGateUp ? p.gate_block_rows : 1) : 0);
           if (!kGateUp && own == 1) w_scale_live = w_scale_live && item.n0 + 128 < p.N;
         }
+        // FP8: thread `own` copies the activation scale of the item's row `own`.
+        const bool a_scale_live = kFp8 && own < item.rows;
+        int64_t a_scale_row = 0;
+        if (a_scale_live)
+          a_scale_row = p.a_scale_rows != nullptr ? p.a_scale_rows[item.row0 + own] : item.row0 + own;
         for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
           const int stage = step % T::kStages;
           if (step >= T::kStages) mbarrier_wait(empty(stage), ((step / T::kStages) - 1) & 1);
@@ -295,10 +301,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
           if constexpr (kFp8) {
-            const bool live = own < item.rows;
-            cp_async_4(scale_tile(stage) + own * 4,
-                       p.a_scales + (live ? static_cast<int64_t>(item.row0 + own) * p.scale_cols + ks : 0),
-                       live);
+            cp_async_4(scale_tile(stage) + own * 4, p.a_scales + (a_scale_live ? a_scale_row * p.scale_cols + ks : 0),
+                       a_scale_live);
             if (own < 2)
               cp_async_4(scale_tile(stage) + (128 + own) * 4,
                          p.w_scales + (w_scale_live ? w_scale_row * p.scale_cols + ks : 0), w_scale_live);
@@ -557,7 +561,7 @@ cudaError_t fp8_grouped_gemm_prefill(const Fp8GroupedGemmParams& p, cudaStream_t
   if (p.out_scales != nullptr && (!p.gate_up || p.N % 16 != 0)) return cudaErrorInvalidValue;
   PrefillArgs args = prefill_args(p, Tile<true>::kWeightRows);
   args.out_scales = p.out_scales;
-  args.a_scales = p.a_scales, args.w_scales = p.w_scales;
+  args.a_scales = p.a_scales, args.a_scale_rows = p.a_scale_rows, args.w_scales = p.w_scales;
   args.scale_cols = (p.K + 127) / 128, args.gate_block_rows = (p.N + 127) / 128;
   return launch_prefill_gemm<true>(args, p.a, p.a_rows, p.w, p.max_tiles, p.gate_up, stream);
 }

@@ -248,6 +248,10 @@ struct Fp8GroupedGemmParams {
   // in E4M3 [num_rows, N] and this their scales [num_rows, ceil(N / 128)],
   // the bytes quantize_fp8_groups makes of the bf16 rows (the down GEMM's input).
   float* out_scales = nullptr;
+  // The *_prefill kernel only: permuted row r's activation scales are row
+  // a_scale_rows[r] of a_scales (gate_up's rows gathered, their scales read
+  // where the quantizer left them: pass sorted_token); null: row r.
+  const int32_t* a_scale_rows = nullptr;
 };
 cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream);
 // The k_splits for a down GEMM of N columns, K deep and `row_tiles` row
