@@ -14,7 +14,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <numeric>
+#include <random>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "bench/gpu/bench_util.h"
@@ -248,8 +252,26 @@ void bench_prefill_grouped_gemm() {
   const double l2_gbs = l2_read_bandwidth_gbs();
   std::printf("L2 read bandwidth: %.0f GB/s\n", l2_gbs);
   if (json_out) std::fprintf(json_out, "{\"bench\":\"l2_read\",\"gbs\":%.1f}\n", l2_gbs);
+  // MOE_BENCH_PREFILL_ROUTING=random: each token's top-k experts drawn at
+  // random (distinct, seeded), so the counts spread as a model's do and the
+  // experts' last row tiles are partly filled; otherwise every expert gets
+  // exactly per_expert rows.
+  const char* routing_env = std::getenv("MOE_BENCH_PREFILL_ROUTING");
+  const bool random_routing = routing_env != nullptr && std::string_view(routing_env) == "random";
   std::vector<int32_t> ids(static_cast<size_t>(pairs));
-  for (int i = 0; i < pairs; ++i) ids[i] = i % E;
+  if (random_routing) {
+    std::mt19937 rng(41);
+    std::vector<int32_t> experts(static_cast<size_t>(E));
+    std::iota(experts.begin(), experts.end(), 0);
+    for (int t = 0; t < T; ++t) {
+      for (int j = 0; j < topk; ++j) {  // a partial Fisher-Yates shuffle: the token's first topk
+        std::swap(experts[j], experts[j + std::uniform_int_distribution<int>(0, E - 1 - j)(rng)]);
+        ids[static_cast<size_t>(t) * topk + j] = experts[j];
+      }
+    }
+  } else {
+    for (int i = 0; i < pairs; ++i) ids[i] = i % E;
+  }
   DeviceTensor d_ids = device_ints(ids), x = random_bf16({T, H}, 31);
   DeviceTensor offsets = alloc(DType::kI32, {E + 1}), tiles = alloc(DType::kI32, {E + 1});
   DeviceTensor sorted = alloc(DType::kI32, {pairs}), row_of = alloc(DType::kI32, {pairs});
@@ -260,8 +282,9 @@ void bench_prefill_grouped_gemm() {
           "permute");
     return (pairs + tile_rows - 1) / tile_rows + E;
   };
-  char shape[64];
-  std::snprintf(shape, sizeof shape, "E%d H4096 I1536, %d tok/expert", E, per_expert);
+  char shape[96];
+  std::snprintf(shape, sizeof shape, "E%d H4096 I1536, %d tok/expert%s", E, per_expert,
+                random_routing ? " on average (random routing)" : "");
   auto describe = [&](double ms, double f32_ms, double gather_ms, double decode_ms) {
     char extra[224];
     std::snprintf(extra, sizeof extra,

@@ -288,7 +288,8 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
     if (k::hopper_kernels_available()) {
       gemms.push_back({"wgmma", k::wgmma_grouped_gemm, k::kGroupedGemmTileRows});
       // The prefill kernel alone and as a CTA pair sharing its rows (an odd
-      // column-tile count leaves the pair's second CTA idle on the last item).
+      // column-tile count leaves the pair's second CTA idle on the last item;
+      // experts whose last row tile has at most 64 rows run it split).
       for (const char* ctas : {"1", "2"})
         gemms.push_back({"wgmma prefill", k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows, ctas});
     }

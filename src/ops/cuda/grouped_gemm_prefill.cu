@@ -34,6 +34,14 @@
 //   A stage is free once the consumers of every CTA of the cluster are done
 //   with it (each consumer warp arrives on the stage's barrier in each),
 //   since the peers' multicasts write it too.
+// bf16: an expert's last row tile when it holds at most 64 rows is "split":
+// both consumers multiply those rows, each by half the weight rows (so their
+// SiLU-multiply stays in its registers), instead of consumer 1 idling through
+// the item; 2% at 256 rows per expert on average (random routing, the size of
+// a 4096-token step). Not in FP8, where it gained ~1% at the same size: an
+// item's time there goes to streaming its stages (L2 at ~90% throughput),
+// which a split item does in full for half the MMAs, and the split path cost
+// the unrolled K loop 3-4% (2026-12-03).
 // The activation rows must be contiguous (rows of `a` in permuted order): a
 // gate_up caller gathers them first (gather_rows). Consecutive items are the
 // column tiles of one row tile, and the row tiles of an expert follow each
@@ -92,6 +100,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
+#include <type_traits>
 
 #include "ops/cuda/grouped_gemm.cuh"
 #include "ops/cuda/kernels.h"
@@ -161,6 +170,26 @@ __device__ __forceinline__ void store_rows(const PrefillArgs& p, const GemmItem&
       store_silu_mul_row<kSize / 8>(static_cast<bf16*>(p.out) + out_row * p.N, acc, item.n0, p.N, h, q, live);
     } else {
       store_down_row(p.out, p.bf16_out, item.row0 + r, p.N, acc, item.n0, h, q, live);
+    }
+  }
+}
+
+// A bf16 split item's epilogue (rows 0 .. 63 as `row` and `row + 8`,
+// acc[0 .. 63] this consumer's half): gate_up's 64 output columns from 64 c
+// on, down's 128 from 128 c on.
+template <bool kGateUp>
+__device__ __forceinline__ void store_split_rows(const PrefillArgs& p, const GemmItem& item, const float (&acc)[128],
+                                                 int row, int q, int consumer, bool idle) {
+  const float(&half)[64] = *reinterpret_cast<const float(*)[64]>(&acc[0]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row + 8 * h;
+    const bool live = !idle && r < item.rows;
+    if constexpr (kGateUp) {
+      store_silu_mul_row<8>(static_cast<bf16*>(p.out) + (item.row0 + r) * p.N, half, item.n0 + 64 * consumer, p.N, h,
+                            q, live);
+    } else {
+      store_down_row(p.out, p.bf16_out, item.row0 + r, p.N, half, item.n0 + 128 * consumer, h, q, live);
     }
   }
 }
@@ -334,30 +363,62 @@ __global__ void __launch_bounds__(kThreads, 1)
       float acc[128];
       const uint64_t a_desc = sw128_descriptor(a_tile(0) + a_offset, 16, 1024);
       const uint64_t b_desc = sw128_descriptor(b_tile(0), 16, 1024);
-      auto k_step = [&](int ks, int stage, uint32_t parity) {
+      // Split items: rows 0 .. 63 for both consumers, consumer c's half of
+      // the weight rows into acc[0 .. 63] (gate_up: gate and up rows 64 c ..
+      // 64 c + 63, two m64n64 MMAs; down: rows 128 c .. 128 c + 127).
+      const uint64_t a_desc_split = sw128_descriptor(a_tile(0), 16, 1024);
+      // (gate_up's two m64n64 accumulators as arrays of their own: as views
+      // of acc, ptxas serialized the gate_up kernels' MMAs, C7511.)
+      float(&acc_64)[64] = *reinterpret_cast<float(*)[64]>(&acc[0]);
+      float acc_lo[32], acc_hi[32];
+      auto k_step = [&](auto split, int ks, int stage, uint32_t parity) {
         mbarrier_wait(full(stage), parity);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n256k16_ss(acc, advance_descriptor(a_desc, stage * T::kStageBytes + kk * 32),
-                              advance_descriptor(b_desc, stage * T::kStageBytes + kk * 32), ks > 0 || kk > 0);
+        for (int kk = 0; kk < 4; ++kk) {
+          const int accumulate = ks > 0 || kk > 0;
+          const uint32_t b = stage * T::kStageBytes + kk * 32;
+          if constexpr (!split) {
+            wgmma_m64n256k16_ss(acc, advance_descriptor(a_desc, b), advance_descriptor(b_desc, b), accumulate);
+          } else if constexpr (kGateUp) {
+            const uint64_t a = advance_descriptor(a_desc_split, b);
+            wgmma_m64n64k16_ss<0>(acc_lo, a, advance_descriptor(b_desc, b + consumer * 64 * 128), accumulate);
+            wgmma_m64n64k16_ss<0>(acc_hi, a, advance_descriptor(b_desc, b + T::kBBytes / 2 + consumer * 64 * 128),
+                                  accumulate);
+          } else {
+            wgmma_m64n128k16_ss<0>(acc_64, advance_descriptor(a_desc_split, b),
+                                   advance_descriptor(b_desc, b + consumer * (T::kBBytes / 2)), accumulate);
+          }
+        }
         wgmma_commit_group();
         wgmma_wait_group<1>();  // the previous stage's MMAs are done: free it
         if (ks > 0) release((stage + T::kStages - 1) % T::kStages);
       };
       for (int index = cluster; index < num_items; index += num_clusters) {
         const auto [item, idle, share_weights] = item_of(index);
-        if constexpr (kKSteps > 0) {  // step is a multiple of the ring here: ks % kStages is the stage
+        if (item.rows <= 64) {  // split (the runtime loop: less code)
+          for (int ks = 0; ks < num_k_steps; ++ks, ++step)
+            k_step(std::true_type{}, ks, step % T::kStages, (step / T::kStages) & 1);
+        } else if constexpr (kKSteps > 0) {  // step is a multiple of the ring here: ks % kStages is the stage
 #pragma unroll 4
-          for (int ks = 0; ks < kKSteps; ++ks) k_step(ks, ks % T::kStages, ((step + ks) / T::kStages) & 1);
+          for (int ks = 0; ks < kKSteps; ++ks)
+            k_step(std::false_type{}, ks, ks % T::kStages, ((step + ks) / T::kStages) & 1);
           step += kKSteps;
         } else {
           for (int ks = 0; ks < num_k_steps; ++ks, ++step)
-            k_step(ks, step % T::kStages, (step / T::kStages) & 1);
+            k_step(std::false_type{}, ks, step % T::kStages, (step / T::kStages) & 1);
         }
         wgmma_wait_group<0>();
         release((step - 1) % T::kStages);
-        if (!idle) store_rows<kGateUp, kFp8>(p, item, acc, consumer * 64 + warp * 16 + g, q);
+        if (item.rows <= 64) {
+          if constexpr (kGateUp) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) acc[i] = acc_lo[i], acc[32 + i] = acc_hi[i];
+          }
+          store_split_rows<kGateUp>(p, item, acc, warp * 16 + g, q, consumer, idle);
+        } else if (!idle) {
+          store_rows<kGateUp, kFp8>(p, item, acc, consumer * 64 + warp * 16 + g, q);
+        }
       }
     } else {
       // Per 128-wide K block (one scale block) and half of the weight rows,
