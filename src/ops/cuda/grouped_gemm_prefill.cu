@@ -20,8 +20,9 @@
 // CTA, three warpgroups share a ring of shared-memory stages, each holding
 // 128 bytes of every row along K:
 //   - the producer (warpgroup 0, registers handed down to 56): one thread
-//     issues the TMA copies (its share of the activation rows; the weight
-//     rows as two boxes; 128-byte swizzle); FP8: the 128 threads copy the
+//     issues the TMA copies (its share of the activation rows -- a lone CTA
+//     copies only the 32-row quarters that hold an expert's last rows --;
+//     the weight rows as two boxes; 128-byte swizzle); FP8: the 128 threads copy the
 //     stage's activation and weight scales with cp.async;
 //   - two consumers (warpgroups 1, 2, registers raised to 224) each multiply
 //     64 of the rows by all the stage's weight rows with wgmma from shared
@@ -202,7 +203,8 @@ __device__ __forceinline__ void store_split_rows(const PrefillArgs& p, const Gem
 template <bool kFp8, bool kGateUp, int kKSteps = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_grouped_gemm_kernel(const __grid_constant__ CUtensorMap weights,
-                                const __grid_constant__ CUtensorMap rows, PrefillArgs p) {
+                                const __grid_constant__ CUtensorMap rows,
+                                const __grid_constant__ CUtensorMap row_quarters, PrefillArgs p) {
 #if MOE_SM90A_DEVICE
   using T = Tile<kFp8>;
   static_assert(kKSteps % T::kStages == 0, "whole rounds of the ring");
@@ -307,14 +309,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         int64_t a_scale_row = 0;
         if (a_scale_live)
           a_scale_row = p.a_scale_rows != nullptr ? p.a_scale_rows[item.row0 + own] : item.row0 + own;
+        // One CTA: a tile of at most 96 rows (an expert's last) loads only
+        // the 32-row quarters that hold them; the MMAs of the rest multiply
+        // stale rows that are never stored.
+        const int quarters = ctas == 1 ? min(4, (item.rows + kM / 4 - 1) / (kM / 4)) : 4;
         for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
           const int stage = step % T::kStages;
           if (step >= T::kStages) mbarrier_wait(empty(stage), ((step / T::kStages) - 1) & 1);
           if (own == 0) {
-            mbarrier_arrive_expect_tx(full(stage), T::kABytes + T::kBBytes);
+            mbarrier_arrive_expect_tx(full(stage), quarters * (T::kABytes / 4) + T::kBBytes);
             const int x = ks * T::kKStep;
-            if (ctas == 1) {
+            if (ctas == 1 && quarters == 4) {
               tma_load_2d(a_tile(stage), &rows, x, item.row0, full(stage));
+            } else if (ctas == 1) {
+              for (int i = 0; i < quarters; ++i)
+                tma_load_2d(a_tile(stage) + i * (T::kABytes / 4), &row_quarters, x, item.row0 + i * (kM / 4),
+                            full(stage));
             } else if (share_weights) {  // own rows (two boxes); weight box `rank` for both CTAs
               tma_load_2d(a_tile(stage), &rows, x, item.row0, full(stage));
               tma_load_2d(a_tile(stage) + share_rows * 128, &rows, x, item.row0 + share_rows, full(stage));
@@ -543,12 +553,15 @@ cudaError_t launch_prefill_gemm(const PrefillArgs& args, const void* a, int a_ro
   const int element_bytes = kFp8 ? 1 : 2, ctas = cluster_ctas(kFp8, a_rows, args.num_experts);
   const uint64_t row_bytes = static_cast<uint64_t>(args.K) * element_bytes;
   const uint64_t weight_rows = static_cast<uint64_t>(args.num_experts) * (gate_up ? 2 * args.N : args.N);
-  CUtensorMap weight_map, row_map;
+  CUtensorMap weight_map, row_map, quarter_map;
   cudaError_t error = make_tensor_map_2d(&weight_map, w, element_bytes, weight_rows, args.K, row_bytes,
                                          T::kBoxRows, T::kKStep);
   if (error != cudaSuccess) return error;
   error = make_tensor_map_2d(&row_map, a, element_bytes, static_cast<uint64_t>(a_rows), args.K, row_bytes,
                              kM / ctas, T::kKStep);
+  if (error != cudaSuccess) return error;
+  error = make_tensor_map_2d(&quarter_map, a, element_bytes, static_cast<uint64_t>(a_rows), args.K, row_bytes, kM / 4,
+                             T::kKStep);
   if (error != cudaSuccess) return error;
   auto kernel = gate_up ? prefill_grouped_gemm_kernel<kFp8, true> : prefill_grouped_gemm_kernel<kFp8, false>;
   // Qwen3-235B's K (4096 into gate_up, 1536 into down) unrolled.
@@ -585,7 +598,7 @@ cudaError_t launch_prefill_gemm(const PrefillArgs& args, const void* a, int a_ro
   }
   const int pairs = (args.num_n_tiles + ctas - 1) / ctas;
   config.gridDim = dim3(ctas * std::min(fit, pairs * max_tiles));
-  error = cudaLaunchKernelEx(&config, kernel, weight_map, row_map, args);
+  error = cudaLaunchKernelEx(&config, kernel, weight_map, row_map, quarter_map, args);
   if (error != cudaSuccess) return error;
   return cudaGetLastError();
 }
