@@ -39,10 +39,12 @@
 // both consumers multiply those rows, each by half the weight rows (so their
 // SiLU-multiply stays in its registers), instead of consumer 1 idling through
 // the item; 2% at 256 rows per expert on average (random routing, the size of
-// a 4096-token step). Not in FP8, where it gained ~1% at the same size: an
-// item's time there goes to streaming its stages (L2 at ~90% throughput),
-// which a split item does in full for half the MMAs, and the split path cost
-// the unrolled K loop 3-4% (2026-12-03).
+// a 4096-token step). Not in FP8: there a partial item is held by its
+// weight stream and its consumers' work at once, so a split item gained ~1%
+// alone and 2-4% together with the row quarters below (on the runtime K
+// loop), but the split path's code cost the unrolled K loop ~3% even with no
+// item split (2026-12-03; bench/results/2026-12-03_gpu_prefill_split_tiles.md,
+// the patch beside it). It wants an instantiation of its own.
 // The activation rows must be contiguous (rows of `a` in permuted order): a
 // gate_up caller gathers them first (gather_rows). Consecutive items are the
 // column tiles of one row tile, and the row tiles of an expert follow each
