@@ -41,7 +41,7 @@
 // the item; 2% at 256 rows per expert on average (random routing, the size of
 // a 4096-token step). Not in FP8: there a partial item is held by its
 // weight stream and its consumers' work at once, so a split item gained ~1%
-// alone and 2-4% together with the row quarters below (on the runtime K
+// alone and 2-4% with the producer's row quarters (on the runtime K
 // loop), but the split path's code cost the unrolled K loop ~3% even with no
 // item split (2026-12-03; bench/results/2026-12-03_gpu_prefill_split_tiles.md,
 // the patch beside it). It wants an instantiation of its own.
