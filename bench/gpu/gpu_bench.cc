@@ -384,7 +384,8 @@ void bench_prefill_grouped_gemm() {
     auto time_gemms = [&](Gemm gemm, int tile_rows, bool bf16_rows = true) {
       permute(tile_rows);
       if (tile_rows == k::kPrefillGemmTileRows) {
-        gather_ms = time_ms([&] { k::gather_rows({x_q.data(), xg_q.data(), sorted.data_as<int32_t>(), pairs, H}, nullptr); });
+        gather_ms = time_ms(
+            [&] { k::gather_rows({x_q.data(), xg_q.data(), sorted.data_as<int32_t>(), pairs, H}, nullptr); });
       }
       const double ms = time_ms([&] { run_gemms(gemm, tile_rows, bf16_rows); });
       check(cudaGetLastError(), "fp8 grouped gemm");
