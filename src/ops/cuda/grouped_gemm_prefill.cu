@@ -44,7 +44,11 @@
 // alone and 2-4% with the producer's row quarters (on the runtime K
 // loop), but the split path's code cost the unrolled K loop ~3% even with no
 // item split (2026-12-03; bench/results/2026-12-03_gpu_prefill_split_tiles.md,
-// the patch beside it). It wants an instantiation of its own.
+// the patch beside it). In a kernel instantiation and launch of their own
+// (after the whole tiles, a programmatic dependent launch) they gained
+// nothing: a split item streams the same weight rows per stage as a whole
+// one, and that stream sets an item's time
+// (2026-12-03_gpu_fp8_prefill_split_launch.md).
 // The activation rows must be contiguous (rows of `a` in permuted order): a
 // gate_up caller gathers them first (gather_rows). Consecutive items are the
 // column tiles of one row tile, and the row tiles of an expert follow each
