@@ -119,9 +119,9 @@ std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role,
     if (a.device.enforce_eager) v.push_back("--enforce-eager");
   }
   if (!a.served_model_name.empty()) add("--served-model-name", a.served_model_name);
-  add("--max-num-seqs", std::to_string(a.max_num_seqs));
+  if (a.max_num_seqs > 0) add("--max-num-seqs", std::to_string(a.max_num_seqs));  // else the device's default
   if (a.max_model_len > 0) add("--max-model-len", std::to_string(a.max_model_len));
-  add("--max-num-batched-tokens", std::to_string(a.max_num_batched_tokens));
+  if (a.max_num_batched_tokens > 0) add("--max-num-batched-tokens", std::to_string(a.max_num_batched_tokens));
   if (a.kv_cache_gb > 0) add("--kv-cache-gb", fmt::format("{}", a.kv_cache_gb));
   add("--page-size", std::to_string(a.page_size));
   add("--kv-dtype", a.kv_dtype);

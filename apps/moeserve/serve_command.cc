@@ -68,8 +68,11 @@ Expected<engine::SchedulerOptions> scheduler_options(const ServeArgs& args, cons
                                                      size_t page_bytes_all_layers) {
   engine::SchedulerOptions s;
   s.page_size = args.page_size;
-  s.max_num_seqs = args.max_num_seqs;
-  s.max_num_batched_tokens = args.max_num_batched_tokens;
+  const bool gpu = args.device.cuda();
+  s.max_num_seqs = args.max_num_seqs > 0 ? args.max_num_seqs : gpu ? kDefaultGpuMaxNumSeqs : kDefaultCpuMaxNumSeqs;
+  s.max_num_batched_tokens = args.max_num_batched_tokens > 0 ? args.max_num_batched_tokens
+                             : gpu                          ? kDefaultGpuMaxNumBatchedTokens
+                                                            : kDefaultCpuMaxNumBatchedTokens;
   s.enable_prefix_caching = !args.no_prefix_caching;
   const int64_t model_max = config.max_position_embeddings > 0 ? config.max_position_embeddings : 4096;
   s.max_model_len = args.max_model_len > 0 ? args.max_model_len : static_cast<int>(std::min<int64_t>(model_max, 4096));
@@ -626,9 +629,11 @@ void add_engine_options(CLI::App* cmd, ServeArgs& a) {
   cmd->add_option("--host", args->host, "Address to bind (default 127.0.0.1)");
   cmd->add_option("--port", args->port, "Port (0: any free port)")->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", args->api_key, "Require 'Authorization: Bearer KEY' on the API");
-  cmd->add_option("--max-num-seqs", args->max_num_seqs, "Sequences in a batch at most")->check(CLI::Range(1, 4096));
+  cmd->add_option("--max-num-seqs", args->max_num_seqs, "Sequences in a batch at most (default 64 on the CPU, 256 on GPUs)")
+      ->check(CLI::Range(1, 4096));
   cmd->add_option("--max-model-len", args->max_model_len, "Prompt + generated tokens at most per request");
-  cmd->add_option("--max-num-batched-tokens", args->max_num_batched_tokens, "Tokens per step (chunked prefill budget)")
+  cmd->add_option("--max-num-batched-tokens", args->max_num_batched_tokens,
+                  "Tokens per step (chunked prefill budget; default 512 on the CPU, 8192 on GPUs)")
       ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--kv-cache-gb", args->kv_cache_gb,
                   "Memory for the KV cache in GB (per GPU rank with --device cuda; default 1 on the CPU, on GPUs what "

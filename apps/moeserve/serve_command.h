@@ -28,6 +28,12 @@
 namespace moe::apps {
 
 inline constexpr double kDefaultCpuKvCacheGb = 1.0;
+// Batch limits by device, where the flags are not given. GPUs: batches that
+// fill the tensor cores (at 8192 tokens a step, Qwen3-235B's experts get 512
+// rows each on average; at 512 tokens 32, where the MoE GEMMs stream their
+// weights for a few rows each: docs/performance.md, "Step budget").
+inline constexpr int kDefaultCpuMaxNumSeqs = 64, kDefaultCpuMaxNumBatchedTokens = 512;
+inline constexpr int kDefaultGpuMaxNumSeqs = 256, kDefaultGpuMaxNumBatchedTokens = 8192;
 
 struct ServeArgs {
   std::string model;
@@ -35,9 +41,9 @@ struct ServeArgs {
   std::string host = "127.0.0.1";
   int port = 8000;
   std::string api_key;
-  int max_num_seqs = 64;
+  int max_num_seqs = 0;  // 0: kDefault{Cpu,Gpu}MaxNumSeqs
   int max_model_len = 0;  // 0: min(the model's max_position_embeddings, 4096)
-  int max_num_batched_tokens = 512;
+  int max_num_batched_tokens = 0;  // 0: kDefault{Cpu,Gpu}MaxNumBatchedTokens
   double kv_cache_gb = 0;  // 0: kDefaultCpuKvCacheGb on the CPU; on GPUs what --gpu-memory-utilization leaves
   int page_size = 16;
   std::string kv_dtype = "f32";

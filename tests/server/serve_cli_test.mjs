@@ -29,6 +29,18 @@ test('bad flags fail before serving, saying why', () => {
   }
 });
 
+test('the batch limits: the CPU defaults (64 sequences, 512 tokens a step) and the flags, in the startup config line',
+     async () => {
+  for (const [args, seqs, tokens] of [[[], 64, 512], [['--max-num-seqs', '8', '--max-num-batched-tokens', '100'], 8, 100]]) {
+    const server = await startServer(args);
+    try {
+      assert.match(server.stderr(), new RegExp(`max_num_seqs=${seqs}, .*max_num_batched_tokens=${tokens},`));
+    } finally {
+      assert.equal(await server.stop(), 0);
+    }
+  }
+});
+
 test('a port in use fails with exit code 1', async () => {
   const first = await startServer([]);
   try {

@@ -3,7 +3,8 @@
 # (default 8) served by `moeserve serve --device cuda`, in each of FORMATS
 # (default "bf16 fp8": bf16, then fp8-block experts and attention
 # projections), loaded by `moeserve bench serve` with PROMPTS prompts of
-# PREFILL_LEN tokens (1 output token each) at 8 in flight. Prints input tokens
+# PREFILL_LEN tokens (1 output token each) at 8 in flight, BATCHED_TOKENS
+# (default 4096) tokens per step at most. Prints input tokens
 # per second and mean TTFT per case; the bench results JSON and the server
 # logs go to $OUT. The reference the GPU-rank layouts (ranks_bench.sh) and
 # later kernels are compared with. Binaries: BIN (default build-gpu/bin), built
@@ -17,6 +18,7 @@ LAYERS=${LAYERS:-8}
 PREFILL_LEN=${PREFILL_LEN:-2048}
 PROMPTS=${PROMPTS:-32}
 FORMATS=${FORMATS:-bf16 fp8}
+BATCHED_TOKENS=${BATCHED_TOKENS:-4096}
 CONFIG=tests/data/configs/qwen3-235b-a22b.config.json
 mkdir -p "$OUT"
 for name in $FORMATS; do
@@ -27,7 +29,7 @@ for name in $FORMATS; do
   esac
   # shellcheck disable=SC2086  # $quant is empty or two words
   "$BIN/moeserve" serve --device cuda --model "$CONFIG" --load-format dummy --num-layers "$LAYERS" $quant \
-    --max-num-seqs 256 --max-num-batched-tokens 4096 --max-model-len $((PREFILL_LEN + 128 > 4096 ? PREFILL_LEN + 128 : 4096)) \
+    --max-num-seqs 256 --max-num-batched-tokens "$BATCHED_TOKENS" --max-model-len $((PREFILL_LEN + 128 > 4096 ? PREFILL_LEN + 128 : 4096)) \
     --port 18570 > "$OUT/$name.out" 2> "$OUT/$name.log" &
   server=$!
   for _ in $(seq 1 600); do
