@@ -263,6 +263,12 @@ model::CudaModelOptions cuda_model_options(const ServeArgs& args, const engine::
   cuda.page_size = sched.page_size;
   cuda.max_num_tokens = std::max(sched.max_num_batched_tokens, sched.max_num_seqs);
   cuda.max_num_seqs = sched.max_num_seqs;
+  // The logits rows a step can ask for: each sequence's sampled row and its
+  // drafts' (speculative verification, and the MTP's first pass), then the
+  // prompt-logprobs rows the scheduler lets into a step.
+  const Expected<engine::SpeculativeConfig> spec = check_speculative(args.speculative);
+  const int drafts = spec && spec->enabled() ? spec->num_speculative_tokens : 0;
+  cuda.max_logits_rows = sched.max_num_seqs * (1 + drafts) + sched.max_prompt_logits_tokens;
   cuda.max_model_len = sched.max_model_len;
   cuda.gpu_memory_utilization = args.device.gpu_memory_utilization;
   cuda.kv_cache_bytes = args.kv_cache_gb * 1e9;  // 0: what --gpu-memory-utilization leaves after a warm-up pass

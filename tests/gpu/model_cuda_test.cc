@@ -217,6 +217,51 @@ TEST(CudaModel, KvCacheBytesGiveWholePages) {
 }
 
 
+// The f32 logits buffer holds max_logits_rows rows (serve: each sequence's
+// sampled and draft rows plus the prompt-logprobs budget; never below the 512
+// a CUDA graph replay pads to) instead of a row per token: a forward within
+// it gives what the unbounded model gives, one past it is refused, saying so.
+TEST(CudaModel, LogitsRowsWithinMaxLogitsRows) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  ThreadPool pool;
+  Loaded m = load("moe_basic", pool);
+  CudaModelOptions options;
+  options.page_size = 16;
+  options.num_pages = 64;
+  options.max_num_tokens = 640;
+  auto unbounded = CudaQwen3MoeModel::create(*m.weights, options);
+  ASSERT_TRUE(unbounded.has_value()) << unbounded.status().to_string();
+  options.max_logits_rows = 1;  // 512, the graph replays' rows
+  auto bounded = CudaQwen3MoeModel::create(*m.weights, options);
+  ASSERT_TRUE(bounded.has_value()) << bounded.status().to_string();
+  // Two sequences of 300 tokens, every token's logits.
+  const int len = 300, pages = (len + 15) / 16;
+  ForwardBatch batch;
+  batch.query_start = {0};
+  batch.max_pages_per_seq = pages;
+  for (int seq = 0; seq < 2; ++seq) {
+    for (int i = 0; i < len; ++i) {
+      batch.token_ids.push_back(static_cast<int32_t>((i * 7 + seq * 31 + 3) % m.config.vocab_size));
+      batch.positions.push_back(i);
+    }
+    batch.query_start.push_back(static_cast<int32_t>(batch.token_ids.size()));
+    for (int p = 0; p < pages; ++p) batch.page_table.push_back(seq * pages + p);
+  }
+  for (int t = 0; t < 2 * len; ++t) batch.logits_rows.push_back(t);
+  auto refused = (*bounded)->forward(batch);
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("max_logits_rows"), std::string::npos) << refused.status().message();
+  batch.logits_rows.erase(batch.logits_rows.begin() + 100, batch.logits_rows.begin() + 188);  // 512 rows
+  auto within = (*bounded)->forward(batch);
+  ASSERT_TRUE(within.has_value()) << within.status().to_string();
+  auto reference = (*unbounded)->forward(batch);
+  ASSERT_TRUE(reference.has_value()) << reference.status().to_string();
+  ASSERT_EQ(within->num_elements(), reference->num_elements());
+  const std::vector<float> ref(reference->data_as<float>(), reference->data_as<float>() + reference->num_elements());
+  EXPECT_LT(relative_error(within->data_as<float>(), ref), 1e-5);
+}
+
 // A dummy model with head_dim 128 and 16 q heads per kv head, so the
 // tensor-core attention kernels (prefill and decode) run inside the model:
 // GPU logits against the CPU reference on the same weights, for a prefill

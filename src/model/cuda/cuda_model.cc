@@ -359,6 +359,9 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   // ranks) what the exchange may bring from every rank.
   const int64_t expert_rows = options.experts != nullptr ? T * kk * options.experts->world_size() : T * kk;
   const int64_t fp8_width = std::max<int64_t>({H, c.q_size(), inter});  // inputs quantized per 1 x 128
+  s->max_logits_rows = options.max_logits_rows > 0
+                           ? std::min<int64_t>(T, std::max<int64_t>(options.max_logits_rows, kMaxGraphTokens))
+                           : T;
   struct Alloc { DeviceTensor* t; DType dtype; Shape shape; };
   const Alloc allocs[] = {
       {&s->residual, DType::kF32, {T, H}},
@@ -379,7 +382,7 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
       {&s->expert_rows, DType::kF32, {expert_rows, H}},
       {&s->gate_up, DType::kBF16, {T, 2 * inter}},
       {&s->logit_rows, DType::kBF16, {T, H}},
-      {&s->logits, DType::kF32, {T, c.vocab_size}},
+      {&s->logits, DType::kF32, {s->max_logits_rows, c.vocab_size}},
       {&s->greedy, DType::kI32, {T}},
       {&s->sample_accepted, DType::kU8, {T}},
       {&s->token_ids, DType::kI32, {T}},

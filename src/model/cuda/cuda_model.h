@@ -38,6 +38,11 @@ struct CudaModelOptions {
   double gpu_memory_utilization = 0.9;  // share of the GPU's memory this process may hold in all
   int max_num_tokens = 256;    // tokens per forward (activation buffers)
   int max_num_seqs = 64;
+  // Logits rows a forward (or MTP pass) may ask for, which sizes the f32
+  // logits buffer (a row per token of a step otherwise: 5 GB at 8192 tokens
+  // of Qwen3's vocabulary); 0: max_num_tokens. Never below what a CUDA graph
+  // replay pads to (kMaxGraphTokens).
+  int max_logits_rows = 0;
   int64_t max_model_len = 0;   // longest sequence (page-table stride of graph replays); 0: max_position_embeddings
   bool use_cuda_graphs = true; // decode steps replay captured graphs (vLLM's --enforce-eager turns this off)
   // Dummy weights only: the experts' format, kNone (bf16) or kFp8Block. Loaded
@@ -164,6 +169,8 @@ class CudaQwen3MoeModel {
   Status size_kv_pool_after_warm_up(int tokens);
   Status run(const ForwardBatch& batch);
   Status finish_step();
+  // `rows` logits rows of a `num_tokens`-token forward fit the tokens and the logits buffer.
+  Status check_logits_rows(int rows, int num_tokens) const;
   // A CUDA-graph step: `seqs` sequences (the batch's, padded to a bucket) of
   // `query` new tokens each, and `rows` output rows (the batch's logits rows
   // padded to a bucket; 0: every token's). seqs == 0: the step runs eagerly.

@@ -51,7 +51,7 @@ Status CudaQwen3MoeModel::queue_mtp(const MtpBatch& mb, TensorView hidden) {
              hidden.dim(1) != H) {
     return invalid_argument("MTP hidden states must be [{}, {}] f32", T, H);
   }
-  if (rows > T) return invalid_argument("{} MTP output rows for {} tokens", rows, T);
+  MOE_RETURN_IF_ERROR(check_logits_rows(rows, T));
   for (int32_t row : mb.output_rows)
     if (row < 0 || row >= T) return invalid_argument("MTP output row {} of a {}-token batch", row, T);
   s.mtp_rows = 0;

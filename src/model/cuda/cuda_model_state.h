@@ -36,6 +36,10 @@ struct CudaQwen3MoeModel::LayerBuffers {
   int num_q_heads = 0, num_kv_heads = 0, mlp_columns = 0;
 };
 
+// Decode steps and MTP passes replay CUDA graphs of at most this many tokens
+// (logits rows included) after padding.
+inline constexpr int kMaxGraphTokens = 512;
+
 struct CudaQwen3MoeModel::State {
   ModelConfig config;
   CudaModelOptions options;
@@ -47,6 +51,7 @@ struct CudaQwen3MoeModel::State {
   // Activations, sized for options.max_num_tokens.
   DeviceTensor residual, normed, qkv, q, attended, delta, router_logits, expert_ids, expert_weights;
   DeviceTensor expert_offsets, tile_offsets, sorted_token, row_of, act, expert_rows, gate_up, logit_rows, logits, greedy;
+  int64_t max_logits_rows = 0;  // logits' rows (options.max_logits_rows, resolved)
   DeviceTensor permute_counts;  // moe_permute's per-block expert counts at prefill sizes
   // Step metadata.
   DeviceTensor token_ids, positions, token_seq, page_table, logits_rows;

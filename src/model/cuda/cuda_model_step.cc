@@ -130,7 +130,7 @@ int CudaQwen3MoeModel::graph_stride(int max_pages_per_seq) const {
 // tokens after padding (the MoE layers' 64-row kernels, moe_tile_rows).
 CudaQwen3MoeModel::GraphShape CudaQwen3MoeModel::graph_bucket(const ForwardBatch& batch,
                                                               bool any_rows) const {
-  constexpr int kGraphTokens = 512, kMaxQuery = 8;
+  constexpr int kGraphTokens = kMaxGraphTokens, kMaxQuery = 8;
   const State& s = *state_;
   const int T = batch.num_tokens(), num_seqs = static_cast<int>(batch.query_start.size()) - 1;
   if (!s.options.use_cuda_graphs || s.layer_hook || T == 0 || num_seqs <= 0 ||
@@ -159,7 +159,7 @@ Status CudaQwen3MoeModel::run(const ForwardBatch& batch) {
   const int T = batch.num_tokens();
   if (T > s.options.max_num_tokens)
     return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, s.options.max_num_tokens);
-  if (static_cast<int>(batch.logits_rows.size()) > T) return invalid_argument("more logits rows than tokens");
+  MOE_RETURN_IF_ERROR(check_logits_rows(static_cast<int>(batch.logits_rows.size()), T));
   s.mtp_rows = 0;       // logit_rows and greedy are this forward's now
   s.target_tokens = 0;  // until sync_and_fetch_hidden keeps this forward's rows
   const GraphShape bucket = graph_bucket(batch);
@@ -653,11 +653,19 @@ Expected<std::vector<int32_t>> CudaQwen3MoeModel::forward_greedy(const ForwardBa
   return ids;
 }
 
+Status CudaQwen3MoeModel::check_logits_rows(int rows, int num_tokens) const {
+  if (rows > num_tokens) return invalid_argument("{} logits rows for {} tokens", rows, num_tokens);
+  if (rows > state_->max_logits_rows)
+    return invalid_argument("{} logits rows in one forward; this model holds {} (max_logits_rows)", rows,
+                            state_->max_logits_rows);
+  return Status::ok();
+}
+
 Status CudaQwen3MoeModel::check_batch(const ForwardBatch& batch, std::span<const int32_t> hidden_rows) const {
   const int T = batch.num_tokens();
   if (T > state_->options.max_num_tokens)
     return invalid_argument("batch of {} tokens exceeds max_num_tokens {}", T, state_->options.max_num_tokens);
-  if (static_cast<int>(batch.logits_rows.size()) > T) return invalid_argument("more logits rows than tokens");
+  MOE_RETURN_IF_ERROR(check_logits_rows(static_cast<int>(batch.logits_rows.size()), T));
   for (int32_t row : hidden_rows)
     if (row < 0 || row >= T) return invalid_argument("hidden state row {} of a {}-token batch", row, T);
   return Status::ok();
