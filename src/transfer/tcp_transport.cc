@@ -551,13 +551,27 @@ Status TcpTransport::enqueue(const std::string& peer_endpoint, std::vector<Job> 
   return Status::ok();
 }
 
+bool TcpTransport::in_flight_locked(const Peer& peer, const std::shared_ptr<BatchState>& batch,
+                                    const OutConnection* except) const {
+  for (const auto& connection : peer.connections)
+    if (connection.get() != except &&
+        std::find(connection->sending.begin(), connection->sending.end(), batch) != connection->sending.end())
+      return true;
+  return false;
+}
+
 void TcpTransport::fail_peer_locked(Peer& peer, const Status& why, std::vector<std::shared_ptr<BatchState>>& to_fail) {
   if (!peer.failure.is_ok()) return;
   peer.failure = why;
+  // A batch in a write in progress (`sending`, this thread's too) ends when
+  // the last such write has let go of its memory: its send thread fails it
+  // (send_loop), the shutdown below making a blocked write return. Failed
+  // earlier, a caller could free a batch's source while another connection
+  // still wrote it (AddressSanitizer, transfer_fault_test).
   for (auto& connection : peer.connections) {
-    for (Job& job : connection->queue) to_fail.push_back(job.batch);
+    for (Job& job : connection->queue)
+      if (!in_flight_locked(peer, job.batch, nullptr)) to_fail.push_back(job.batch);
     connection->queue.clear();
-    for (auto& batch : connection->sending) to_fail.push_back(batch);
     ::shutdown(connection->fd, SHUT_RDWR);
   }
   if (auto it = peers_.find(peer.endpoint); it != peers_.end() && it->second.get() == &peer) {
@@ -597,14 +611,20 @@ void TcpTransport::send_loop(OutConnection* connection) {
     }
     if (result.stalled && result.status.is_ok()) result.status = stall(connection, jobs, result);
     std::vector<std::shared_ptr<BatchState>> to_fail;
+    Status failure;
     {
       std::lock_guard lock(out_mutex_);
       if (!result.status.is_ok()) fail_peer_locked(*peer, result.status, to_fail);
+      if (!peer->failure.is_ok()) {  // lost here or on another connection: this write's batches end now
+        for (auto& batch : connection->sending)
+          if (!in_flight_locked(*peer, batch, connection)) to_fail.push_back(batch);
+        failure = peer->failure;
+      }
       connection->sending.clear();
     }
     out_cv_.notify_all();
+    for (auto& batch : to_fail) tracker_.finish(batch, failure);
     if (!result.status.is_ok()) {
-      for (auto& batch : to_fail) tracker_.finish(batch, result.status);
       if (!stopping_.load() && !result.stalled) {
         counters_.num_connections_lost.fetch_add(1);
         if (on_peer_lost_) on_peer_lost_(peer->endpoint, result.status);

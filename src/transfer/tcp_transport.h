@@ -112,6 +112,8 @@ class TcpTransport final : public Transport {
   // After a stall: requeues unsent jobs and blocks; returns why it ended.
   Status stall(OutConnection* connection, std::vector<Job>& jobs, const WriteResult& result);
   void fail_peer_locked(Peer& peer, const Status& why, std::vector<std::shared_ptr<BatchState>>& to_fail);
+  // Whether a write of `peer`'s connections other than `except` holds `batch` (out_mutex_ held).
+  bool in_flight_locked(const Peer& peer, const std::shared_ptr<BatchState>& batch, const OutConnection* except) const;
   void inbound_lost(const std::string& peer, const Status& why);
 
   EngineOptions options_;
