@@ -126,11 +126,11 @@ int CudaQwen3MoeModel::graph_stride(int max_pages_per_seq) const {
 // Decode steps replay a CUDA graph captured once per (bucket of sequence
 // counts, new tokens per sequence, page-table stride): plain decode (one token
 // per sequence) and speculative verification (1 + drafts tokens per sequence,
-// the same for every sequence), logits for every token, at most kGraphTokens
+// the same for every sequence), logits for every token, at most kMaxGraphTokens
 // tokens after padding (the MoE layers' 64-row kernels, moe_tile_rows).
 CudaQwen3MoeModel::GraphShape CudaQwen3MoeModel::graph_bucket(const ForwardBatch& batch,
                                                               bool any_rows) const {
-  constexpr int kGraphTokens = kMaxGraphTokens, kMaxQuery = 8;
+  constexpr int kMaxQuery = 8;
   const State& s = *state_;
   const int T = batch.num_tokens(), num_seqs = static_cast<int>(batch.query_start.size()) - 1;
   if (!s.options.use_cuda_graphs || s.layer_hook || T == 0 || num_seqs <= 0 ||
@@ -144,7 +144,7 @@ CudaQwen3MoeModel::GraphShape CudaQwen3MoeModel::graph_bucket(const ForwardBatch
     if (batch.logits_rows[t] != t) return {};
   constexpr int kBuckets[] = {1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512};
   for (int bucket : kBuckets) {
-    if (bucket < num_seqs || bucket * query > std::min(kGraphTokens, s.options.max_num_tokens)) continue;
+    if (bucket < num_seqs || bucket * query > std::min(kMaxGraphTokens, s.options.max_num_tokens)) continue;
     if (!any_rows) return {bucket, query};
     for (int row_bucket : kBuckets)
       if (row_bucket >= rows) return {bucket, query, std::min(row_bucket, bucket * query)};
