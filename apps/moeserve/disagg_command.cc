@@ -32,11 +32,12 @@ namespace moe::apps {
 namespace {
 
 Status register_with_router(const std::string& router_url, const std::string& role,
-                            const std::string& self_url, const std::string& api_key) {
+                            const std::string& self_url, const std::string& api_key, int max_model_len) {
   MOE_ASSIGN_OR_RETURN(auto url, server::HttpUrl::parse(router_url));
   std::vector<std::pair<std::string, std::string>> headers;
   if (!api_key.empty()) headers.emplace_back("Authorization", "Bearer " + api_key);
-  const std::string body = nlohmann::json{{"role", role}, {"url", self_url}}.dump();
+  const std::string body =
+      nlohmann::json{{"role", role}, {"url", self_url}, {"max_model_len", max_model_len}}.dump();
   MOE_ASSIGN_OR_RETURN(auto reply, server::http_call(url, "POST", "/internal/register", body, 10, headers));
   if (reply.status != 200)
     return unavailable("the router refused the registration: HTTP {} {}", reply.status, reply.body);
@@ -64,6 +65,7 @@ Status run_router(ServeArgs args, const std::vector<std::string>& prefill,
   options.pool.model_name = args.served_model_name;
   options.vocab_size = config.vocab_size;
   options.max_model_len = sched.max_model_len;
+  options.pool.max_model_len = sched.max_model_len;  // instances below it are never healthy
   options.max_prefill_retries = args.max_prefill_retries;
   options.lease_s = args.disagg ? 0 : args.lease_s;  // the cluster gives --lease to its decode instances
   options.api_key = args.api_key;
@@ -347,7 +349,8 @@ Status run_instance(const ServeArgs& args, engine::Engine& engine, const Instanc
   std::fflush(stdout);
   log_info("{} instance listening on {}, TransferEngine at {}", args.role, self_url, transfer->endpoint());
   if (!args.router_url.empty()) {
-    Status s = register_with_router(args.router_url, args.role, self_url, args.api_key);
+    Status s = register_with_router(args.router_url, args.role, self_url, args.api_key,
+                                    engine.options().scheduler.max_model_len);
     if (!s.is_ok()) log_error("could not register with the router {}: {}", args.router_url, s.to_string());
   }
   int signal_number = 0;

@@ -75,7 +75,11 @@ Expected<engine::SchedulerOptions> scheduler_options(const ServeArgs& args, cons
                                                             : kDefaultCpuMaxNumBatchedTokens;
   s.enable_prefix_caching = !args.no_prefix_caching;
   const int64_t model_max = config.max_position_embeddings > 0 ? config.max_position_embeddings : 4096;
-  s.max_model_len = args.max_model_len > 0 ? args.max_model_len : static_cast<int>(std::min<int64_t>(model_max, 4096));
+  // GPUs serve the model's whole context by default (their pool is sized from
+  // memory and must hold one such sequence); the CPU's 1 GB pool, 4096 tokens.
+  s.max_model_len = args.max_model_len > 0 ? args.max_model_len
+                    : gpu                  ? static_cast<int>(std::min<int64_t>(model_max, INT32_MAX))
+                                           : static_cast<int>(std::min<int64_t>(model_max, kDefaultCpuMaxModelLen));
   if (s.max_model_len > model_max)
     return invalid_argument("--max-model-len {} is over the model's max_position_embeddings {}", s.max_model_len, model_max);
   const int64_t pages_per_seq = (s.max_model_len + s.page_size - 1) / s.page_size;

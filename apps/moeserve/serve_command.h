@@ -28,6 +28,7 @@
 namespace moe::apps {
 
 inline constexpr double kDefaultCpuKvCacheGb = 1.0;
+inline constexpr int kDefaultCpuMaxModelLen = 4096;  // GPUs: the model's max_position_embeddings
 // Batch limits by device, where the flags are not given. GPUs: batches that
 // fill the tensor cores (at 8192 tokens a step, Qwen3-235B's experts get 512
 // rows each on average; at 512 tokens 32, where the MoE GEMMs stream their
@@ -42,7 +43,7 @@ struct ServeArgs {
   int port = 8000;
   std::string api_key;
   int max_num_seqs = 0;  // 0: kDefault{Cpu,Gpu}MaxNumSeqs
-  int max_model_len = 0;  // 0: min(the model's max_position_embeddings, 4096)
+  int max_model_len = 0;  // 0: the model's max_position_embeddings (CPU: at most kDefaultCpuMaxModelLen)
   int max_num_batched_tokens = 0;  // 0: kDefault{Cpu,Gpu}MaxNumBatchedTokens
   double kv_cache_gb = 0;  // 0: kDefaultCpuKvCacheGb on the CPU; on GPUs what --gpu-memory-utilization leaves
   int page_size = 16;

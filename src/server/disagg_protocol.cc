@@ -451,14 +451,16 @@ json to_json(const InstanceLoad& l) {
           {"pending_prompt_tokens", l.pending_prompt_tokens},
           {"prompt_tokens_total", l.prompt_tokens_total},
           {"busy_seconds_total", l.busy_seconds_total},
-          {"num_reservations", l.num_reservations}};
+          {"num_reservations", l.num_reservations},
+          {"max_model_len", l.max_model_len}};
 }
 
 Expected<InstanceLoad> parse_instance_load(const std::string& body) {
   MOE_ASSIGN_OR_RETURN(json j, parse_body(body, "load"));
   Reader r(j, "load",
            {"role", "transfer_endpoint", "kv_usage", "num_running", "num_waiting", "max_num_seqs",
-            "pending_prompt_tokens", "prompt_tokens_total", "busy_seconds_total", "num_reservations"});
+            "pending_prompt_tokens", "prompt_tokens_total", "busy_seconds_total", "num_reservations",
+            "max_model_len"});
   InstanceLoad l;
   l.role = r.string("role", 16);
   l.transfer_endpoint = r.string("transfer_endpoint", 256);
@@ -470,6 +472,7 @@ Expected<InstanceLoad> parse_instance_load(const std::string& body) {
   l.prompt_tokens_total = r.integer("prompt_tokens_total", 0, int64_t{1} << 62);
   l.busy_seconds_total = r.number("busy_seconds_total", 0, 1e12);
   l.num_reservations = r.integer("num_reservations", 0, int64_t{1} << 40);
+  l.max_model_len = static_cast<int>(r.integer("max_model_len", 1, INT32_MAX));
   MOE_RETURN_IF_ERROR(r.status());
   if (l.role != "prefill" && l.role != "decode") return invalid_argument("load: unknown role '{}'", l.role);
   return l;
@@ -485,6 +488,7 @@ InstanceLoad engine_load(const std::string& role, const engine::Engine& engine,
   l.num_running = m.num_requests_running;
   l.num_waiting = m.num_requests_waiting;
   l.max_num_seqs = engine.options().scheduler.max_num_seqs;
+  l.max_model_len = engine.options().scheduler.max_model_len;
   l.prompt_tokens_total = m.prompt_tokens_total;
   l.busy_seconds_total = m.busy_seconds_total;
   return l;

@@ -117,6 +117,7 @@ struct InstanceLoad {
   int64_t prompt_tokens_total = 0;    // computed so far (the router reads the prefill instances')
   double busy_seconds_total = 0;      // time in forward passes
   int64_t num_reservations = 0;       // decode
+  int max_model_len = 0;              // the instance's limit (the router's must not exceed it)
 };
 
 // The fields every role reports from its engine and TransferEngine.

@@ -359,14 +359,28 @@ bool Router::handle_internal(const HttpRequest& request, const std::shared_ptr<H
            true;
   if (request.method != "POST") return reply(405, error_json("use POST", "invalid_request_error")), true;
   json j = json::parse(request.body, nullptr, false);
+  const bool has_limit = j.is_object() && j.contains("max_model_len");
   if (!j.is_object() || !j.contains("role") || !j["role"].is_string() || !j.contains("url") ||
-      !j["url"].is_string() || j.size() != 2)
-    return reply(400, error_json("expected {\"role\": \"prefill\"|\"decode\", \"url\": \"http://host:port\"}",
+      !j["url"].is_string() || (has_limit && !j["max_model_len"].is_number_integer()) ||
+      j.size() != (has_limit ? 3u : 2u))
+    return reply(400, error_json("expected {\"role\": \"prefill\"|\"decode\", \"url\": \"http://host:port\", "
+                                 "\"max_model_len\": N (optional)}",
                                  "invalid_request_error")),
            true;
   const std::string role = j["role"].get<std::string>();
   if (role != "prefill" && role != "decode")
     return reply(400, error_json("'role' must be prefill or decode", "invalid_request_error", "role")), true;
+  // The router admits requests up to its own max_model_len (and gives
+  // requests without max_tokens the rest of it): an instance with a lower
+  // limit would refuse them.
+  if (has_limit) {
+    const int64_t limit = j["max_model_len"].get<int64_t>();
+    if (Status s = check_max_model_len(limit, options_.max_model_len); !s.is_ok())
+      return reply(400, error_json("the instance: " + s.message(), "invalid_request_error", "max_model_len")), true;
+    if (limit > options_.max_model_len)
+      log_warn("router: the {} instance {} serves max_model_len {}; this router admits at most {} (--max-model-len)",
+               role, j["url"].get<std::string>(), limit, options_.max_model_len);
+  }
   Status s = pool_.add(role == "prefill" ? InstanceRole::kPrefill : InstanceRole::kDecode,
                        j["url"].get<std::string>());
   if (!s.is_ok()) return reply(400, error_json(s.message(), "invalid_request_error", "url")), true;

@@ -13,6 +13,14 @@ namespace {
 constexpr double kRateWindowS = 10;
 }
 
+Status check_max_model_len(int64_t instance_limit, int64_t router_limit) {
+  if (instance_limit >= router_limit) return Status::ok();
+  return invalid_argument(
+      "it serves max_model_len {}, below this router's {}: start the router with --max-model-len {} (or the instance "
+      "with {})",
+      instance_limit, router_limit, instance_limit, router_limit);
+}
+
 const char* instance_role_name(InstanceRole role) {
   return role == InstanceRole::kPrefill ? "prefill" : "decode";
 }
@@ -90,9 +98,14 @@ void RouterPool::check(const std::string& url) {
   if (it == instances_.end()) return;
   Instance& inst = it->second;
   const double now = engine::monotonic_seconds();
-  if (load && load->role == instance_role_name(inst.role)) {
+  Status why = !load                                        ? load.status()
+               : load->role != instance_role_name(inst.role) ? unavailable("it reports role '{}'", load->role)
+               : options_.max_model_len > 0                  ? check_max_model_len(load->max_model_len, options_.max_model_len)
+                                                             : Status::ok();
+  if (why.is_ok()) {
     if (!inst.healthy) log_info("router: {} instance {} is healthy", instance_role_name(inst.role), url);
     inst.healthy = true;
+    inst.last_error.clear();
     inst.num_failures = 0;
     inst.next_check_s = now + options_.health_interval_s;
     if (inst.role == InstanceRole::kPrefill) {
@@ -110,9 +123,11 @@ void RouterPool::check(const std::string& url) {
     inst.load = std::move(load).value();
     return;
   }
-  const Status why = load ? unavailable("it reports role '{}'", load->role) : load.status();
-  if (inst.healthy)
+  // A failing check is logged when the instance was healthy or, for one that
+  // answers (not just still starting), when the reason is new.
+  if (inst.healthy || (load && why.message() != inst.last_error))
     log_warn("router: {} instance {} is unhealthy: {}", instance_role_name(inst.role), url, why.to_string());
+  if (load) inst.last_error = why.message();
   inst.healthy = false;
   inst.num_failures = std::min(inst.num_failures + 1, 30);
   inst.next_check_s = now + std::min(options_.max_backoff_s, 0.1 * std::pow(2.0, inst.num_failures));

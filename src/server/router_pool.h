@@ -39,7 +39,12 @@ struct RouterPoolOptions {
   double max_backoff_s = 5;        // between checks of a failing one
   double check_timeout_s = 2;
   std::string model_name;
+  int max_model_len = 0;  // the router's: an instance below it is never healthy (0: not checked)
 };
+
+// OK when an instance with `instance_limit` (its max_model_len) can take every
+// request a router admitting `router_limit` tokens sends it.
+Status check_max_model_len(int64_t instance_limit, int64_t router_limit);
 
 // A chosen instance; release it with RouterPool::done().
 struct InstanceLease {
@@ -77,6 +82,7 @@ class RouterPool {
     bool healthy = false;
     int num_failures = 0;
     double next_check_s = 0;
+    std::string last_error;  // of the failing checks, logged when it changes
     disagg::InstanceLoad load;
     int in_flight = 0;             // requests this router has on it now
     int64_t in_flight_tokens = 0;  // prefill: prompt tokens sent, not answered yet

@@ -217,6 +217,33 @@ TEST(CudaModel, KvCacheBytesGiveWholePages) {
 }
 
 
+// A pool sized from memory that cannot hold one sequence of max_model_len is
+// refused at creation, naming both remedies, instead of a scheduler that can
+// never run such a sequence: ~2 GB left after what the process holds now, and
+// a max_model_len of 2^30 tokens (far more than 2 GB of this model's KV).
+TEST(CudaModel, MemorySizedPoolMustHoldMaxModelLen) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  ThreadPool pool;
+  Loaded m = load("moe_basic", pool);
+  size_t free_bytes = 0, total_bytes = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
+  CudaModelOptions options;
+  options.page_size = 4;
+  options.max_num_tokens = 64;
+  options.gpu_memory_utilization =
+      std::min(0.95, static_cast<double>(total_bytes - free_bytes + (size_t{2} << 30)) / static_cast<double>(total_bytes));
+  options.max_model_len = int64_t{1} << 30;
+  auto refused = CudaQwen3MoeModel::create(*m.weights, options);
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("lower --max-model-len to at most"), std::string::npos)
+      << refused.status().message();
+  options.max_model_len = 256;  // the same budget holds that
+  auto held = CudaQwen3MoeModel::create(*m.weights, options);
+  ASSERT_TRUE(held.has_value()) << held.status().to_string();
+  EXPECT_GE((*held)->num_pages(), 64);
+}
+
 // The f32 logits buffer holds max_logits_rows rows (serve: each sequence's
 // sampled and draft rows plus the prompt-logprobs budget; never below the 512
 // a CUDA graph replay pads to) instead of a row per token: a forward within

@@ -16,7 +16,7 @@ import assert from 'node:assert/strict';
 import net from 'node:net';
 import OpenAI from 'openai';
 import { rawRequest, httpPost } from './server_harness.mjs';
-import { startProcess, scrape, atBaseline, waitFor } from './disagg_harness.mjs';
+import { startProcess, scrape, atBaseline, waitFor, routerInstances } from './disagg_harness.mjs';
 
 const base = ['--kv-cache-gb', '0.05', '--threads', '1', '--max-num-seqs', '32'];
 // Deadlines: 60 s, longer in the sanitizer builds (CMake sets
@@ -254,8 +254,16 @@ test('hostile internal messages are rejected without harm', async () => {
     });
     // Registration with the router is validated too.
     const rPort = Number(new URL(c.r.url).port);
-    for (const body of [{ role: 'evil', url: 'http://127.0.0.1:1' }, { role: 'decode', url: 'file:///etc' }, { role: 'decode' }])
+    for (const body of [{ role: 'evil', url: 'http://127.0.0.1:1' }, { role: 'decode', url: 'file:///etc' }, { role: 'decode' },
+                        { role: 'decode', url: 'http://127.0.0.1:1', max_model_len: 'long' }])
       assert.equal((await rawRequest(rPort, httpPost('/internal/register', body))).status, 400);
+    // An instance whose max_model_len is below the router's would refuse what
+    // the router admits: refused, naming the flag.
+    const routerLimit = (await (await fetch(`${c.r.url}/v1/models`)).json()).data[0].max_model_len;
+    const lower = await rawRequest(rPort, httpPost('/internal/register',
+      { role: 'decode', url: 'http://127.0.0.1:1', max_model_len: routerLimit - 1 }));
+    assert.equal(lower.status, 400);
+    assert.match(lower.body, new RegExp(`max_model_len ${routerLimit - 1}, below this router's ${routerLimit}.*--max-model-len`));
     // An instance can join at run time (--router registers it).
     const late = await startProcess('decode', [...base, '--router', c.r.url]);
     try {
@@ -270,4 +278,27 @@ test('hostile internal messages are rejected without harm', async () => {
     assert.ok((await scrape(c.d[0].url))['moeserve:disagg_rejected_messages_total'] >= 10);
     assert.ok(await waitFor(() => atBaseline([c.p[0].url, c.d[0].url]), 10000));
   } finally { await c.stop(); }
+});
+
+// The router admits prompt + max_tokens up to its own --max-model-len (and
+// gives a request without max_tokens the rest of it), so an instance with a
+// lower limit would refuse its requests: a registration saying so is refused,
+// and an instance given by URL stays unhealthy with the reason in the log.
+test('an instance whose max_model_len is below the router\'s is refused', async () => {
+  const small = await startProcess('decode', [...base, '--max-model-len', '512']);
+  const router = await startProcess('router', ['--decode', small.url]);  // the demo's limit: 1024
+  let late;
+  try {
+    const message = /decode instance .* is unhealthy: .*serves max_model_len 512, below this router's 1024: start the router with --max-model-len 512/;
+    assert.ok(await waitFor(() => message.test(router.stderr()), 10000), router.stderr());
+    assert.equal((await routerInstances(router.url)).healthy[small.url], false);
+    late = await startProcess('decode', [...base, '--max-model-len', '512', '--router', router.url]);
+    assert.ok(await waitFor(() => /refused the registration: HTTP 400 .*below this router's 1024/.test(late.stderr()), 10000),
+              late.stderr());
+    assert.deepEqual((await routerInstances(router.url)).decode, [small.url]);
+  } finally {
+    if (late) assert.equal(await late.stop(), 0);
+    assert.equal(await router.stop(), 0);
+    assert.equal(await small.stop(), 0);
+  }
 });

@@ -44,6 +44,36 @@ wait_up() {
   for _ in $(seq 1 300); do curl -sf "localhost:$1/health" > /dev/null && return 0; kill -0 "$2" 2>/dev/null || return 1; sleep 0.2; done
   return 1
 }
+
+# serve's GPU default --max-model-len is the model's (40960 for Qwen3-235B):
+# a 6000-token prompt is served; then a pool sized from memory too small for
+# one such sequence is refused at startup, naming the flags.
+echo "=== serve, dummy Qwen3-235B-A22B (4 layers), default --max-model-len: 6000-token prompts"
+qwen=tests/data/configs/qwen3-235b-a22b.config.json
+"$BIN/moeserve" serve --device cuda --model $qwen --load-format dummy --num-layers 4 --port 18559 \
+  > /dev/null 2> "$OUT/serve_long.log" &
+server=$!
+if wait_up 18559 $server; then
+  grep -oE "max_model_len=[0-9]+" "$OUT/serve_long.log" | head -1
+  "$BIN/moeserve" bench serve --url http://127.0.0.1:18559 --random-input-len 6000 --random-output-len 8 \
+    --num-prompts 4 --max-concurrency 2 --random-vocab-hi 150000 --save-result "$OUT/serve_long.json" > /dev/null 2>&1
+  python3 - "$OUT/serve_long.json" <<'PY' || echo "6000-token prompts: no result"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"6000-token prompts: {r['completed']} of 4 completed, {r['total_input_tokens']} input tokens")
+PY
+else
+  echo "the dummy server did not start (serve_long.log)"
+fi
+kill -INT $server; wait $server; echo "serve (dummy, default max_model_len) exit: $?"
+in_use=$(grep -oE "warm-up pass of [0-9]+ tokens: [0-9.]+ GB" "$OUT/serve_long.log" | grep -oE "[0-9.]+ GB" | cut -d' ' -f1)
+total=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+if [[ -n "$in_use" && -n "$total" ]]; then  # 0.15 GB past the warm-up: ~18k tokens of 4 layers' KV
+  util=$(python3 -c "print(round(($in_use + 0.15) * 1e9 / ($total * 1048576), 4))")
+  "$BIN/moeserve" serve --device cuda --model $qwen --load-format dummy --num-layers 4 --port 18559 \
+    --gpu-memory-utilization "$util" > /dev/null 2> "$OUT/serve_small_pool.log"
+  echo "serve with --gpu-memory-utilization $util: exit $? ($(grep -oE "the KV cache holds.*" "$OUT/serve_small_pool.log" | head -1))"
+fi
 # Greedy token ids of three prompts (MAX_TOKENS each, default 24; EXTRA: more
 # request fields) from the servers on ports A and B, compared.
 compare() {

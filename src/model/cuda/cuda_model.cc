@@ -577,6 +577,16 @@ Status CudaQwen3MoeModel::size_kv_pool_after_warm_up(int tokens) {
                               s.options.gpu_memory_utilization, s.options.gpu_memory_utilization * total_bytes / 1e9);
   log_info("CUDA warm-up pass of {} tokens: {:.2f} GB in use on the device afterwards", tokens,
            (total_bytes - free_bytes) / 1e9);
+  // A sequence of max_model_len must fit alone, or the scheduler could never
+  // run one (serve's limit; generate leaves it 0 and checks its requests).
+  if (s.options.max_model_len > 0 && pages < s.max_pages_per_seq)
+    return resource_exhausted("the KV cache holds {} tokens ({} pages of {}) after {:.1f} GB of weights and activations "
+                              "at --gpu-memory-utilization {}; one sequence of --max-model-len {} needs {} pages: lower "
+                              "--max-model-len to at most {} or raise --gpu-memory-utilization",
+                              static_cast<int64_t>(pages) * s.options.page_size, static_cast<int64_t>(pages),
+                              s.options.page_size, s.weights_and_activations_bytes / 1e9,
+                              s.options.gpu_memory_utilization, s.options.max_model_len, s.max_pages_per_seq,
+                              static_cast<int64_t>(pages) * s.options.page_size);
   return allocate_kv_pool(static_cast<int32_t>(std::min<double>(pages, INT32_MAX - 1)));
 }
 

@@ -43,7 +43,9 @@ struct CudaModelOptions {
   // of Qwen3's vocabulary); 0: max_num_tokens. Never below what a CUDA graph
   // replay pads to (kMaxGraphTokens).
   int max_logits_rows = 0;
-  int64_t max_model_len = 0;   // longest sequence (page-table stride of graph replays); 0: max_position_embeddings
+  // Longest sequence (page-table stride of graph replays); 0: max_position_embeddings.
+  // Given (serve), the KV pool must hold one such sequence or create() refuses.
+  int64_t max_model_len = 0;
   bool use_cuda_graphs = true; // decode steps replay captured graphs (vLLM's --enforce-eager turns this off)
   // Dummy weights only: the experts' format, kNone (bf16) or kFp8Block. Loaded
   // weights keep fp8-block experts in FP8 and run other quantized projections
