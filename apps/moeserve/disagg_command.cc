@@ -58,8 +58,12 @@ Status run_router(ServeArgs args, const std::vector<std::string>& prefill,
     MOE_ASSIGN_OR_RETURN(auto t, tokenizer::Tokenizer::load(args.model));
     tok.emplace(std::move(t));
   }
-  MOE_ASSIGN_OR_RETURN(auto sched,
-                       scheduler_options(args, config, 1));  // max_model_len as the instances compute it
+  // max_model_len as the instances compute it: serve --disagg knows their
+  // device; a standalone router takes the model's whole context, as GPU
+  // instances do (an instance below it is refused, saying so).
+  if (!args.disagg && args.max_model_len == 0 && config.max_position_embeddings > 0)
+    args.max_model_len = static_cast<int>(std::min<int64_t>(config.max_position_embeddings, INT32_MAX));
+  MOE_ASSIGN_OR_RETURN(auto sched, scheduler_options(args, config, 1));
   server::RouterOptions options;
   options.pool.decode_batch_threshold = args.decode_batch_threshold;
   options.pool.model_name = args.served_model_name;
@@ -421,7 +425,8 @@ void add_disagg_commands(CLI::App& app) {
   cmd->add_option("--api-key", args->api_key, "Require 'Authorization: Bearer KEY' on the API");
   cmd->add_option("--prefill", *prefill, "Prefill instance URLs (http://host:port)");
   cmd->add_option("--decode", *decode, "Decode instance URLs (http://host:port)");
-  cmd->add_option("--max-model-len", args->max_model_len, "As the instances' --max-model-len");
+  cmd->add_option("--max-model-len", args->max_model_len,
+                  "As the instances' --max-model-len (default: the model's max_position_embeddings)");
   cmd->add_option("--request-timeout", args->request_timeout_s,
                   "Deadline of each request in seconds (0 = none)");
   cmd->add_option("--http-threads", args->http_threads, "HTTP I/O threads")->check(CLI::Range(1, 64));

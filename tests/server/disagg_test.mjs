@@ -117,12 +117,14 @@ test('serve --disagg --tp 2 --ep 2: prefill instances of two ranks, the same out
   await checkCluster(1, 1, ['--tp', '2', '--ep', '2']);
 });
 
-test('router --model takes a config.json as the instances do with dummy weights', async () => {
+test('router --model takes a config.json as the instances do with dummy weights, and its max_model_len', async () => {
   const config = path.join(repoRoot, 'tests/data/configs/qwen3-235b-a22b.config.json');
   const router = await startProcess('router', ['--model', config]);
   try {
     const models = await (await fetch(`${router.url}/v1/models`)).json();
     assert.deepEqual(models.data.map((m) => m.id), ['qwen3-235b-a22b.config.json']);
+    // The model's whole context, as GPU instances default to (CPU ones: at most 4096).
+    assert.equal(models.data[0].max_model_len, 40960);
   } finally {
     assert.equal(await router.stop(), 0);
   }

@@ -23,9 +23,12 @@ wait_router_instances() {  # url want tries pids...
 # 200 s), its result in $OUT/NAME.json and logs in $OUT/NAME.*.log. Needs BIN,
 # CONFIG and OUT. Fails when the instances did not come up or the bench failed.
 run_disaggregated() {  # name, prefill flags, decode flags, want, bench flags...
-  local name=$1 prefill_flags=$2 decode_flags=$3 want=$4 healthy status=0
+  local name=$1 prefill_flags=$2 decode_flags=$3 want=$4 healthy status=0 limit
   shift 4
-  "$BIN/moeserve" router --model "$CONFIG" --port 18580 > "$OUT/$name.router.log" 2>&1 &
+  # The router admits what the instances do (it refuses instances below its limit).
+  limit=$(grep -oE -- "--max-model-len [0-9]+" <<< "$prefill_flags" | head -1)
+  # shellcheck disable=SC2086  # $limit is empty or two words
+  "$BIN/moeserve" router --model "$CONFIG" --port 18580 $limit > "$OUT/$name.router.log" 2>&1 &
   local router=$!
   # shellcheck disable=SC2086  # the flags are word lists
   "$BIN/moeserve" prefill $prefill_flags --host 127.0.0.1 --port 18581 --router http://127.0.0.1:18580 \
