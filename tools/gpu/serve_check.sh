@@ -46,9 +46,9 @@ wait_up() {
 }
 
 # serve's GPU default --max-model-len is the model's (40960 for Qwen3-235B):
-# a 6000-token prompt is served; then a pool sized from memory too small for
+# 6000- and 40000-token prompts are served; then a pool sized from memory too small for
 # one such sequence is refused at startup, naming the flags.
-echo "=== serve, dummy Qwen3-235B-A22B (4 layers), default --max-model-len: 6000-token prompts"
+echo "=== serve, dummy Qwen3-235B-A22B (4 layers), default --max-model-len: 6000- and 40000-token prompts"
 qwen=tests/data/configs/qwen3-235b-a22b.config.json
 "$BIN/moeserve" serve --device cuda --model $qwen --load-format dummy --num-layers 4 --port 18559 \
   > /dev/null 2> "$OUT/serve_long.log" &
@@ -57,10 +57,14 @@ if wait_up 18559 $server; then
   grep -oE "max_model_len=[0-9]+" "$OUT/serve_long.log" | head -1
   "$BIN/moeserve" bench serve --url http://127.0.0.1:18559 --random-input-len 6000 --random-output-len 8 \
     --num-prompts 4 --max-concurrency 2 --random-vocab-hi 150000 --save-result "$OUT/serve_long.json" > /dev/null 2>&1
-  python3 - "$OUT/serve_long.json" <<'PY' || echo "6000-token prompts: no result"
+  "$BIN/moeserve" bench serve --url http://127.0.0.1:18559 --random-input-len 40000 --random-output-len 8 \
+    --num-prompts 2 --max-concurrency 2 --random-vocab-hi 150000 --save-result "$OUT/serve_longest.json" > /dev/null 2>&1
+  python3 - "$OUT/serve_long.json" "$OUT/serve_longest.json" <<'PY' || echo "long prompts: no result"
 import json, sys
-r = json.load(open(sys.argv[1]))
-print(f"6000-token prompts: {r['completed']} of 4 completed, {r['total_input_tokens']} input tokens")
+for path, n in zip(sys.argv[1:], (4, 2)):
+    r = json.load(open(path))
+    print(f"{r['total_input_tokens'] // max(r['completed'], 1)}-token prompts: {r['completed']} of {n} completed, "
+          f"mean TTFT {r['mean_ttft_ms']:.0f} ms" + (f"; first error: {r['errors'][0]}" if r["errors"] else ""))
 PY
 else
   echo "the dummy server did not start (serve_long.log)"
