@@ -103,6 +103,30 @@ test('n choices, seeds, logprobs and stop_token_ids', async () => {
   assert.deepEqual(s.choices[0].token_ids, p.greedy.slice(0, p.greedy.indexOf(stopAt) + 1));
 });
 
+// Sampling filters at their limits: a filter that keeps only the most likely
+// token turns sampling into greedy decoding (the goldens), whatever the seed;
+// one that keeps everything changes nothing (the same seed, the same tokens).
+test('sampling filters at their limits: greedy when one token is kept, unchanged when all are', async () => {
+  const greedyLike = [{ top_k: 1 }, { top_p: 1e-6 }, { min_p: 1 }, { top_k: 1, top_p: 0.5, min_p: 0.9 }];
+  let sampledOtherwise = 0;  // without a filter these seeds do leave the greedy path
+  for (const [i, p] of golden.prompts.entries()) {
+    const free = await client.completions.create({ model, prompt: p.ids, max_tokens: 24, temperature: 1.5, seed: 11 + i,
+                                                   n: 2, ignore_eos: true, return_token_ids: true });
+    sampledOtherwise += free.choices.filter((c) => JSON.stringify(c.token_ids) !== JSON.stringify(p.greedy)).length;
+    for (const filter of greedyLike) {
+      const r = await client.completions.create({ model, prompt: p.ids, max_tokens: 24, temperature: 1.5, seed: 11 + i,
+                                                  n: 2, ignore_eos: true, return_token_ids: true, ...filter });
+      for (const c of r.choices) assert.deepEqual(c.token_ids, p.greedy, `prompt ${i}, ${JSON.stringify(filter)}`);
+    }
+    const sample = (extra) => client.completions.create({ model, prompt: p.ids, max_tokens: 16, temperature: 1, seed: 3,
+                                                           ignore_eos: true, return_token_ids: true, ...extra });
+    const plain = (await sample({})).choices[0].token_ids;
+    for (const filter of [{ top_k: 2147483647 }, { top_k: -1 }, { top_p: 1 }, { min_p: 0 }])
+      assert.deepEqual((await sample(filter)).choices[0].token_ids, plain, `prompt ${i}, ${JSON.stringify(filter)}`);
+  }
+  assert.ok(sampledOtherwise >= golden.prompts.length, `${sampledOtherwise} unfiltered samples left the greedy path`);
+});
+
 test('penalties, logit_bias and min_tokens equal transformers\' logits processors', async () => {
   const penalties = JSON.parse(fs.readFileSync(path.join(repoRoot, 'tests/data/golden/moe_basic/penalties.json')));
   assert.ok(penalties.cases.length >= 20);

@@ -29,12 +29,13 @@ echo
 curl -s localhost:18555/metrics | grep -E "^moeserve:(generation_tokens_total|kv_cache_usage_perc)" | head -3
 kill -INT $server; wait $server; echo "serve exit: $?"
 grep -E "CUDA model|KV cache|config:" "$OUT/serve.log" | head -5
-echo "=== penalties, logit_bias, min_tokens, prompt logprobs on the GPU (golden moe_basic against transformers)"
+echo "=== penalties, logit_bias, min_tokens, prompt logprobs on the GPU (golden moe_basic against transformers); sampling filters at their limits"
 "$BIN/moeserve" serve --device cuda --model tests/data/golden/moe_basic --max-model-len 256 --kv-cache-gb 1 \
   --port 18556 > /dev/null 2> "$OUT/serve_penalties.log" &
 server=$!
 for _ in $(seq 1 150); do curl -sf localhost:18556/health > /dev/null && break; sleep 0.2; done
 python3 tools/gpu/logits_check.py http://localhost:18556 tests/data/golden/moe_basic | tee "$OUT/logits_check.txt" | tail -12
+python3 tools/gpu/sampling_limits.py http://localhost:18556 tests/data/golden/moe_basic | tail -6
 kill -INT $server; wait $server; echo "serve exit: $?"
 echo "=== dummy Qwen3-235B-A22B, 8 layers, on the GPU"
 "$BIN/moeserve" generate --model tests/data/configs/qwen3-235b-a22b.config.json --load-format dummy --num-layers 8 \
