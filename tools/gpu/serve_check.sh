@@ -121,6 +121,19 @@ PY
 single=$!
 wait_up 18557 $single || echo "the single-GPU server did not start (serve_one.log)"
 
+# A KV pool too small for the batch: sequences are preempted and recomputed
+# on the GPU, and 48 concurrent greedy requests still equal the roomy server's.
+echo "=== serve --device cuda with a KV pool of ~1000 tokens under 48 concurrent requests (preemption)"
+"$BIN/moeserve" serve --device cuda --gpu 0 --kv-cache-gb 0.004 --max-model-len 256 --port 18560 \
+  > /dev/null 2> "$OUT/serve_preempt.log" &
+server=$!
+if wait_up 18560 $server; then
+  python3 tools/gpu/concurrent_compare.py http://localhost:18560 http://localhost:18557
+else
+  echo "the small-pool server did not start (serve_preempt.log)"
+fi
+kill -INT $server; wait $server; echo "serve (small pool) exit: $?"
+
 # MTP speculative decoding on the GPU (the demo's trained MTP layer, k = 2):
 # greedy outputs, plain and with penalties / logit_bias (each verified row
 # adjusted as the plain step after its drafts), equal the plain server's.
