@@ -98,10 +98,13 @@ void RouterPool::check(const std::string& url) {
   if (it == instances_.end()) return;
   Instance& inst = it->second;
   const double now = engine::monotonic_seconds();
-  Status why = !load                                        ? load.status()
-               : load->role != instance_role_name(inst.role) ? unavailable("it reports role '{}'", load->role)
-               : options_.max_model_len > 0                  ? check_max_model_len(load->max_model_len, options_.max_model_len)
-                                                             : Status::ok();
+  Status why = Status::ok();
+  if (!load)
+    why = load.status();
+  else if (load->role != instance_role_name(inst.role))
+    why = unavailable("it reports role '{}'", load->role);
+  else if (options_.max_model_len > 0)
+    why = check_max_model_len(load->max_model_len, options_.max_model_len);
   if (why.is_ok()) {
     if (!inst.healthy) log_info("router: {} instance {} is healthy", instance_role_name(inst.role), url);
     inst.healthy = true;
