@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
+#include <string>
 #include <nlohmann/json.hpp>
 
 #include "kv/kv_cache.h"
@@ -242,6 +244,40 @@ TEST(CudaModel, MemorySizedPoolMustHoldMaxModelLen) {
   auto held = CudaQwen3MoeModel::create(*m.weights, options);
   ASSERT_TRUE(held.has_value()) << held.status().to_string();
   EXPECT_GE((*held)->num_pages(), 64);
+}
+
+// Out of device memory while creating, the error names what was being placed
+// and the flag that gives it room (the bare cudaMalloc error names neither):
+// Qwen3-235B's 94 bf16 layers (~470 GB) stop in their weights; one layer with
+// activations for 2^20 tokens a step (~200 GB of expert rows) in those.
+TEST(CudaModel, OutOfMemoryNamesWhatAndTheFlag) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::ifstream file(std::string(MOE_SOURCE_DIR) + "/tests/data/configs/qwen3-235b-a22b.config.json");
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  auto config = parse_model_config(text);
+  ASSERT_TRUE(config.has_value()) << config.status().to_string();
+  CudaModelOptions options;
+  options.max_num_tokens = 256;
+  options.num_pages = 64;
+  options.max_model_len = 1024;
+  auto all = CudaQwen3MoeModel::create_dummy(*config, 0, options);
+  ASSERT_FALSE(all.has_value());
+  EXPECT_EQ(all.status().code(), StatusCode::kResourceExhausted);
+  const std::string weights = all.status().message();
+  EXPECT_NE(weights.find("out of GPU memory placing the weights of layer "), std::string::npos) << weights;
+  EXPECT_NE(weights.find("of 94"), std::string::npos) << weights;
+  EXPECT_NE(weights.find("--quantization fp8-block"), std::string::npos) << weights;
+  config->num_layers = 1;
+  options.max_num_tokens = 1 << 20;
+  auto wide = CudaQwen3MoeModel::create_dummy(*config, 0, options);
+  ASSERT_FALSE(wide.has_value());
+  const std::string activations = wide.status().message();
+  EXPECT_NE(activations.find("placing the activations for 1048576 tokens a step"), std::string::npos) << activations;
+  EXPECT_NE(activations.find("--max-num-batched-tokens"), std::string::npos) << activations;
+  // What failed is freed: a model that fits is created afterwards.
+  options.max_num_tokens = 256;
+  auto fits = CudaQwen3MoeModel::create_dummy(*config, 0, options);
+  ASSERT_TRUE(fits.has_value()) << fits.status().to_string();
 }
 
 // The f32 logits buffer holds max_logits_rows rows (serve: each sequence's

@@ -5,8 +5,13 @@ namespace moe {
 Expected<DeviceBuffer> DeviceBuffer::allocate(size_t num_bytes) {
   DeviceBuffer buffer;
   if (num_bytes == 0) return buffer;
-  MOE_RETURN_IF_ERROR(cuda_status(cudaMalloc(&buffer.data_, num_bytes), "cudaMalloc")
-                          .with_context(fmt::format("allocating {} bytes on the GPU", num_bytes)));
+  const cudaError_t error = cudaMalloc(&buffer.data_, num_bytes);
+  if (error != cudaSuccess) {
+    // Reported here: cleared, so the next launch's cudaGetLastError() does
+    // not report this failed allocation as its own.
+    cudaGetLastError();
+    return cuda_status(error, "cudaMalloc").with_context(fmt::format("allocating {} bytes on the GPU", num_bytes));
+  }
   buffer.size_ = num_bytes;
   return buffer;
 }

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <string>
 #include <string_view>
 
 #include "core/cuda/device_buffer.h"
@@ -135,12 +136,47 @@ void CudaQwen3MoeModel::set_layer_hook(std::function<void(int)> hook) { state_->
 
 Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create(const ModelWeights& weights,
                                                                        const CudaModelOptions& options) {
-  return create_impl(weights.config(), &weights, 0, options);
+  return create_explained(weights.config(), &weights, 0, options);
 }
 
 Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_dummy(const ModelConfig& config, uint64_t seed,
                                                                              const CudaModelOptions& options) {
-  return create_impl(config, nullptr, seed, options);
+  return create_explained(config, nullptr, seed, options);
+}
+
+// What creation was placing on the GPU when it ran out of memory, how much it
+// had placed before, and which flag gives it room.
+struct CudaQwen3MoeModel::Placing {
+  std::string what = "the model";
+  size_t placed_bytes = 0;
+  std::string advice;
+  void set(std::string w, size_t placed, std::string a) { what = std::move(w), placed_bytes = placed, advice = std::move(a); }
+};
+
+namespace {
+std::string weights_advice(bool fp8_experts) {
+  return fmt::format("the weights do not fit on this GPU: {}split them over GPUs (--ep, --tp), or, with dummy weights, "
+                     "serve fewer layers (--num-layers)",
+                     fp8_experts ? "" : "quantize the experts (--quantization fp8-block), ");
+}
+}  // namespace
+
+// create_impl, with an out-of-memory error turned into what was being placed
+// and the flag to change (the bare cudaMalloc error names neither).
+Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_explained(const ModelConfig& config,
+                                                                                 const ModelWeights* weights,
+                                                                                 uint64_t seed,
+                                                                                 const CudaModelOptions& options) {
+  Placing placing;
+  auto made = create_impl(config, weights, seed, options, placing);
+  if (made || made.status().code() != StatusCode::kResourceExhausted ||
+      made.status().message().find("out of memory") == std::string::npos)
+    return made;
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) total_bytes = 0;
+  return resource_exhausted("out of GPU memory placing {} ({:.1f} GB placed before it, on a GPU of {:.1f} GB): {} ({})",
+                            placing.what, placing.placed_bytes / 1e9, total_bytes / 1e9, placing.advice,
+                            made.status().message());
 }
 
 namespace {
@@ -178,7 +214,8 @@ Status check_cuda_parallel(const ModelConfig& full, const ModelWeights* weights,
 
 Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(const ModelConfig& full,
                                                                             const ModelWeights* weights, uint64_t seed,
-                                                                            const CudaModelOptions& options) {
+                                                                            const CudaModelOptions& options,
+                                                                            Placing& placing) {
   MOE_RETURN_IF_ERROR(check_cuda_parallel(full, weights, options));
   MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options.device));
   auto s = std::make_unique<State>();
@@ -234,6 +271,7 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   const int64_t hidden = c.hidden_size, vocab = c.vocab_size;
   const float hidden_scale = 1.0f / std::sqrt(static_cast<float>(hidden));
   const ModelWeights* w0 = weights;
+  placing.set("the embedding and lm_head", 0, weights_advice(false));
   MOE_RETURN_IF_ERROR(weight(s->embed, {w0 ? w0->embed_tokens() : TensorView()}, {vocab, hidden}, 0.0f, 1.0f));
   MOE_RETURN_IF_ERROR(weight(s->final_norm, {w0 ? w0->final_norm() : TensorView()}, {hidden}, 1.0f, 0.1f));
   MOE_RETURN_IF_ERROR(weight(s->lm_head, {w0 ? w0->lm_head() : TensorView()}, {vocab, hidden}, 0.0f, hidden_scale));
@@ -283,6 +321,8 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   };
   const int64_t qkv_rows = c.q_size() + 2 * c.kv_size();
   for (int l = 0; l < c.num_layers; ++l) {
+    placing.set(fmt::format("the weights of layer {} of {}", l + 1, c.num_layers), s->bytes,
+                weights_advice(s->fp8_experts));
     std::optional<LayerWeights> this_layer;
     if (weights) this_layer.emplace(layer_weights(l));
     const LayerWeights* w = this_layer ? &*this_layer : nullptr;
@@ -362,6 +402,8 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   s->max_logits_rows = options.max_logits_rows > 0
                            ? std::min<int64_t>(T, std::max<int64_t>(options.max_logits_rows, kMaxGraphTokens))
                            : T;
+  placing.set(fmt::format("the activations for {} tokens a step", T), s->bytes,
+              "lower --max-num-batched-tokens (and --max-num-seqs)");
   struct Alloc { DeviceTensor* t; DType dtype; Shape shape; };
   const Alloc allocs[] = {
       {&s->residual, DType::kF32, {T, H}},
@@ -415,7 +457,9 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
   // kernel modules loaded on first launch) is counted before the real pool.
   const int warmup_tokens = static_cast<int>(std::min<int64_t>(T, max_model_len));
   const int32_t warmup_pages = (warmup_tokens + options.page_size - 1) / options.page_size;
+  const size_t placed = s->bytes;
   auto model = std::unique_ptr<CudaQwen3MoeModel>(new CudaQwen3MoeModel(std::move(s)));
+  placing.set("the MTP layer", placed, weights_advice(model->state_->fp8_experts));
   if (options.mtp != nullptr) MOE_RETURN_IF_ERROR(model->upload_mtp(*options.mtp));
   if (!size_from_memory && options.num_pages == 0) {  // a budget in bytes: pages of this model's page size
     const double pages = std::floor(options.kv_cache_bytes / static_cast<double>(model->kv_page_bytes()));
@@ -426,10 +470,14 @@ Expected<std::unique_ptr<CudaQwen3MoeModel>> CudaQwen3MoeModel::create_impl(cons
                               per_seq);
     model->state_->options.num_pages = static_cast<int32_t>(std::min<double>(pages, INT32_MAX - 1));
   }
+  placing.set(size_from_memory ? "the KV pages of the warm-up pass" : "the KV cache", model->state_->bytes,
+              size_from_memory ? "lower --max-num-batched-tokens" : "lower --kv-cache-gb");
   MOE_RETURN_IF_ERROR(model->allocate_kv_pool(size_from_memory ? warmup_pages : model->state_->options.num_pages));
   // Ranks finish their uploads at different times: meet before the warm-up's collectives.
   if (options.comm != nullptr) MOE_RETURN_IF_ERROR(options.comm->barrier());
   if (options.experts != nullptr) MOE_RETURN_IF_ERROR(options.experts->barrier());
+  placing.set(fmt::format("a warm-up pass of {} tokens and the KV cache", warmup_tokens), model->state_->bytes,
+              "lower --max-num-batched-tokens or --gpu-memory-utilization");
   if (size_from_memory) MOE_RETURN_IF_ERROR(model->size_kv_pool_after_warm_up(warmup_tokens));
   const State& st = *model->state_;
   log_info("CUDA model on device {}: {:.2f} GB of weights and activations{}, KV cache {} pages of {} tokens = {} tokens "

@@ -164,9 +164,14 @@ class CudaQwen3MoeModel {
 
  private:
   struct State;
+  struct Placing;  // what create_impl is putting on the GPU, for an out-of-memory error
   explicit CudaQwen3MoeModel(std::unique_ptr<State> state);
   static Expected<std::unique_ptr<CudaQwen3MoeModel>> create_impl(const ModelConfig& config, const ModelWeights* weights,
-                                                                  uint64_t seed, const CudaModelOptions& options);
+                                                                  uint64_t seed, const CudaModelOptions& options,
+                                                                  Placing& placing);
+  static Expected<std::unique_ptr<CudaQwen3MoeModel>> create_explained(const ModelConfig& config,
+                                                                       const ModelWeights* weights, uint64_t seed,
+                                                                       const CudaModelOptions& options);
   Status allocate_kv_pool(int32_t num_pages);
   Status size_kv_pool_after_warm_up(int tokens);
   Status run(const ForwardBatch& batch);
