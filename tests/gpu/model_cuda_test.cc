@@ -232,8 +232,8 @@ TEST(CudaModel, MemorySizedPoolMustHoldMaxModelLen) {
   CudaModelOptions options;
   options.page_size = 4;
   options.max_num_tokens = 64;
-  options.gpu_memory_utilization =
-      std::min(0.95, static_cast<double>(total_bytes - free_bytes + (size_t{2} << 30)) / static_cast<double>(total_bytes));
+  const double budget = static_cast<double>(total_bytes - free_bytes + (size_t{2} << 30));
+  options.gpu_memory_utilization = std::min(0.95, budget / static_cast<double>(total_bytes));
   options.max_model_len = int64_t{1} << 30;
   auto refused = CudaQwen3MoeModel::create(*m.weights, options);
   ASSERT_FALSE(refused.has_value());

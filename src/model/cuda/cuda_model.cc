@@ -150,7 +150,11 @@ struct CudaQwen3MoeModel::Placing {
   std::string what = "the model";
   size_t placed_bytes = 0;
   std::string advice;
-  void set(std::string w, size_t placed, std::string a) { what = std::move(w), placed_bytes = placed, advice = std::move(a); }
+  void set(std::string w, size_t placed, std::string a) {
+    what = std::move(w);
+    placed_bytes = placed;
+    advice = std::move(a);
+  }
 };
 
 namespace {
