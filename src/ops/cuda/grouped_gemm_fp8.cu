@@ -20,21 +20,13 @@
 // partial m64n128 accumulator, which is then added to the m64n256 sum times
 // (activation scale x weight scale) while the other consumer's MMAs run
 // (ptxas serialises wgmma when a warpgroup reads one accumulator while
-// another of its MMAs is in flight). Two producer warps fill two rings: warp
-// 1 per K-step the activation rows (cp.async, gathered through sorted_token for
-// gate_up) and the step's scales, three steps deep; warp 0 per K-step and
-// half a slot of the two consumers' 128 weight rows each (the bulk tensor copy
+// another of its MMAs is in flight). One producer warp fills two rings: per
+// K-step the activation rows (cp.async, gathered through sorted_token for
+// gate_up) and the step's scales, three steps deep; and per K-step and half
+// a slot of the two consumers' 128 weight rows each (the bulk tensor copy
 // engine), six slots deep, each freed as soon as both consumers' MMAs of
-// that half are done. With one warp doing both, the weight copies queued
-// behind the row copies: at 64 rows per expert its 16 cp.async per lane per
-// step cost about as much as the activation bytes themselves (skipping half
-// the rows recovered 3.2 points of the copy bandwidth, skipping all 3.5-4),
-// and the two warps gained 2.8-3.0 points (H200, 2026-12-04, alternated in
-// one call: 84.0-84.3% -> 87.1-87.3% of the copy timed interleaved;
-// bench/results/2026-12-04_gpu_fp8_decode_rows_warp.md). Registers: the
-// producer's warpgroup hands its own down to 72 so the consumers hold 216
-// (72 x 128 + 216 x 256 = the 168 x 384 of the launch); with 64 the two
-// producer warps spilled, and the row indices are ints for the same reason.
+// that half are done. Registers: the producer's warpgroup hands its own
+// down to 64 so the consumers hold 216 (no spills in any variant).
 //
 // gate_up's epilogue can write the down GEMM's input directly: each
 // consumer's 128 output columns are one 1 x 128 quantization group, so it
@@ -156,18 +148,15 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
   __syncthreads();
 
   if (warp_id < 4) {
-    setmaxnreg_dec<72>();
-    if (warp_id > 1) return;
-    // Producer warps: warp 0 the weight slots, warp 1 the activation rows and
-    // scales (a branch per step: separate loops spilled). Lane l holds the
-    // source rows l and l + 32 (-1: past the tile).
-    const bool weights_warp = warp_id == 0;
+    setmaxnreg_dec<64>();
+    if (warp_id != 0) return;
+    // Producer warp. Lane l holds the source rows l and l + 32 (-1: past the tile).
     int step = 0;
     for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
       const GemmItem item = grouped_gemm_item(offsets.expert_offsets, offsets.tile_offsets, p.num_experts, index / args.k_splits,
                                               args.num_n_tiles, columns_per_tile);
       const int ks_begin = index % args.k_splits * split_steps, ks_end = min(num_k_steps, ks_begin + split_steps);
-      int source[2];
+      int64_t source[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = lane + 32 * h;
@@ -198,9 +187,8 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
       }
       for (int ks = ks_begin; ks < ks_end; ++ks, ++step) {
         const int s = step % kSteps, phase = ((step / kSteps) - 1) & 1;
-        // Warp 0: the step's two halves of weights, each as soon as its slot is
-        // free; warp 1: the step's rows and scales once both consumers are done
-        // with the step they replace.
+        // Half 0's weights as soon as its slot is free, then the step's rows and
+        // scales, then half 1's weights (their slots free together).
         auto load_half = [&](int half) {
           const int slot = 2 * s + half;
           if (step >= kSteps) mbarrier_wait(slot_empty(slot), phase);
@@ -212,11 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
                           slot_full(slot));
           }
         };
-        if (weights_warp) {
-          load_half(0);
-          load_half(1);
-          continue;
-        }
+        load_half(0);
         if (step >= kSteps) mbarrier_wait(step_empty(s), phase);
 #pragma unroll
         for (int i = 0; i < kM * 8 / 32; ++i) {
@@ -235,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
           for (int h = 0; h < 2; ++h) {
             const bool valid = source[h] >= 0;
             cp_async_4(scale_tile(s) + (lane + 32 * h) * 4,
-                       a_scales + (valid ? static_cast<int64_t>(source[h]) * args.scale_cols + ks * 4 : 0), valid);
+                       a_scales + (valid ? source[h] * args.scale_cols + ks * 4 : 0), valid);
           }
 #pragma unroll 1  // (unrolled, all rows' addresses stay live across the K loop: producer spills)
           for (int box = 0; box < 4; ++box)
@@ -253,11 +237,12 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
           for (int h = 0; h < 2; ++h) {
             const bool valid = source[h] >= 0;
             cp_async_4(scale_tile(s) + (lane + 32 * h) * 4,
-                       a_scales + (valid ? static_cast<int64_t>(source[h]) * args.scale_cols + ks : 0), valid);
+                       a_scales + (valid ? source[h] * args.scale_cols + ks : 0), valid);
           }
           if (lane < 4) cp_async_4(scale_tile(s) + (kM + lane) * 4, w_scales + scale_row * args.scale_cols + ks, true);
         }
         mbarrier_arrive_cp_async(step_full(s));
+        load_half(1);
       }
     }
     cp_async_wait_group<0>();
