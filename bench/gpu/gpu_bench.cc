@@ -143,10 +143,11 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
                max_tiles, gate_up, 1, !gate_up && bf16_rows},
               stream);
         } else {
-          k::fp8_grouped_gemm({in_q.data_as<uint8_t>(), in_s.data_as<float>(), gather, w.data_as<uint8_t>(),
-                               block.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-                               dst, N, K, E, max_tiles, gate_up, 1, 0, !gate_up && bf16_rows},
-                              stream);
+          k::Fp8GroupedGemmParams p{in_q.data_as<uint8_t>(), in_s.data_as<float>(), gather, w.data_as<uint8_t>(),
+                                    block.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
+                                    dst, N, K, E, max_tiles, gate_up, 1, 0, !gate_up && bf16_rows};
+          p.early_weights = !gate_up;  // right after gate_up, as the model's
+          k::fp8_grouped_gemm(p, stream);
         }
       };
       // ... and the quantizer that fills them.

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -152,8 +153,78 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
                                c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs, true},
                               nullptr);
                         });
+      if (gathered) continue;
+      // Down launched as gate_up's programmatic dependent (early_weights, as
+      // the model runs it) gives the bytes of a plain launch after it: its
+      // weight copies start before gate_up ends, its activation rows after.
+      // gate_up's output starts poisoned (0x7f: E4M3 NaN) in every round, so
+      // rows read too early would show.
+      k::Fp8GroupedGemmParams down{act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
+                                   d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(), nullptr,
+                                   c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs, true};
+      const size_t row_bytes = static_cast<size_t>(pairs) * c.hidden * sizeof(bf16);
+      Output plain = Output::make(row_bytes), early = Output::make(row_bytes);
+      k::Fp8GroupedGemmParams fused = gate_up;
+      fused.out = act_q.get<void>(), fused.out_scales = act_s.get<float>();
+      down.out = plain.get<void>();
+      ASSERT_EQ(gemm(fused, nullptr), cudaSuccess);
+      ASSERT_EQ(gemm(down, nullptr), cudaSuccess);
+      const std::vector<uint8_t> expected = plain.download();
+      down.out = early.get<void>(), down.early_weights = true;
+      for (int round = 0; round < 3; ++round) {
+        ASSERT_EQ(cudaMemset(act_q.get<void>(), 0x7f, static_cast<size_t>(pairs) * c.inter), cudaSuccess);
+        ASSERT_EQ(cudaMemset(early.get<void>(), 0, row_bytes), cudaSuccess);
+        ASSERT_EQ(gemm(fused, nullptr), cudaSuccess);
+        ASSERT_EQ(gemm(down, nullptr), cudaSuccess);
+        EXPECT_TRUE(early.download() == expected) << "round " << round;
+      }
+      k::Fp8GroupedGemmParams split = down;
+      split.k_splits = 2, split.bf16_out = false;
+      EXPECT_EQ(gemm(split, nullptr), cudaErrorInvalidValue) << "early_weights with k_splits";
     }
   }
+}
+
+// Host threads launching one grouped GEMM kernel with different expert
+// counts (hence shared-memory sizes), as EP ranks that are threads of one
+// process do: every launch must start. When each launch set the kernel's
+// shared-memory limit to its own size, one thread could lower it between the
+// other's set and launch (cudaErrorLaunchOutOfResources, seen twice in
+// parallel_cuda_test). The GEMMs here have no rows, so each launch is short
+// and the race window comes often.
+TEST_F(CudaOps, GroupedGemmsLaunchFromThreadsWithDifferentExpertCounts) {
+  if (!k::hopper_kernels_available()) GTEST_SKIP() << "the grouped GEMMs need an sm_90 device";
+  constexpr int kLaunches = 1500, N = 256, K = 256;
+  const int counts[2] = {1, 128};
+  Output w = Output::make(static_cast<size_t>(counts[1]) * 2 * N * K * 2);  // bf16 gate_up, the largest
+  Output scales = Output::make(static_cast<size_t>(counts[1]) * 2 * (N / 128) * (K / 128) * 4);
+  Output zeros = Output::make((counts[1] + 1) * 4), act = Output::make(64 * K * 2), out = Output::make(64 * N * 4);
+  ASSERT_EQ(cudaMemset(zeros.get<void>(), 0, (counts[1] + 1) * 4), cudaSuccess);  // no rows for any expert
+  auto launches = [&](int experts, cudaError_t* first_error) {
+    cudaStream_t stream = nullptr;
+    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return;
+    *first_error = cudaSuccess;
+    for (int i = 0; i < kLaunches && *first_error == cudaSuccess; ++i) {
+      k::Fp8GroupedGemmParams fp8{act.get<uint8_t>(), act.get<float>(), nullptr, w.get<uint8_t>(),
+                                  scales.get<float>(), zeros.get<int32_t>(), zeros.get<int32_t>(), out.get<void>(),
+                                  N, K, experts, 1 + experts, false, 1, 64};
+      const k::GroupedGemmParams plain{act.get<bf16>(), nullptr, w.get<bf16>(), zeros.get<int32_t>(),
+                                      zeros.get<int32_t>(), out.get<void>(), N, K, experts, 1 + experts, false};
+      cudaError_t error = i % 3 == 0   ? k::fp8_grouped_gemm(fp8, stream)
+                          : i % 3 == 1 ? k::fp8_grouped_gemm_prefill(fp8, stream)
+                                       : k::wgmma_grouped_gemm(plain, stream);
+      if (error == cudaSuccess) error = cudaGetLastError();
+      *first_error = error;
+    }
+    if (*first_error == cudaSuccess) *first_error = cudaStreamSynchronize(stream);
+    cudaStreamDestroy(stream);
+  };
+  cudaError_t errors[2] = {cudaErrorUnknown, cudaErrorUnknown};
+  std::thread other(launches, counts[0], &errors[0]);
+  launches(counts[1], &errors[1]);
+  other.join();
+  for (int t = 0; t < 2; ++t)
+    EXPECT_EQ(errors[t], cudaSuccess) << counts[t] << " experts: " << cudaGetErrorString(errors[t]);
 }
 
 // A dense projection through the FP8 grouped GEMMs as one group (the CUDA

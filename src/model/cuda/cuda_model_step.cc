@@ -294,6 +294,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                                      K, E, max_tiles, gate_up, 1, rows, !gate_up,
                                      gate_up && gate_up_quantizes ? s.act_scales.data_as<float>() : nullptr};
       params.a_scale_rows = scale_rows;
+      params.early_weights = !gate_up && !prefill_gemm;  // right after gate_up, which wrote its rows
       MOE_LAUNCH((prefill_gemm ? k::fp8_grouped_gemm_prefill : k::fp8_grouped_gemm)(params, s.stream));
       return Status::ok();
     };
@@ -518,12 +519,12 @@ Status CudaQwen3MoeModel::exchange_experts(const LayerBuffers& b, int num_tokens
                                     b.w13.data_as<uint8_t>(), b.w13_scales.data_as<float>(), r.expert_offsets,
                                     r.tile_offsets, s.act_fp8.data(), inter, H, E_local, r.max_tiles, true};
     gate_up.out_scales = s.act_scales.data_as<float>();
+    k::Fp8GroupedGemmParams down{s.act_fp8.data_as<uint8_t>(), s.act_scales.data_as<float>(), nullptr,
+                                 b.w2.data_as<uint8_t>(), b.w2_scales.data_as<float>(), r.expert_offsets,
+                                 r.tile_offsets, s.expert_rows.data(), H, inter, E_local, r.max_tiles, false};
+    down.early_weights = true;  // right after gate_up, which wrote its rows
     MOE_LAUNCH(k::fp8_grouped_gemm(gate_up, s.stream));
-    MOE_LAUNCH(
-        k::fp8_grouped_gemm({s.act_fp8.data_as<uint8_t>(), s.act_scales.data_as<float>(), nullptr,
-                             b.w2.data_as<uint8_t>(), b.w2_scales.data_as<float>(), r.expert_offsets,
-                             r.tile_offsets, s.expert_rows.data(), H, inter, E_local, r.max_tiles, false},
-                            s.stream));
+    MOE_LAUNCH(k::fp8_grouped_gemm(down, s.stream));
   } else {
     MOE_LAUNCH(
         k::grouped_gemm({static_cast<const bf16*>(r.rows), r.gather, b.w13.data_as<bf16>(), r.expert_offsets,

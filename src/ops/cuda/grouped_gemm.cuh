@@ -13,6 +13,30 @@
 
 namespace moe::ops::cuda {
 
+// Lets `kernel` launch with up to `bytes` of dynamic shared memory. The
+// kernels' sizes depend on the expert count, and each launch used to set the
+// attribute to its own size: two host threads launching one kernel with
+// different counts (EP ranks as threads of one process, or an MoE GEMM and a
+// dense projection as one group) could set a smaller size between the other's
+// set and launch, which then failed with cudaErrorLaunchOutOfResources
+// (parallel_cuda_test, twice on an H200). So the attribute is always the
+// device's opt-in maximum, the same whoever sets it.
+template <typename Kernel>
+cudaError_t allow_dynamic_smem(Kernel* kernel, int bytes) {
+  static const int device_max = [] {
+    int device = 0, n = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    return n;
+  }();
+  cudaFuncAttributes attributes{};
+  cudaError_t error = cudaFuncGetAttributes(&attributes, kernel);
+  if (error != cudaSuccess) return error;
+  const int limit = device_max - static_cast<int>(attributes.sharedSizeBytes);
+  if (bytes > limit) return cudaErrorInvalidValue;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
+}
+
 struct GemmItem {
   int expert, row0, rows, n0;
 };

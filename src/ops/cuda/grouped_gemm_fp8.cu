@@ -105,6 +105,7 @@ struct Fp8GemmArgs {
   int k_splits;          // down only: K-steps split over this many items, each adding its share into `out`
   bool bf16_out = false;  // down only, k_splits 1: bf16 rows
   float* out_scales = nullptr;  // gate_up, fp8-block only: E4M3 rows into `out`, their 1 x 128 scales here
+  bool early_weights = false;   // down only: launched as the kernel before's programmatic dependent
 };
 
 // 2^(code - 127); code 0 is 2^-127 (a denormal), as the CPU reference reads it.
@@ -146,12 +147,17 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
     }
   }
   __syncthreads();
+  // The next kernel may start its blocks as these exit (down's, early_weights).
+  if (threadIdx.x == 0) grid_launch_dependents();
 
   if (warp_id < 4) {
     setmaxnreg_dec<64>();
     if (warp_id != 0) return;
     // Producer warp. Lane l holds the source rows l and l + 32 (-1: past the tile).
     int step = 0;
+    // early_weights: the first item's first kSteps K-steps of weights are
+    // asked for before griddepcontrol.wait, everything else after it.
+    int early_steps = 0;
     for (int index = blockIdx.x; index < num_items; index += gridDim.x) {
       const GemmItem item = grouped_gemm_item(offsets.expert_offsets, offsets.tile_offsets, p.num_experts, index / args.k_splits,
                                               args.num_n_tiles, columns_per_tile);
@@ -185,12 +191,31 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
                       min((item.n0 + box * kBoxRows) / 128, blocks_per_expert - 1);
         }
       }
+      if (args.early_weights && step == 0) {
+        // The weights do not depend on the kernel before (which writes this
+        // GEMM's activation rows and scales): the first steps' slots are free.
+        for (int ks = ks_begin; ks < min(ks_end, ks_begin + kSteps); ++ks, ++early_steps) {
+          if (lane == 0) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int slot = 2 * early_steps + half;
+              mbarrier_arrive_expect_tx(slot_full(slot), kSlotBytes);
+#pragma unroll
+              for (int c = 0; c < 2; ++c)
+                tma_load_2d(slot_tile(slot) + c * (kSlotBytes / 2), &weights, ks * kKStep, box_row(2 * c + half),
+                            slot_full(slot));
+            }
+          }
+        }
+        grid_dependency_wait();
+      }
       for (int ks = ks_begin; ks < ks_end; ++ks, ++step) {
         const int s = step % kSteps, phase = ((step / kSteps) - 1) & 1;
         // Half 0's weights as soon as its slot is free, then the step's rows and
         // scales, then half 1's weights (their slots free together).
         auto load_half = [&](int half) {
           const int slot = 2 * s + half;
+          if (step < early_steps) return;  // asked for before the wait
           if (step >= kSteps) mbarrier_wait(slot_empty(slot), phase);
           if (lane == 0) {
             mbarrier_arrive_expect_tx(slot_full(slot), kSlotBytes);
@@ -476,6 +501,7 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& args, const void* w, int max_tile
   if (args.K % (kMx ? 128 : 16) != 0) return cudaErrorInvalidValue;
   if (args.k_splits < 1 || (gate_up && args.k_splits > 1)) return cudaErrorInvalidValue;
   if (args.bf16_out && args.k_splits > 1) return cudaErrorInvalidValue;  // the split shares add up in f32
+  if (args.early_weights && (gate_up || args.k_splits > 1)) return cudaErrorInvalidValue;
   if (args.out_scales != nullptr && (kMx || !gate_up || args.N % 16 != 0)) return cudaErrorInvalidValue;
   if (max_tiles == 0) return cudaSuccess;
   const uint64_t weight_rows = static_cast<uint64_t>(args.num_experts) * (gate_up ? 2 * args.N : args.N);
@@ -486,10 +512,23 @@ cudaError_t launch_fp8_gemm(const Fp8GemmArgs& args, const void* w, int max_tile
   const int blocks = std::min(multiprocessor_count(), args.num_n_tiles * max_tiles * args.k_splits);
   auto kernel = gate_up ? fp8_grouped_gemm_kernel<true, kMx> : fp8_grouped_gemm_kernel<false, kMx>;
   const int smem_bytes = kSmemBytes<kMx> + offsets_smem_bytes(args.num_experts);
-  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  error = allow_dynamic_smem(kernel, smem_bytes);
   if (error != cudaSuccess) return error;
-  kernel<<<blocks, kThreads, smem_bytes, stream>>>(map, args);
-  return cudaGetLastError();
+  if (!args.early_weights) {
+    kernel<<<blocks, kThreads, smem_bytes, stream>>>(map, args);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, map, args);
 }
 
 int fp8_n_tiles(int N, bool gate_up) {
@@ -550,6 +589,7 @@ cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream)
                    (p.N + 127) / 128, p.k_splits};
   args.bf16_out = p.bf16_out;
   args.out_scales = p.out_scales;
+  args.early_weights = p.early_weights;
   return launch_fp8_gemm<false>(args, p.w, p.max_tiles, p.gate_up, stream);
 }
 

@@ -578,7 +578,7 @@ cudaError_t launch_prefill_gemm(const PrefillArgs& args, const void* a, int a_ro
   if (unroll_k() && !gate_up && k_steps == kDownSteps)
     kernel = prefill_grouped_gemm_kernel<kFp8, false, kDownSteps>;
   const int smem_bytes = T::smem_bytes(args.num_experts);
-  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  error = allow_dynamic_smem(kernel, smem_bytes);
   if (error != cudaSuccess) return error;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeClusterDimension;

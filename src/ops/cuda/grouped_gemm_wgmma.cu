@@ -163,7 +163,7 @@ cudaError_t wgmma_grouped_gemm(const GroupedGemmParams& p, cudaStream_t stream) 
   const int blocks = std::min(num_sms, args.num_n_tiles * p.max_tiles);
   auto kernel = p.gate_up ? wgmma_grouped_gemm_kernel<true> : wgmma_grouped_gemm_kernel<false>;
   const int smem_bytes = kSmemBytes + offsets_smem_bytes(p.num_experts);
-  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  error = allow_dynamic_smem(kernel, smem_bytes);
   if (error != cudaSuccess) return error;
   kernel<<<blocks, kThreads, smem_bytes, stream>>>(map, args);
   return cudaGetLastError();

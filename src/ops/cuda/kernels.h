@@ -252,6 +252,13 @@ struct Fp8GroupedGemmParams {
   // a_scale_rows[r] of a_scales (gate_up's rows gathered, their scales read
   // where the quantizer left them: pass sorted_token); null: row r.
   const int32_t* a_scale_rows = nullptr;
+  // fp8_grouped_gemm's down only (k_splits 1): the kernel before it in the
+  // stream writes nothing this GEMM reads but `a` and `a_scales`, and started
+  // after the routing was written (gate_up, launched normally). The GEMM is
+  // then launched as that kernel's programmatic dependent: its blocks start
+  // on the SMs the kernel's blocks leave and ask for their first weight tiles
+  // before waiting for the kernel to finish.
+  bool early_weights = false;
 };
 cudaError_t fp8_grouped_gemm(const Fp8GroupedGemmParams& p, cudaStream_t stream);
 // The k_splits for a down GEMM of N columns, K deep and `row_tiles` row

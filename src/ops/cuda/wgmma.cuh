@@ -125,6 +125,23 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 #endif
 }
 
+// Programmatic dependent launch (sm_90): once every block of this grid has
+// run launch_dependents (one thread per block is enough) or exited, the grid
+// launched after it with cudaLaunchAttributeProgrammaticStreamSerialization
+// may start its blocks where resources free up; that grid's threads must not
+// read this grid's writes before grid_dependency_wait, which returns once
+// this grid has finished and its writes are visible.
+__device__ __forceinline__ void grid_launch_dependents() {
+#if MOE_SM90A_DEVICE
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+#if MOE_SM90A_DEVICE
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Generic-proxy writes (st.shared, cp.async) made visible to wgmma (async proxy).
 __device__ __forceinline__ void fence_proxy_async_shared() {
 #if MOE_SM90A_DEVICE
