@@ -471,9 +471,10 @@ void bench_decode_attention(double copy_gbs, int only_batch, int only_context) {
     DeviceTensor d_pos = device_ints(positions), d_seq = device_ints(seq), d_table = device_ints(table);
     auto out = DeviceTensor::allocate(DType::kBF16, {batch, Hq * D});
     check(out.status());
-    const k::PagedAttentionParams params{q.data_as<bf16>(), kp.data_as<bf16>(), vp.data_as<bf16>(), d_pos.data_as<int32_t>(),
-                                         d_seq.data_as<int32_t>(), d_table.data_as<int32_t>(), out->data_as<bf16>(), batch,
-                                         Hq, Hkv, D, page, pages_per_seq, 1.0f / std::sqrt(float(D))};
+    k::PagedAttentionParams params{q.data_as<bf16>(), kp.data_as<bf16>(), vp.data_as<bf16>(), d_pos.data_as<int32_t>(),
+                                   d_seq.data_as<int32_t>(), d_table.data_as<int32_t>(), out->data_as<bf16>(), batch,
+                                   Hq, Hkv, D, page, pages_per_seq, 1.0f / std::sqrt(float(D))};
+    params.num_pages = num_pages;  // as the model passes it
     const size_t ws_bytes = k::mma_attention_workspace_bytes(batch, Hq, context - 1);
     auto ws = DeviceBuffer::allocate(ws_bytes);
     check(ws.status());

@@ -168,42 +168,66 @@ TEST_F(CudaOps, QkNormRopeKvAndPagedAttention) {
       const size_t bytes = k::mma_attention_workspace_bytes(c.new_tokens, c.q_heads, max_position);
       auto workspace = DeviceBuffer::allocate(bytes);
       ASSERT_TRUE(workspace.has_value());
-      // Splits: none (no workspace), chosen, and forced to 3.
+      // The rows of the last page past the last position hold NaN here
+      // (bf16 0x7fc0), as never-written memory may: the tensor copies bring
+      // them in, and the kernel must keep them out of the output (P is 0
+      // there, 0 x NaN is not). Put back after these kernels.
+      const int last = c.prefix + c.new_tokens - 1, last_page = page_table[last / c.page_size];
+      const int tail = pages * c.page_size - 1 - last;
+      auto tail_offset = [&](int h) {  // elements
+        return ((static_cast<size_t>(last_page) * c.kv_heads + h) * c.page_size + last % c.page_size + 1) * c.dim;
+      };
+      const std::vector<uint16_t> nans(static_cast<size_t>(tail) * c.dim, 0x7fc0);
+      for (int h = 0; h < c.kv_heads && tail > 0; ++h)
+        for (const DeviceTensor* d : {&d_k, &d_v})
+          ASSERT_EQ(cudaMemcpy(d->data_as<bf16>() + tail_offset(h), nans.data(), nans.size() * 2, cudaMemcpyHostToDevice),
+                    cudaSuccess);
+      // Splits: none (no workspace), chosen, and forced to 3; K/V chunks by
+      // cp.async, and (the pool's size given, pages of 16 or 32 on sm_90) by
+      // tensor copies.
       for (int split : {0, 1, 2})
         for (int stages : {2, 3, 4}) {
-          Output mma_out = Output::make(static_cast<size_t>(c.new_tokens) * c.q_heads * c.dim * sizeof(bf16));
-          k::PagedAttentionParams pm = params;
-          pm.out = mma_out.get<bf16>();
-          pm.decode_stages = stages;
-          pm.decode_splits = split == 2 ? 3 : 0;
-          ASSERT_EQ(k::mma_paged_attention(pm, max_position, split ? workspace->data_as<float>() : nullptr,
-                                           split ? bytes : 0, nullptr), cudaSuccess);
-          const std::vector<uint8_t> bf16_rows = mma_out.download();
-          EXPECT_LT(scaled_error(as_floats(bf16_rows, DType::kBF16), out.data_as<float>(), out.num_elements()),
-                    2e-2)
-              << "tensor-core attention (split " << split << ", " << stages << " stages), " << c.q_heads
-              << " heads, prefix " << c.prefix;
-          if (stages != 3) continue;
-          // Its output in FP8 (the o projection's input), merged in the
-          // kernel or by the split combine: the CPU quantizer's bytes of the
-          // bf16 rows just checked, a (token, head) per group.
-          const std::vector<float> rows = as_floats(bf16_rows, DType::kBF16);
-          for (const bool by_group : {false, true}) {
-            const int heads = c.new_tokens * c.q_heads;
-            Output fp8 = Output::make(static_cast<size_t>(heads) * c.dim), scales = Output::make(heads * sizeof(float));
-            pm.out = nullptr, pm.out_fp8 = fp8.get<uint8_t>(), pm.out_scales = scales.get<float>();
-            pm.scales_by_group = by_group;
+          for (int num_pages : {0, pages}) {
+            Output mma_out = Output::make(static_cast<size_t>(c.new_tokens) * c.q_heads * c.dim * sizeof(bf16));
+            k::PagedAttentionParams pm = params;
+            pm.out = mma_out.get<bf16>();
+            pm.num_pages = num_pages;
+            pm.decode_stages = stages;
+            pm.decode_splits = split == 2 ? 3 : 0;
             ASSERT_EQ(k::mma_paged_attention(pm, max_position, split ? workspace->data_as<float>() : nullptr,
-                                             split ? bytes : 0, nullptr),
-                      cudaSuccess);
-            const Fp8Groups ref = cpu_fp8_groups(rows.data(), c.new_tokens, c.q_heads * c.dim, by_group);
-            const std::vector<uint8_t> got = fp8.download(), got_scales = scales.download();
-            EXPECT_EQ(std::memcmp(got.data(), ref.values.data(), got.size()), 0)
-                << "E4M3 decode attention output, split " << split << ", prefix " << c.prefix
-                << (by_group ? ", by group" : "");
-            EXPECT_EQ(std::memcmp(got_scales.data(), ref.scales.data(), got_scales.size()), 0) << "scales";
+                                             split ? bytes : 0, nullptr), cudaSuccess);
+            const std::vector<uint8_t> bf16_rows = mma_out.download();
+            EXPECT_LT(scaled_error(as_floats(bf16_rows, DType::kBF16), out.data_as<float>(), out.num_elements()),
+                      2e-2)
+                << "tensor-core attention (split " << split << ", " << stages << " stages, "
+                << (num_pages > 0 ? "tensor copies" : "cp.async") << "), " << c.q_heads << " heads, prefix " << c.prefix;
+            if (stages != 3) continue;
+            // Its output in FP8 (the o projection's input), merged in the
+            // kernel or by the split combine: the CPU quantizer's bytes of the
+            // bf16 rows just checked, a (token, head) per group.
+            const std::vector<float> rows = as_floats(bf16_rows, DType::kBF16);
+            for (const bool by_group : {false, true}) {
+              const int heads = c.new_tokens * c.q_heads;
+              Output fp8 = Output::make(static_cast<size_t>(heads) * c.dim), scales = Output::make(heads * sizeof(float));
+              pm.out = nullptr, pm.out_fp8 = fp8.get<uint8_t>(), pm.out_scales = scales.get<float>();
+              pm.scales_by_group = by_group;
+              ASSERT_EQ(k::mma_paged_attention(pm, max_position, split ? workspace->data_as<float>() : nullptr,
+                                               split ? bytes : 0, nullptr),
+                        cudaSuccess);
+              const Fp8Groups ref = cpu_fp8_groups(rows.data(), c.new_tokens, c.q_heads * c.dim, by_group);
+              const std::vector<uint8_t> got = fp8.download(), got_scales = scales.download();
+              EXPECT_EQ(std::memcmp(got.data(), ref.values.data(), got.size()), 0)
+                  << "E4M3 decode attention output, split " << split << ", prefix " << c.prefix
+                  << (by_group ? ", by group" : "");
+              EXPECT_EQ(std::memcmp(got_scales.data(), ref.scales.data(), got_scales.size()), 0) << "scales";
+            }
           }
         }
+      for (int h = 0; h < c.kv_heads && tail > 0; ++h)
+        for (const auto& [d, host] : {std::pair{&d_k, &k_pages}, std::pair{&d_v, &v_pages}})
+          ASSERT_EQ(cudaMemcpy(d->data_as<bf16>() + tail_offset(h), host->bf16.data_as<bf16>() + tail_offset(h),
+                               nans.size() * 2, cudaMemcpyHostToDevice),
+                    cudaSuccess);
       // The prefill kernels (token groups sharing K/V blocks): mma.sync everywhere, wgmma on sm_90.
       struct PrefillKernel {
         const char* name;

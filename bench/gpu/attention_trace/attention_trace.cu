@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(table, ht.data(), num_pages * 4, cudaMemcpyHostToDevice));
   PagedAttentionParams p{q, k, v, pos, seq, table, out, batch, Hq, Hkv, D, page, pps, 0.088f};
   p.decode_splits = splits;
+  p.num_pages = num_pages;  // the tensor-copy kernel, as the model runs it
   float* ws;
   size_t wsb = mma_attention_workspace_bytes(batch, Hq, context - 1);
   CK(cudaMalloc(&ws, wsb));

@@ -382,6 +382,7 @@ Status CudaQwen3MoeModel::launch_layer(const LayerBuffers& b, const StepShape& s
                                     s.options.page_size,
                                     shape.stride,
                                     1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+  attention.num_pages = static_cast<int>(b.k_pages.shape()[0]);
   if (k::mma_attention_supported(attention) && prefill) {
     // FP8 o projection: the prefill kernel writes its input in E4M3 straight away.
     const Fp8Layout o_fp8 = k::prefill_attention_quantizes() ? o_input_fp8(b, T) : Fp8Layout::kNone;

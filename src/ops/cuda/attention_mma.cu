@@ -3,8 +3,8 @@
 //
 // Algorithm (flash-decoding): block = (token, kv head, split of the visible
 // positions); its 4 warps take 16-position chunks in turn. For a chunk a warp
-// copies the K and V rows (one page when page_size is 16) into shared memory
-// with cp.async, kStages deep, then on the tensor cores (mma.m16n8k16, bf16
+// has the K and V rows (one page when page_size is 16) copied into shared
+// memory, kStages deep, then on the tensor cores (mma.m16n8k16, bf16
 // in, f32 accumulate) computes S = Q K^T for the 16 rows of q heads, keeps an
 // online softmax per row in registers, and accumulates O += P V with P reused
 // straight from the S accumulators as the A operand. Warps and splits merge
@@ -12,6 +12,19 @@
 // combine kernel. The launch is a programmatic dependent of the kernel that
 // wrote q and the new K/V: positions and page indices are read while that
 // kernel drains.
+//
+// The copies: where a chunk never straddles pages and the caller gives the
+// pool's size (PagedAttentionParams::num_pages), lane 0 issues four tensor
+// copies per chunk (the bulk copy engine, TMA: K and V, dims 0-63 and
+// 64-127, 16 rows each, 128-byte swizzle) onto the warp's mbarrier of that
+// stage; otherwise the 32 lanes copy 16-byte pieces with cp.async into rows
+// padded to 272 bytes. Measured on an H200 (2026-12-04, alternated with the
+// cp.async-only kernel in one call): 64 x 1k 79.6-80.0% -> 82.7-83.4% of the
+// copy bandwidth, and +2 to +4 points at every batch x context up to 64 x
+// 32k (98%). Copying each 256-byte row with its own bulk copy (no tensor map,
+// padded rows) had gained 1-3 points from 8k positions on but lost 2 at
+// 128-256 x 1k and nothing at 64 x 1k
+// (bench/results/2026-12-04_gpu_decode_attention_tma.md).
 //
 // At small batch x context (64 x 1k: 134 MB, 31 us at the copy bandwidth)
 // what is left is fixed cost and imbalance, measured on an H200 with
@@ -33,6 +46,7 @@
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/kernels.h"
+#include "ops/cuda/tensor_map.h"
 
 namespace moe::ops::cuda {
 namespace {
@@ -46,14 +60,21 @@ constexpr int kChunkBytes = kChunk * kRowBytes;
 // (three blocks per SM) at every batch x context from 64 x 1k to 64 x 32k,
 // by up to 27% at 64 x 1k, and four (one block per SM) lose 3-18%.
 constexpr int kDefaultDecodeStages = 3;
-template <int kStages>
-constexpr int kWarpSmem = kStages * 2 /*K, V*/ * kChunkBytes;
+// kTma: the chunks come by tensor copies (whole 16-row boxes of 64 dims,
+// 128-byte swizzle, no padding) instead of cp.async.
+template <bool kTma>
+constexpr int kStageBytes = kTma ? 2 /*K, V*/ * kChunk * kD * 2 : 2 * kChunkBytes;
+template <int kStages, bool kTma = false>
+constexpr int kWarpSmem = kStages * kStageBytes<kTma>;
 // The warps' merge: f32 rows of kD + 8 floats, so the float2 stores of a
 // warp's O fragments (8 rows x 4 column pairs) hit distinct banks.
 constexpr int kMergeStride = kD + 8;
 constexpr int kMergeBytes = kWarps * kRows * (kMergeStride + 2) * sizeof(float);
-template <int kStages>
-constexpr int kDecodeSmem = kWarps * kWarpSmem<kStages> > kMergeBytes ? kWarps * kWarpSmem<kStages> : kMergeBytes;
+template <int kStages, bool kTma = false>
+constexpr int kTilesAndMerge = std::max(kWarps * kWarpSmem<kStages, kTma>, kMergeBytes);
+// kTma: + alignment slack for the swizzle atoms, then an mbarrier per warp and stage.
+template <int kStages, bool kTma = false>
+constexpr int kDecodeSmem = kTma ? 1024 + kTilesAndMerge<kStages, kTma> + kWarps * kStages * 8 : kTilesAndMerge<kStages>;
 constexpr int kMinSplitPositions = 64, kMaxSplits = 64;  // split-KV bounds
 
 // Per-warp timestamps of the decode kernel for bench/gpu/attention_trace,
@@ -183,9 +204,45 @@ struct RowState {
   }
 };
 
-// Folds one chunk of kN positions (K and V rows in shared memory, kN rows of
-// kRowBytes each) into `state`; positions outside [begin, end) are masked.
-template <int kN>
+// Shared-memory address of (row, dim col) in a chunk's K or V tile: rows of
+// kRowBytes (cp.async), or kTma's two 128-byte swizzled boxes of kN rows
+// (dims 0-63, then 64-127; 16-byte piece c of row r at c ^ (r % 8)).
+template <int kN, bool kTma>
+__device__ __forceinline__ uint32_t tile_address(const unsigned char* tile, int row, int col) {
+  if constexpr (kTma) {
+    return smem_address(tile + (col >> 6) * (kN * 128) + row * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4));
+  } else {
+    return smem_address(tile + row * kRowBytes + col * 2);
+  }
+}
+
+// The tensor copies of kTma (sm_90): a box of the 2-D tensor map at (x, y)
+// into shared memory, completing its bytes on an mbarrier.
+__device__ __forceinline__ void barrier_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void barrier_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "wait_again:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_again;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tensor_copy(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(map), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// Folds one chunk of kN positions (K and V tiles in shared memory, laid out
+// as tile_address says) into `state`; positions outside [begin, end) are masked.
+template <int kN, bool kTma = false>
 __device__ __forceinline__ void attend_chunk(RowState& state, const uint32_t (&qa)[kD / 16][4],
                                              const unsigned char* k_tile, const unsigned char* v_tile, int chunk_start,
                                              int begin, int end, int lane) {
@@ -205,7 +262,7 @@ __device__ __forceinline__ void attend_chunk(RowState& state, const uint32_t (&q
       // x4: matrices (positions +0-7, dims ks*16+0..7), (+0-7, +8..15), (+8-15, +0..7), (+8-15, +8..15).
       const int mat = lane >> 3, row = pg * 16 + (lane & 7) + (mat >> 1) * 8, col = ks * 16 + (mat & 1) * 8;
       uint32_t b0, b1, b2, b3;
-      ldmatrix_x4(smem_address(k_tile + row * kRowBytes + col * 2), b0, b1, b2, b3);
+      ldmatrix_x4(tile_address<kN, kTma>(k_tile, row, col), b0, b1, b2, b3);
       mma_16816(s[ks % kChains][2 * pg], qa[ks], b0, b1);
       mma_16816(s[ks % kChains][2 * pg + 1], qa[ks], b2, b3);
     }
@@ -268,7 +325,7 @@ __device__ __forceinline__ void attend_chunk(RowState& state, const uint32_t (&q
       // x4.trans: (positions +0-7, dims dt*16+0..7), (+8-15, +0..7), (+0-7, +8..15), (+8-15, +8..15).
       const int mat = lane >> 3, row = pg * 16 + (lane & 7) + (mat & 1) * 8, col = dt * 16 + (mat >> 1) * 8;
       uint32_t b0, b1, b2, b3;
-      ldmatrix_x4_trans(smem_address(v_tile + row * kRowBytes + col * 2), b0, b1, b2, b3);
+      ldmatrix_x4_trans(tile_address<kN, kTma>(v_tile, row, col), b0, b1, b2, b3);
       mma_16816(state.o[dt * 2], pa, b0, b1);
       mma_16816(state.o[dt * 2 + 1], pa, b2, b3);
     }
@@ -309,8 +366,13 @@ __device__ __forceinline__ float4 merged_columns(const float* merge_o, int row, 
 // instantiation of its own: with the bf16 epilogue and the FP8 one in one
 // kernel, batch 64 x 1k read 79.2-79.3% of the copy against 80.9-81.1%
 // (H200, alternated in one call, 2026-12-03).
-template <int kStages, bool kFp8Out>
-__global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttentionParams args) {
+// kTma (page_size a multiple of kChunk): each chunk's K and V rows come as
+// four tensor copies (k_map, v_map: the pools as [pages x kv heads x page
+// rows, kD]) issued by lane 0 onto the warp's barrier of that stage.
+template <int kStages, bool kFp8Out, bool kTma>
+__global__ void __launch_bounds__(kWarps * 32)
+    mma_attention_kernel(MmaAttentionParams args, const __grid_constant__ CUtensorMap k_map,
+                         const __grid_constant__ CUtensorMap v_map) {
   const PagedAttentionParams& p = args.p;
   const int t = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
@@ -324,8 +386,16 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
   const int end = min(pos + 1, begin + args.split_len);
   const int32_t* pages = p.page_table + static_cast<int64_t>(p.token_seq[t]) * p.max_pages_per_seq;
 
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* warp_smem = smem + warp * kWarpSmem<kStages>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem =  // kTma: the swizzle atoms are 1024-byte aligned
+      kTma ? smem_raw + ((1024 - smem_address(smem_raw) % 1024) % 1024) : smem_raw;
+  unsigned char* warp_smem = smem + warp * kWarpSmem<kStages, kTma>;
+  const uint32_t bars = smem_address(smem + kTilesAndMerge<kStages, kTma>) + warp * kStages * 8;
+  if constexpr (kTma) {
+    if (lane < kStages) barrier_init(bars + lane * 8);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncwarp();
+  }
 
   // Chunks of this warp: first + warp + kWarps * i, kStages - 1 of them
   // loading while it attends to one. Every step commits a group (empty past
@@ -344,8 +414,22 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
   };
   auto issue = [&](int i, int stage) {  // the warp's i-th chunk
     const int chunk = first_chunk + warp + kWarps * i;
-    unsigned char* tile = warp_smem + (stage * 2) * kChunkBytes;
-    if (page_chunks) {
+    unsigned char* tile = warp_smem + stage * kStageBytes<kTma>;
+    if constexpr (kTma) {
+      if ((i & 31) == 0 && i > 0) refill_pages(chunk);
+      const int page = __shfl_sync(0xffffffffu, lane_page, i & 31);
+      if (chunk <= last_chunk && lane == 0) {
+        const int first_row = (page * p.num_kv_heads + kv_head) * p.page_size + chunk * kChunk % p.page_size;
+        const uint32_t bar = bars + stage * 8, k_dst = smem_address(tile), v_dst = k_dst + kChunk * kD * 2;
+        barrier_expect_bytes(bar, kStageBytes<true>);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          tensor_copy(k_dst + half * kChunk * 128, &k_map, half * 64, first_row, bar);
+          tensor_copy(v_dst + half * kChunk * 128, &v_map, half * 64, first_row, bar);
+        }
+      }
+      return;
+    } else if (page_chunks) {
       if ((i & 31) == 0 && i > 0) refill_pages(chunk);
       const int page = __shfl_sync(0xffffffffu, lane_page, i & 31);
       if (chunk <= last_chunk) {
@@ -386,11 +470,24 @@ __global__ void __launch_bounds__(kWarps * 32) mma_attention_kernel(MmaAttention
   int stage = 0;
   for (int i = 0, chunk = first_chunk + warp; chunk <= last_chunk; ++i, chunk += kWarps) {
     issue(i + kStages - 1, (stage + kStages - 1) % kStages);
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 1));
+    const unsigned char* k_tile = warp_smem + stage * kStageBytes<kTma>;
+    const unsigned char* v_tile = k_tile + kStageBytes<kTma> / 2;
+    if constexpr (kTma) {
+      barrier_wait(bars + stage * 8, (i / kStages) & 1);
+      // Rows past `end` hold whatever the page held: zero their V rows (P is
+      // 0 there, and 0 x NaN would not be); K's are masked in S.
+      const int visible = end - chunk * kChunk;
+      if (visible < kChunk) {
+        for (int piece = visible * 16 + lane; piece < kChunk * 16; piece += 32)
+          *reinterpret_cast<uint4*>(const_cast<unsigned char*>(v_tile) + (piece & 8) / 8 * (kChunk * 128) +
+                                    (piece >> 4) * 128 + (piece & 7) * 16) = make_uint4(0, 0, 0, 0);
+      }
+    } else {
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 1));
+    }
     __syncwarp();
     if (i == 0) MOE_TRACE(2, clock64());
-    const unsigned char* k_tile = warp_smem + (stage * 2) * kChunkBytes;
-    attend_chunk<kChunk>(state, qa, k_tile, k_tile + kChunkBytes, chunk * kChunk, begin, end, lane);
+    attend_chunk<kChunk, kTma>(state, qa, k_tile, v_tile, chunk * kChunk, begin, end, lane);
     __syncwarp();
     stage = (stage + 1) % kStages;
   }
@@ -641,7 +738,7 @@ template <int kStages>
 int decode_block_slots() {  // blocks of the decode kernel resident at once on the device
   static const int blocks = [] {
     int count = 0;
-    auto kernel = mma_attention_kernel<kStages, false>;  // the FP8-output one has the same resources
+    auto kernel = mma_attention_kernel<kStages, false, false>;  // the others fit as many (kTma: less shared memory)
     if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeSmem<kStages>) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kernel, kWarps * 32, kDecodeSmem<kStages>) != cudaSuccess)
       return 1;
@@ -670,12 +767,22 @@ int choose_splits(int slots, int num_blocks, int positions, int max_splits) {
   return best;
 }
 
-template <int kStages>
+template <int kStages, bool kTma>
 cudaError_t launch_decode(const MmaAttentionParams& args, cudaStream_t stream) {
   const PagedAttentionParams& p = args.p;
-  const auto kernel = p.out_fp8 != nullptr ? mma_attention_kernel<kStages, true> : mma_attention_kernel<kStages, false>;
-  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDecodeSmem<kStages>);
+  const auto kernel = p.out_fp8 != nullptr ? mma_attention_kernel<kStages, true, kTma>
+                                           : mma_attention_kernel<kStages, false, kTma>;
+  constexpr int smem_bytes = kDecodeSmem<kStages, kTma>;
+  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (error != cudaSuccess) return error;
+  CUtensorMap maps[2] = {};
+  if constexpr (kTma) {
+    const uint64_t rows = static_cast<uint64_t>(p.num_pages) * p.num_kv_heads * p.page_size;
+    for (int i = 0; i < 2; ++i) {
+      error = make_tensor_map_2d(&maps[i], i == 0 ? p.k_pages : p.v_pages, 2, rows, kD, kD * 2, kChunk, 64);
+      if (error != cudaSuccess) return error;
+    }
+  }
   // Programmatic dependent launch: this grid may start while the previous
   // kernel in the stream finishes (see griddepcontrol.wait in the kernel).
   // Measured on an H200, same binary with and without, twice each: batch
@@ -687,11 +794,11 @@ cudaError_t launch_decode(const MmaAttentionParams& args, cudaStream_t stream) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(p.num_tokens, p.num_kv_heads, args.num_splits);
   config.blockDim = dim3(kWarps * 32);
-  config.dynamicSmemBytes = kDecodeSmem<kStages>;
+  config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  error = cudaLaunchKernelEx(&config, kernel, args);
+  error = cudaLaunchKernelEx(&config, kernel, args, maps[0], maps[1]);
   if (error != cudaSuccess) return error;
   if (args.num_splits > 1) combine_splits_kernel<<<dim3(p.num_tokens, p.num_q_heads), kD, 0, stream>>>(args);
   return cudaGetLastError();
@@ -722,9 +829,17 @@ cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position,
     args.partial_o = workspace;
     args.partial_ml = workspace + entries * kD;
   }
-  return stages == 2   ? launch_decode<2>(args, stream)
-         : stages == 3 ? launch_decode<3>(args, stream)
-                       : launch_decode<4>(args, stream);
+  // Tensor copies where chunks never straddle pages and the pool's size is
+  // known (its rows must fit the copies' 32-bit coordinates).
+  const bool tma = p.num_pages > 0 && p.page_size % kChunk == 0 && hopper_kernels_available() &&
+                   int64_t{p.num_pages} * p.num_kv_heads * p.page_size <= INT32_MAX;
+  if (tma)
+    return stages == 2   ? launch_decode<2, true>(args, stream)
+           : stages == 3 ? launch_decode<3, true>(args, stream)
+                         : launch_decode<4, true>(args, stream);
+  return stages == 2   ? launch_decode<2, false>(args, stream)
+         : stages == 3 ? launch_decode<3, false>(args, stream)
+                       : launch_decode<4, false>(args, stream);
 }
 
 }  // namespace moe::ops::cuda

@@ -101,6 +101,10 @@ struct PagedAttentionParams {
   uint8_t* out_fp8 = nullptr;
   float* out_scales = nullptr;
   bool scales_by_group = false;
+  // The pages k_pages / v_pages hold. mma_paged_attention's decode kernel
+  // needs it to copy whole K/V chunks with tensor copies on sm_90 (page_size
+  // a multiple of 16); 0: it copies them with cp.async.
+  int num_pages = 0;
 };
 // head_dim <= 128 and num_q_heads / num_kv_heads <= 16.
 cudaError_t paged_attention(const PagedAttentionParams& p, cudaStream_t stream);
