@@ -145,7 +145,8 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
         } else {
           k::Fp8GroupedGemmParams p{in_q.data_as<uint8_t>(), in_s.data_as<float>(), gather, w.data_as<uint8_t>(),
                                     block.data_as<float>(), offsets.data_as<int32_t>(), tiles.data_as<int32_t>(),
-                                    dst, N, K, E, max_tiles, gate_up, 1, 0, !gate_up && bf16_rows};
+                                    dst, N, K, E, max_tiles, gate_up, 1, static_cast<int>(in_q.shape()[0]),
+                                    !gate_up && bf16_rows};
           p.early_weights = !gate_up;  // right after gate_up, as the model's
           k::fp8_grouped_gemm(p, stream);
         }
@@ -169,7 +170,7 @@ void bench_fp8_grouped_gemm(double copy_gbs, int only_per_expert) {
         }
         k::Fp8GroupedGemmParams p{x_q.data_as<uint8_t>(), x_s.data_as<float>(), sorted.data_as<int32_t>(),
                                   w13.data_as<uint8_t>(), s13.data_as<float>(), offsets.data_as<int32_t>(),
-                                  tiles.data_as<int32_t>(), act_q.data(), I, H, E, max_tiles, true};
+                                  tiles.data_as<int32_t>(), act_q.data(), I, H, E, max_tiles, true, 1, T};
         p.out_scales = act_s.data_as<float>();
         k::fp8_grouped_gemm(p, stream);
       };

@@ -523,6 +523,7 @@ Status CudaQwen3MoeModel::exchange_experts(const LayerBuffers& b, int num_tokens
     k::Fp8GroupedGemmParams down{s.act_fp8.data_as<uint8_t>(), s.act_scales.data_as<float>(), nullptr,
                                  b.w2.data_as<uint8_t>(), b.w2_scales.data_as<float>(), r.expert_offsets,
                                  r.tile_offsets, s.expert_rows.data(), H, inter, E_local, r.max_tiles, false};
+    down.a_rows = static_cast<int>(s.act_fp8.shape()[0]);  // (its rows by tensor copies)
     down.early_weights = true;  // right after gate_up, which wrote its rows
     MOE_LAUNCH(k::fp8_grouped_gemm(gate_up, s.stream));
     MOE_LAUNCH(k::fp8_grouped_gemm(down, s.stream));

@@ -246,7 +246,10 @@ struct Fp8GroupedGemmParams {
   // GEMMs with too few tiles to fill the GPU (a dense projection at decode
   // sizes); fp8_gemm_k_splits picks it. Not used by the *_prefill kernels.
   int k_splits = 1;
-  int a_rows = 0;  // the *_prefill kernels, as in GroupedGemmParams
+  // Rows of `a`: the *_prefill kernels, as in GroupedGemmParams; given to
+  // fp8_grouped_gemm (fp8-block) with contiguous rows (down, a dense
+  // projection), they come by tensor copies (0: cp.async).
+  int a_rows = 0;
   bool bf16_out = false;  // as in GroupedGemmParams (k_splits must be 1)
   // gate_up only (N a multiple of 16): `out` gets the rows
   // in E4M3 [num_rows, N] and this their scales [num_rows, ceil(N / 128)],
