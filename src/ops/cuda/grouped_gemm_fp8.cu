@@ -22,11 +22,17 @@
 // (ptxas serialises wgmma when a warpgroup reads one accumulator while
 // another of its MMAs is in flight). One producer warp fills two rings: per
 // K-step the activation rows (cp.async, gathered through sorted_token for
-// gate_up) and the step's scales, three steps deep; and per K-step and half
+// gate_up; contiguous rows with a_rows given: one tensor copy, see
+// launch_fp8_gemm) and the step's scales, three steps deep; and per K-step and half
 // a slot of the two consumers' 128 weight rows each (the bulk tensor copy
 // engine), six slots deep, each freed as soon as both consumers' MMAs of
 // that half are done. Registers: the producer's warpgroup hands its own
 // down to 64 so the consumers hold 216 (no spills in any variant).
+//
+// Down right after gate_up (early_weights) is launched as gate_up's
+// programmatic dependent: its CTAs take the SMs gate_up's leave and ask for
+// their first item's first kSteps K-steps of weights before
+// griddepcontrol.wait, the activation rows after it.
 //
 // gate_up's epilogue can write the down GEMM's input directly: each
 // consumer's 128 output columns are one 1 x 128 quantization group, so it
