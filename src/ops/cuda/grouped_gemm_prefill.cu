@@ -93,6 +93,19 @@
 // stage a consumer waits ~60% of its time on its MMAs and spends two
 // promotions of ~200 cycles each, and the SiLU epilogue takes ~14% of its
 // time (2026-12-02_gpu_fp8_prefill_stage_overlap.md).
+// Phase clocks (2026-12-04, bench/gpu/prefill_gemm_trace, the MOE_PREFILL_GEMM_TRACE
+// marks below): a gate_up stage takes ~1,390 cycles against 1,024 for its MMAs at
+// the tensor peak; the consumers wait ~9% of their time for the next stage (the
+// producer meanwhile waits ~60% for a free one: the copies land late) and spend
+// 12% (down: 18%) between items, both leaving the tensor cores idle since the
+// two consumers are in lockstep. The MMA/promotion pattern itself is not the
+// limit: alone in a CTA of this shape it keeps the tensor cores 100% busy per
+// clock, 99.9% with 48 KB copies landing beside it. Three consumers of 64 x 128
+// (192-row tiles) and each half as two n64 quarters into partials taking turns
+// were correct and slower (bench/results/2026-12-04_gpu_fp8_prefill_promotion_floor,
+// patches beside it). (ptxas serialises every wgmma when an MMA group is in
+// flight across a loop's back edge while another's accumulator is read, C7514;
+// wait_group 1 in straight-line code, drained per iteration, is fine.)
 //
 // Floor (Qwen3-235B, 128 experts, hidden 4096, moe_intermediate 1536, 375 rows
 // per expert = 6000 tokens x top-8): 2 x 48000 x 4096 x 4608 = 1.81 TFLOP per
@@ -116,6 +129,52 @@
 
 namespace moe::ops::cuda {
 namespace {
+
+// Cycle counts of the kernel's phases for bench/gpu/prefill_gemm_trace,
+// compiled in only with MOE_PREFILL_GEMM_TRACE: per CTA and warpgroup
+// (0: the producer, 1 and 2: the consumers), the %clock cycles spent in each
+// of up to eight phases (the marks below say which), then the warpgroup's
+// cycles and %globaltimer nanoseconds from its start to its end. Every
+// thread keeps the sums (no divergence around the MMAs); thread 0 of each
+// warpgroup stores them.
+#ifdef MOE_PREFILL_GEMM_TRACE
+inline constexpr int kTraceSlots = 10;
+__device__ unsigned long long g_prefill_trace[2048][3][kTraceSlots];
+struct PhaseClock {
+  uint32_t start = now(), last = start, sum[8] = {};
+  uint64_t start_ns = global_ns();
+  static __device__ __forceinline__ uint32_t now() {
+    uint32_t t;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(t)::"memory");
+    return t;
+  }
+  static __device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    return t;
+  }
+  __device__ __forceinline__ void mark(int phase) {
+    const uint32_t t = now();
+    sum[phase] += t - last;
+    last = t;
+  }
+  __device__ __forceinline__ void store() const {
+    if (threadIdx.x % 128 != 0 || blockIdx.x >= 2048) return;
+    unsigned long long* out = g_prefill_trace[blockIdx.x][threadIdx.x / 128];
+    for (int i = 0; i < 8; ++i) out[i] = sum[i];
+    out[8] = now() - start;
+    out[9] = global_ns() - start_ns;
+  }
+};
+#else
+// (Templates: never instantiated where the device code compiles out, so no unused warning.)
+struct PhaseClock {
+  template <int = 0>
+  __device__ __forceinline__ void mark(int) {}
+  template <int = 0>
+  __device__ __forceinline__ void store() const {}
+};
+#endif
 
 constexpr int kM = kPrefillGemmTileRows;  // two consumer warpgroups of 64 rows
 static_assert(kM == 128, "two wgmma row blocks per tile");
@@ -290,6 +349,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warp_id < 4) {
     setmaxnreg_dec<56>();
+    // Trace phases: 0 waiting for a free stage, 1 issuing its copies.
+    PhaseClock trace;
     const int own = threadIdx.x;  // FP8: thread t copies row t's activation scale
     if (kFp8 || own == 0) {
       const uint16_t cta_mask = static_cast<uint16_t>((1u << ctas) - 1);
@@ -322,6 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int ks = 0; ks < num_k_steps; ++ks, ++step) {
           const int stage = step % T::kStages;
           if (step >= T::kStages) mbarrier_wait(empty(stage), ((step / T::kStages) - 1) & 1);
+          trace.mark(0);
           if (own == 0) {
             mbarrier_arrive_expect_tx(full(stage), quarters * (T::kABytes / 4) + T::kBBytes);
             const int x = ks * T::kKStep;
@@ -353,9 +415,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                          p.w_scales + (w_scale_live ? w_scale_row * p.scale_cols + ks : 0), w_scale_live);
             mbarrier_arrive_cp_async(full(stage));
           }
+          trace.mark(1);
         }
       }
       if constexpr (kFp8) cp_async_wait_group<0>();
+      trace.store();
     }
   } else {
     setmaxnreg_inc<224>();
@@ -489,17 +553,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       // run, and the next stage of the item (if `has_next`) is waited for
       // while the second half's do.
       ClusterItem next{};
+      // Trace phases: 0 issuing the first half (+ scales, look-ahead), 1
+      // waiting for its MMAs, 2 its promotion, 3 issuing the second half, 4
+      // waiting for the next stage, 5 for the second half's MMAs, 6 its
+      // promotion, 7 between items (epilogue, zeroing, the first stage's wait).
+      PhaseClock trace;
       auto k_step = [&](int stage, bool has_next, int next_stage, uint32_t next_parity, int look_ahead = -1) {
         issue_half(stage, 0);
         const StageScales scales = read_scales(stage);
         if (look_ahead >= 0 && look_ahead < num_items) next = item_of(look_ahead);
+        trace.mark(0);
         wgmma_wait_group<0>();
+        trace.mark(1);
         promote(0, scales.half[0]);
+        trace.mark(2);
         issue_half(stage, 1);
+        trace.mark(3);
         if (has_next) mbarrier_wait(full(next_stage), next_parity);
+        trace.mark(4);
         wgmma_wait_group<0>();
+        trace.mark(5);
         release(stage);
         promote(1, scales.half[1]);
+        trace.mark(6);
       };
       ClusterItem current = cluster < num_items ? item_of(cluster) : ClusterItem{};
       for (int index = cluster; index < num_items; index += num_clusters, current = next) {
@@ -507,6 +583,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
         mbarrier_wait(full(step % T::kStages), (step / T::kStages) & 1);
+        trace.mark(7);
         if constexpr (kKSteps > 0) {  // step is a multiple of the ring here: ks % kStages is the stage
 #pragma unroll 4
           for (int ks = 0; ks < kKSteps; ++ks)
@@ -520,6 +597,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         if (!idle) store_rows<kGateUp, kFp8>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }
+      trace.mark(7);
+      trace.store();
     }
   }
   // No CTA leaves while its peer may still arrive on its barriers or write its stages.
