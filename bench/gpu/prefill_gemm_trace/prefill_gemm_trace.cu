@@ -1,7 +1,8 @@
 // Where the FP8 prefill grouped GEMM's time goes (ops/cuda/grouped_gemm_prefill.cu,
 // compiled into this program with its MOE_PREFILL_GEMM_TRACE phase clocks), and
 // what rate the tensor cores give its MMA pattern with nothing else running.
-//   prefill_gemm_trace [ROWS_PER_EXPERT]    (default 375, Qwen3-235B's MoE shapes)
+//   prefill_gemm_trace [ROWS_PER_EXPERT]    (default 375, Qwen3-235B's MoE shapes;
+//                                           MOE_TRACE_NO_MMA_RATE=1: part 1 only)
 // 1. Both GEMMs of a layer as the model runs them (gate_up writing E4M3 rows
 //    and scales, down bf16 rows), even routing, timed back to back; then one
 //    traced launch of each: per warpgroup the share of its cycles in each
@@ -679,6 +680,7 @@ int main(int argc, char** argv) {
     }
   }
 #endif
+  if (std::getenv("MOE_TRACE_NO_MMA_RATE") != nullptr) return 0;  // the GEMMs only
   // The tensor cores' rate for the kernel's MMA pattern, from shared memory alone.
   auto* src = static_cast<uint8_t*>(alloc(size_t(sms) * 4096 + 49152));
   fill_e4m3<<<256, 256>>>(src, size_t(sms) * 4096 + 49152, 7);
