@@ -24,12 +24,6 @@ int multiprocessor_count() {
 bool hopper_kernels_available() {
   return true;
 }
-int wgmma_prefill_group_tokens(int, int) {
-  return 8;
-}
-cudaError_t wgmma_prefill_attention(const PagedAttentionParams&, const int32_t*, int, cudaStream_t) {
-  return cudaErrorNotSupported;
-}
 }  // namespace moe::ops::cuda
 using namespace moe::ops::cuda;
 #define CK(x)                                        \

@@ -38,21 +38,18 @@
 // Floor: decode reads every K/V byte of the visible positions once per kv
 // head (bytes / HBM bandwidth); the 2 MMAs per position are far below the
 // tensor-core rate, so the kernel is memory-bound by design.
-#include <cfloat>
 #include <algorithm>
 #include <cstdint>
-#include <span>
-#include <vector>
 
-#include "ops/cuda/common.cuh"
-#include "ops/cuda/kernels.h"
+#include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/tensor_map.h"
 
 namespace moe::ops::cuda {
 namespace {
 
-constexpr int kD = 128, kRows = 16, kChunk = 16, kWarps = 4;
-constexpr int kRowBytes = kD * 2 + 16;  // padded shared-memory row: conflict-free ldmatrix
+using namespace mma_attention;
+
+constexpr int kChunk = 16, kWarps = 4;
 constexpr int kChunkBytes = kChunk * kRowBytes;
 // A decode warp's shared memory: kStages chunks of K and V, kStages - 1 of
 // them loading while it attends to one. Measured on an H200 (2026-12-01,
@@ -106,58 +103,6 @@ __device__ __forceinline__ unsigned long long sm_id() {
   } while (0)
 #endif
 
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-
-// As cp_async16, asking L2 to fetch the whole 256-byte block: the decode
-// kernel (a warp reads 512 contiguous bytes per instruction) gained 0.3-1.7
-// points of the bandwidth floor at every batch x context from 64 x 1k to
-// 64 x 32k (H200, 2026-12-02, with and without alternated twice in one call;
-// 64 x 1k timed interleaved with a copy: 79.8-79.9% against 78.6-79.1%).
-__device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t address, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(address));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t address, uint32_t& r0, uint32_t& r1, uint32_t& r2,
-                                                  uint32_t& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(address));
-}
-
-// D = A (16x16 bf16, row) * B (16x8 bf16, col) + D (16x8 f32).
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// 2^x on the SFU (ex2.approx: 2 ulp, and 2^-inf = 0).
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 struct MmaAttentionParams {
   PagedAttentionParams p;
   int num_splits;
@@ -165,56 +110,6 @@ struct MmaAttentionParams {
   float* partial_o;   // [num_tokens, num_q_heads, num_splits, kD]
   float* partial_ml;  // [num_tokens, num_q_heads, num_splits, 2]
 };
-
-// Q fragments of one token's group of q heads (rows past `group` are zero),
-// loaded as they are (32-bit loads, nothing waits on them yet) ...
-__device__ __forceinline__ void load_q_raw(uint32_t (&qa)[kD / 16][4], const bf16* q0, int group, int lane) {
-  const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = g + (r & 1) * 8, col = ks * 16 + tq * 2 + (r >> 1) * 8;
-      qa[ks][r] = row < group ? *reinterpret_cast<const uint32_t*>(q0 + row * kD + col) : 0u;
-    }
-}
-
-// ... then pre-scaled by scale * log2(e), so the softmax runs in base 2.
-__device__ __forceinline__ void scale_q(uint32_t (&qa)[kD / 16][4], float q_scale) {
-#pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qa[ks][r]));
-      qa[ks][r] = pack_bf16(v.x * q_scale, v.y * q_scale);
-    }
-}
-
-// A warp's running attention state for its 16 rows: O in mma accumulator
-// layout, the running max of rows g and g + 8, and this thread's part of
-// their sums.
-struct RowState {
-  float o[kD / 8][4];
-  float m[2], l[2];
-  __device__ void init() {
-#pragma unroll
-    for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-    m[0] = m[1] = -FLT_MAX;
-    l[0] = l[1] = 0.0f;
-  }
-};
-
-// Shared-memory address of (row, dim col) in a chunk's K or V tile: rows of
-// kRowBytes (cp.async), or kTma's two 128-byte swizzled boxes of kN rows
-// (dims 0-63, then 64-127; 16-byte piece c of row r at c ^ (r % 8)).
-template <int kN, bool kTma>
-__device__ __forceinline__ uint32_t tile_address(const unsigned char* tile, int row, int col) {
-  if constexpr (kTma) {
-    return smem_address(tile + (col >> 6) * (kN * 128) + row * 128 + ((((col & 63) >> 3) ^ (row & 7)) << 4));
-  } else {
-    return smem_address(tile + row * kRowBytes + col * 2);
-  }
-}
 
 // The tensor copies of kTma (sm_90): a box of the 2-D tensor map at (x, y)
 // into shared memory, completing its bytes on an mbarrier.
@@ -238,116 +133,6 @@ __device__ __forceinline__ void tensor_copy(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(map), "r"(x), "r"(y), "r"(bar)
       : "memory");
-}
-
-// Folds one chunk of kN positions (K and V tiles in shared memory, laid out
-// as tile_address says) into `state`; positions outside [begin, end) are masked.
-template <int kN, bool kTma = false>
-__device__ __forceinline__ void attend_chunk(RowState& state, const uint32_t (&qa)[kD / 16][4],
-                                             const unsigned char* k_tile, const unsigned char* v_tile, int chunk_start,
-                                             int begin, int end, int lane) {
-  const int tq = lane & 3;
-  // S = Q K^T; with one 16-position group the k steps rotate over
-  // kChains accumulators (MMA chains of 8 / kChains), summed at the end.
-  constexpr int kChains = kN == 16 ? 4 : 1;
-  float s[kChains][kN / 8][4];
-#pragma unroll
-  for (int c = 0; c < kChains; ++c)
-#pragma unroll
-    for (int nt = 0; nt < kN / 8; ++nt) s[c][nt][0] = s[c][nt][1] = s[c][nt][2] = s[c][nt][3] = 0.0f;
-#pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks) {
-#pragma unroll
-    for (int pg = 0; pg < kN / 16; ++pg) {
-      // x4: matrices (positions +0-7, dims ks*16+0..7), (+0-7, +8..15), (+8-15, +0..7), (+8-15, +8..15).
-      const int mat = lane >> 3, row = pg * 16 + (lane & 7) + (mat >> 1) * 8, col = ks * 16 + (mat & 1) * 8;
-      uint32_t b0, b1, b2, b3;
-      ldmatrix_x4(tile_address<kN, kTma>(k_tile, row, col), b0, b1, b2, b3);
-      mma_16816(s[ks % kChains][2 * pg], qa[ks], b0, b1);
-      mma_16816(s[ks % kChains][2 * pg + 1], qa[ks], b2, b3);
-    }
-  }
-#pragma unroll
-  for (int c = 1; c < kChains; ++c)
-#pragma unroll
-    for (int nt = 0; nt < kN / 8; ++nt)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) s[0][nt][r] += s[c][nt][r];
-  if (chunk_start < begin || chunk_start + kN > end) {  // warp-uniform: only a split's edges are masked
-#pragma unroll
-    for (int nt = 0; nt < kN / 8; ++nt)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int position = chunk_start + nt * 8 + tq * 2 + (r & 1);
-        if (position < begin || position >= end) s[0][nt][r] = -INFINITY;
-      }
-  }
-  // Online softmax for rows g (r = 0, 1) and g + 8 (r = 2, 3), in base 2.
-  float corr[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float row_max = -FLT_MAX;
-#pragma unroll
-    for (int nt = 0; nt < kN / 8; ++nt) row_max = fmaxf(row_max, fmaxf(s[0][nt][2 * h], s[0][nt][2 * h + 1]));
-    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
-    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-    const float new_max = fmaxf(state.m[h], row_max);
-    corr[h] = fast_exp2(state.m[h] - new_max);
-    state.m[h] = new_max;
-    float sum = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < kN / 8; ++nt)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        float& v = s[0][nt][2 * h + c];
-        // A masked -inf gives 0; new_max is finite (every chunk has a visible position).
-        v = fast_exp2(v - new_max);
-        sum += v;
-      }
-    state.l[h] = state.l[h] * corr[h] + sum;
-  }
-  // Once the row maxima settle most chunks leave them alone: skip the rescale then.
-  if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
-#pragma unroll
-    for (int i = 0; i < kD / 8; ++i) {
-      state.o[i][0] *= corr[0], state.o[i][1] *= corr[0], state.o[i][2] *= corr[1], state.o[i][3] *= corr[1];
-    }
-  }
-  // O += P V, 16 positions at a time; P's A fragment comes straight from the S accumulators.
-#pragma unroll
-  for (int pg = 0; pg < kN / 16; ++pg) {
-    const uint32_t pa[4] = {pack_bf16(s[0][2 * pg][0], s[0][2 * pg][1]),
-                            pack_bf16(s[0][2 * pg][2], s[0][2 * pg][3]),
-                            pack_bf16(s[0][2 * pg + 1][0], s[0][2 * pg + 1][1]),
-                            pack_bf16(s[0][2 * pg + 1][2], s[0][2 * pg + 1][3])};
-#pragma unroll
-    for (int dt = 0; dt < kD / 16; ++dt) {
-      // x4.trans: (positions +0-7, dims dt*16+0..7), (+8-15, +0..7), (+0-7, +8..15), (+8-15, +8..15).
-      const int mat = lane >> 3, row = pg * 16 + (lane & 7) + (mat & 1) * 8, col = dt * 16 + (mat >> 1) * 8;
-      uint32_t b0, b1, b2, b3;
-      ldmatrix_x4_trans(tile_address<kN, kTma>(v_tile, row, col), b0, b1, b2, b3);
-      mma_16816(state.o[dt * 2], pa, b0, b1);
-      mma_16816(state.o[dt * 2 + 1], pa, b2, b3);
-    }
-  }
-}
-
-// Copies piece `piece` (0 .. kN * 16 - 1) of a kN-position chunk's K and V
-// rows into shared memory (K rows, then V rows at kN * kRowBytes; 16 pieces
-// of 16 bytes per row); pieces past `end` are zero.
-template <int kN>
-__device__ __forceinline__ void copy_chunk_piece(const PagedAttentionParams& p, const int32_t* pages, int kv_head,
-                                                 int chunk, int end, int piece, unsigned char* tile) {
-  const int row = piece >> 4, part = piece & 15;
-  const int position = chunk * kN + row;
-  const bool valid = position < end;
-  const int64_t offset =
-      valid ? ((static_cast<int64_t>(pages[position / p.page_size]) * p.num_kv_heads + kv_head) * p.page_size +
-               position % p.page_size) * kD + part * 8
-            : 0;
-  const uint32_t dst = smem_address(tile + row * kRowBytes + part * 16);
-  cp_async16(dst, p.k_pages + offset, valid);
-  cp_async16(dst + kN * kRowBytes, p.v_pages + offset, valid);
 }
 
 // The merge's four columns col .. col + 3 of a row: the warps' O rows
@@ -641,85 +426,6 @@ __global__ void combine_splits_kernel(MmaAttentionParams args) {
                                    : static_cast<int64_t>(t) * p.num_q_heads + head] = scale;
 }
 
-// Measured at 6k tokens on an H200: 16-position chunks 3.77 ms, 32 with two
-// blocks per SM 3.52, 64 with one block per SM 3.72; longest groups first: 3.31.
-constexpr int kPrefillWarps = kMmaPrefillGroupTokens, kPrefillChunk = 32;
-constexpr int kPrefillStageBytes = 2 * kPrefillChunk * kRowBytes;  // K and V rows
-
-struct MmaPrefillParams {
-  PagedAttentionParams p;
-  const int32_t* group_start;  // [num_groups + 1]: first token of each group of <= kPrefillWarps tokens
-};
-
-// Prefill: block = (group of up to 8 consecutive tokens of one sequence, kv
-// head); warp w owns token w of the group. The block's threads copy each
-// 32-position K/V chunk into shared memory once (double-buffered cp.async)
-// and every warp whose token can see the chunk folds it in: 8x less K/V
-// traffic than one block per token.
-__global__ void __launch_bounds__(kPrefillWarps * 32, 2) mma_prefill_kernel(MmaPrefillParams args) {
-  const PagedAttentionParams& p = args.p;
-  // Later groups see longer prefixes: start them first, so the short ones fill the tail.
-  const int group_index = gridDim.x - 1 - blockIdx.x;
-  const int t0 = args.group_start[group_index], t1 = args.group_start[group_index + 1];
-  const int kv_head = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int t = t0 + warp;
-  const bool active = t < t1;
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int last_position = p.positions[t1 - 1];  // a group's tokens are in position order
-  const int pos = active ? p.positions[t] : -1;
-  const int32_t* pages = p.page_table + static_cast<int64_t>(p.token_seq[t0]) * p.max_pages_per_seq;
-  extern __shared__ __align__(128) unsigned char smem[];
-
-  uint32_t qa[kD / 16][4];
-  if (active) {
-    load_q_raw(qa, p.q + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD, group, lane);
-    scale_q(qa, p.scale * 1.4426950408889634f);
-  }
-  RowState state;
-  state.init();
-  const int last_chunk = last_position / kPrefillChunk;
-  auto issue = [&](int chunk, int stage) {
-    for (int piece = threadIdx.x; piece < kPrefillChunk * 16; piece += blockDim.x)
-      copy_chunk_piece<kPrefillChunk>(p, pages, kv_head, chunk, last_position + 1, piece, smem + stage * kPrefillStageBytes);
-    asm volatile("cp.async.commit_group;\n" ::);
-  };
-  issue(0, 0);
-  for (int chunk = 0; chunk <= last_chunk; ++chunk) {
-    const int stage = chunk & 1;
-    if (chunk < last_chunk) {
-      issue(chunk + 1, stage ^ 1);
-      asm volatile("cp.async.wait_group 1;\n" ::);
-    } else {
-      asm volatile("cp.async.wait_group 0;\n" ::);
-    }
-    __syncthreads();
-    if (active && chunk * kPrefillChunk <= pos) {
-      const unsigned char* k_tile = smem + stage * kPrefillStageBytes;
-      attend_chunk<kPrefillChunk>(state, qa, k_tile, k_tile + kPrefillChunk * kRowBytes, chunk * kPrefillChunk, 0, pos + 1,
-                                  lane);
-    }
-    __syncthreads();  // the stage refilled next is no longer read
-  }
-  if (!active) return;
-  const int g = lane >> 2, tq = lane & 3;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    state.l[h] += __shfl_xor_sync(0xffffffffu, state.l[h], 1);
-    state.l[h] += __shfl_xor_sync(0xffffffffu, state.l[h], 2);
-  }
-  bf16* out = p.out + (static_cast<int64_t>(t) * p.num_q_heads + kv_head * group) * kD;
-#pragma unroll
-  for (int dt = 0; dt < kD / 8; ++dt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = g + h * 8;
-      if (row >= group) continue;
-      const float inv = 1.0f / state.l[h];
-      *reinterpret_cast<__nv_bfloat162*>(out + row * kD + dt * 8 + tq * 2) =
-          __floats2bfloat162_rn(state.o[dt][2 * h] * inv, state.o[dt][2 * h + 1] * inv);
-    }
-}
-
 }  // namespace
 
 bool mma_attention_supported(const PagedAttentionParams& p) {
@@ -840,42 +546,6 @@ cudaError_t mma_paged_attention(const PagedAttentionParams& p, int max_position,
   return stages == 2   ? launch_decode<2, false>(args, stream)
          : stages == 3 ? launch_decode<3, false>(args, stream)
                        : launch_decode<4, false>(args, stream);
-}
-
-}  // namespace moe::ops::cuda
-
-namespace moe::ops::cuda {
-
-std::vector<int32_t> prefill_token_groups(std::span<const int32_t> query_start, int group_tokens) {
-  std::vector<int32_t> starts;
-  for (size_t seq = 0; seq + 1 < query_start.size(); ++seq)
-    for (int32_t t = query_start[seq]; t < query_start[seq + 1]; t += group_tokens) starts.push_back(t);
-  starts.push_back(query_start.empty() ? 0 : query_start.back());
-  return starts;
-}
-
-int prefill_group_tokens(int num_q_heads, int num_kv_heads) {
-  return hopper_kernels_available() ? wgmma_prefill_group_tokens(num_q_heads, num_kv_heads) : kMmaPrefillGroupTokens;
-}
-
-cudaError_t prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
-                              cudaStream_t stream) {
-  return hopper_kernels_available() ? wgmma_prefill_attention(p, group_start, num_groups, stream)
-                                    : mma_prefill_attention(p, group_start, num_groups, stream);
-}
-
-bool prefill_attention_quantizes() { return hopper_kernels_available(); }
-
-cudaError_t mma_prefill_attention(const PagedAttentionParams& p, const int32_t* group_start, int num_groups,
-                                  cudaStream_t stream) {
-  if (!mma_attention_supported(p) || p.out_fp8 != nullptr) return cudaErrorInvalidValue;
-  if (num_groups == 0) return cudaSuccess;
-  constexpr int kSmem = 2 * kPrefillStageBytes;
-  cudaError_t error = cudaFuncSetAttribute(mma_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (error != cudaSuccess) return error;
-  mma_prefill_kernel<<<dim3(num_groups, p.num_kv_heads), kPrefillWarps * 32, kSmem, stream>>>(
-      MmaPrefillParams{p, group_start});
-  return cudaGetLastError();
 }
 
 }  // namespace moe::ops::cuda
