@@ -6,34 +6,16 @@
 // loop ends and the spread within blocks. Built with the GPU targets
 // (bench/CMakeLists.txt); run on the GPU machine:
 //   attention_trace BATCH CONTEXT [SPLITS]
-// The kernel's file is compiled into this program, so the few functions it
-// needs from the rest of the library are defined below.
+// The kernel's file is compiled into this program; the few functions it
+// needs from the rest of the library come from bench/gpu/standalone_kernel.h.
 #include <algorithm>
 #include <cstdio>
 #include <random>
 #include <vector>
 
+#include "bench/gpu/standalone_kernel.h"
 #include "ops/cuda/attention_mma.cu"
-namespace moe::ops::cuda {
-int multiprocessor_count() {
-  int d, n;
-  cudaGetDevice(&d);
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d);
-  return n;
-}
-bool hopper_kernels_available() {
-  return true;
-}
-}  // namespace moe::ops::cuda
 using namespace moe::ops::cuda;
-#define CK(x)                                        \
-  do {                                               \
-    cudaError_t e = (x);                             \
-    if (e != cudaSuccess) {                          \
-      printf("%s: %s\n", #x, cudaGetErrorString(e)); \
-      exit(1);                                       \
-    }                                                \
-  } while (0)
 int main(int argc, char** argv) {
   const int batch = argc > 1 ? atoi(argv[1]) : 64, context = argc > 2 ? atoi(argv[2]) : 1024,
             splits = argc > 3 ? atoi(argv[3]) : 0;

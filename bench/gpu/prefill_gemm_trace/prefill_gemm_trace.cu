@@ -21,28 +21,9 @@
 #include <random>
 #include <vector>
 
+#include "bench/gpu/standalone_kernel.h"
 #include "ops/cuda/grouped_gemm_prefill.cu"
-namespace moe::ops::cuda {
-int multiprocessor_count() {
-  int d, n;
-  cudaGetDevice(&d);
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d);
-  return n;
-}
-bool hopper_kernels_available() {
-  return true;
-}
-}  // namespace moe::ops::cuda
 using namespace moe::ops::cuda;
-
-#define CK(x)                                              \
-  do {                                                     \
-    cudaError_t ck = (x);                                  \
-    if (ck != cudaSuccess) {                               \
-      std::printf("%s: %s\n", #x, cudaGetErrorString(ck)); \
-      std::exit(1);                                        \
-    }                                                      \
-  } while (0)
 
 namespace trace_tool {
 
@@ -342,77 +323,54 @@ __global__ void __launch_bounds__(variant_threads(kVariantCopies), 1)
         check += part[quarter * 7];
       }
     }
-  } else if constexpr (kVariant == kTwoPartialsN64) {
-    float acc[128], p0[32], p1[32];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-    auto issue = [&](float(&d)[32], int quarter) {
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n64k32_e4m3_ss(d, advance_descriptor(a_desc, kk * 32),
-                                advance_descriptor(b_desc, quarter * 64 * 128 + kk * 32), kk > 0);
-      wgmma_commit_group();
-    };
-    // Quarters 0, 2 into p0 and 1, 3 into p1; a quarter's promotion under
-    // the next one's MMAs. Drained at the end of the round: with a group in
-    // flight across the loop's back edge ptxas serialises every wgmma (C7514).
-    for (int r = 0; r < rounds; ++r) {
-      issue(p0, 0);
-      issue(p1, 1);
-      wgmma_wait_group<1>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) acc[i] += p0[i] * s;
-      issue(p0, 2);
-      wgmma_wait_group<1>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) acc[32 + i] += p1[i] * s;
-      issue(p1, 3);
-      wgmma_wait_group<1>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) acc[64 + i] += p0[i] * s;
-      wgmma_wait_group<0>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) acc[96 + i] += p1[i] * s;
-    }
-#pragma unroll
-    for (int i = 0; i < 128; ++i) check += acc[i];
-  } else if constexpr (kVariant == kRsTwoPartialsN64) {
+  } else if constexpr (kVariant == kTwoPartialsN64 || kVariant == kRsTwoPartialsN64) {
+    constexpr bool kRs = kVariant == kRsTwoPartialsN64;
     float acc[128], p0[32], p1[32];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
     const uint32_t* a_words = reinterpret_cast<const uint32_t*>(base + consumer * 64 * 128);
+    // Quarters 0, 2 into p0 and 1, 3 into p1; a quarter's promotion under
+    // the next one's MMAs. Drained at the end of the round: with a group in
+    // flight across the loop's back edge ptxas serialises every wgmma (C7514).
     for (int r = 0; r < rounds; ++r) {
-      uint32_t a[4][4];
+      uint32_t a[4][4];  // kRs: the rows, 16 bytes per thread and k32 slice, as ldmatrix would load them
+      if constexpr (kRs) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {  // 16 bytes of rows per thread and k32 slice, as ldmatrix would
-        const uint4 v =
-            *reinterpret_cast<const uint4*>(a_words + ((threadIdx.x % 128) * 4 + kk * 512 + 4 * r) % 2048);
-        a[kk][0] = v.x, a[kk][1] = v.y, a[kk][2] = v.z, a[kk][3] = v.w;
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint4 v =
+              *reinterpret_cast<const uint4*>(a_words + ((threadIdx.x % 128) * 4 + kk * 512 + 4 * r) % 2048);
+          a[kk][0] = v.x, a[kk][1] = v.y, a[kk][2] = v.z, a[kk][3] = v.w;
+        }
       }
       auto issue = [&](float(&d)[32], int quarter) {
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_m64n64k32_e4m3_rs(d, a[kk], advance_descriptor(b_desc, quarter * 64 * 128 + kk * 32), kk > 0);
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint64_t b = advance_descriptor(b_desc, quarter * 64 * 128 + kk * 32);
+          if constexpr (kRs) {
+            wgmma_m64n64k32_e4m3_rs(d, a[kk], b, kk > 0);
+          } else {
+            wgmma_m64n64k32_e4m3_ss(d, advance_descriptor(a_desc, kk * 32), b, kk > 0);
+          }
+        }
         wgmma_commit_group();
+      };
+      auto promote = [&](int quarter, const float(&d)[32]) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[32 * quarter + i] += d[i] * s;
       };
       issue(p0, 0);
       issue(p1, 1);
       wgmma_wait_group<1>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) acc[i] += p0[i] * s;
+      promote(0, p0);
       issue(p0, 2);
       wgmma_wait_group<1>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) acc[32 + i] += p1[i] * s;
+      promote(1, p1);
       issue(p1, 3);
       wgmma_wait_group<1>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) acc[64 + i] += p0[i] * s;
+      promote(2, p0);
       wgmma_wait_group<0>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) acc[96 + i] += p1[i] * s;
+      promote(3, p1);
     }
 #pragma unroll
     for (int i = 0; i < 128; ++i) check += acc[i];
