@@ -101,8 +101,9 @@
 // two consumers are in lockstep. The MMA/promotion pattern itself is not the
 // limit: alone in a CTA of this shape it keeps the tensor cores 100% busy per
 // clock, 99.9% with 48 KB copies landing beside it. Three consumers of 64 x 128
-// (192-row tiles) and each half as two n64 quarters into partials taking turns
-// were correct and slower (bench/results/2026-12-04_gpu_fp8_prefill_promotion_floor,
+// (192-row tiles), each half as two n64 quarters into partials taking turns,
+// and the scales by 16-byte loads with down's rows stored evict-first were all
+// correct and slower (bench/results/2026-12-04_gpu_fp8_prefill_promotion_floor,
 // patches beside it). (ptxas serialises every wgmma when an MMA group is in
 // flight across a loop's back edge while another's accumulator is read, C7514;
 // wait_group 1 in straight-line code, drained per iteration, is fine.)
