@@ -15,6 +15,10 @@
 //    reported as the share of the tensor cores' FP8 peak per clock (4096
 //    MACs per SM and cycle, from the SM's own cycle count) and as TFLOP/s
 //    over the whole GPU at whatever clock it held.
+// 3. (Printed after 1.) The floor the stages' data sets: the kernel's launches
+//    with its consumers freeing each stage as soon as it lands (the trace
+//    build's g_prefill_trace_no_math), so only its copies take time; the
+//    kernel's cycles against those.
 // Built with the GPU targets (bench/CMakeLists.txt); run on the GPU machine.
 #include <algorithm>
 #include <cstdio>
@@ -615,28 +619,70 @@ int main(int argc, char** argv) {
   const char* consumer_phases[] = {
       "issue half 0 (+ scales)", "wait half 0 MMAs", "promote half 0", "issue half 1",
       "wait next stage",         "wait half 1 MMAs", "promote half 1", "between items"};
-  for (int which = 0; which < 2; ++which) {
-    for (int pass = 0; pass < 2; ++pass) {  // the second after another launch, as in a layer
-      CK(fp8_grouped_gemm_prefill(which == 0 ? gate_up : down, nullptr));
-    }
+  // One traced launch (after another, as in a layer): per warpgroup its
+  // phases' shares; returns the consumers' mean cycles per CTA.
+  auto traced = [&](const Fp8GroupedGemmParams& params, const char* name, bool phases) {
+    for (int pass = 0; pass < 2; ++pass) CK(fp8_grouped_gemm_prefill(params, nullptr));
     CK(cudaDeviceSynchronize());
     static unsigned long long tr[2048][3][kTraceSlots];
     CK(cudaMemcpyFromSymbol(tr, g_prefill_trace, sizeof tr));
-    const int ctas = sms;  // one CTA per SM (1-CTA clusters below 512 rows per expert)
-    std::printf("%s (traced launch):\n", which == 0 ? "gate_up" : "down");
+    const int ctas = sms;  // one CTA per SM, alone or in pairs
+    std::printf("%s (traced launch):\n", name);
+    double consumer_cycles = 0;
     for (int wg = 0; wg < 3; ++wg) {
       double total = 0, ns = 0, share[8] = {};
       for (int b = 0; b < ctas; ++b) {
         total += tr[b][wg][8], ns += tr[b][wg][9];
         for (int i = 0; i < 8; ++i) share[i] += tr[b][wg][i];
       }
-      std::printf("  warpgroup %d: %.0f cycles per CTA, %.3f GHz;", wg, total / ctas, total / ns);
-      const int phases = wg == 0 ? 2 : 8;
-      for (int i = 0; i < phases; ++i)
-        std::printf(" %s %.1f%%%s", (wg == 0 ? producer_phases : consumer_phases)[i],
-                    100.0 * share[i] / total, i + 1 < phases ? "," : "\n");
+      if (wg == 1) consumer_cycles = total / ctas;
+      std::printf("  warpgroup %d: %.0f cycles per CTA, %.3f GHz%s", wg, total / ctas, total / ns,
+                  phases ? ";" : "\n");
+      const int count = !phases ? 0 : wg == 0 ? 2 : 8;
+      for (int i = 0; i < count; ++i)
+        std::printf(" %s %.1f%%%s", (wg == 0 ? producer_phases : consumer_phases)[i], 100.0 * share[i] / total,
+                    i + 1 < count ? "," : "\n");
     }
+    return consumer_cycles;
+  };
+  const double kernel_cycles[2] = {traced(gate_up, "gate_up", true), traced(down, "down", true)};
+  // 3. The floor the stages' data sets: the same launches with the consumers
+  // freeing each stage as soon as it lands (no MMAs, promotions nor stores),
+  // so only the copies into shared memory -- the producer's TMA boxes and
+  // scales, in the kernel's order, ring and L2 traffic -- take time. Bytes: a
+  // stage brings 128 bytes of each of 128 rows and 256 weight rows (the
+  // pairs' multicasts count once per CTA they land in).
+  const int one = 1, zero = 0;
+  CK(cudaMemcpyToSymbol(g_prefill_trace_no_math, &one, sizeof one));
+  std::printf("data delivery alone (the kernel's copies, consumers freeing each stage at once):\n");
+  for (int which = 0; which < 2; ++which) {
+    const Fp8GroupedGemmParams& params = which == 0 ? gate_up : down;
+    for (int i = 0; i < 5; ++i) CK(fp8_grouped_gemm_prefill(params, nullptr));
+    std::vector<float> t;
+    for (int rep = 0; rep < 21; ++rep) {
+      cudaEventRecord(e[0]);
+      fp8_grouped_gemm_prefill(params, nullptr);
+      cudaEventRecord(e[1]);
+      CK(cudaEventSynchronize(e[1]));
+      float ms;
+      cudaEventElapsedTime(&ms, e[0], e[1]);
+      t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    const int tiles_per_expert = (per_expert + kPrefillGemmTileRows - 1) / kPrefillGemmTileRows;
+    const double items = double(E) * tiles_per_expert * (which == 0 ? I / 128 : H / 256);
+    const double stages = items * (which == 0 ? H : I) / 128;
+    const double bytes = stages * (128 + 256) * 128;
+    const double cycles =
+        traced(params, which == 0 ? "  gate_up, delivery alone" : "  down, delivery alone", false);
+    const float full = which == 0 ? gu : dn;
+    std::printf(
+        "  %s: %.3f ms, %.2f TB/s of stage bytes (%.1f bytes per SM cycle); the kernel %.3f ms (%.2f TB/s), "
+        "%.0f cycles per CTA against %.0f alone: the kernel at %.1f%% of its data's pace per cycle\n",
+        which == 0 ? "gate_up" : "down", t[10], bytes / (t[10] * 1e9), bytes / sms / cycles, full,
+        bytes / (full * 1e9), kernel_cycles[which], cycles, 100.0 * cycles / kernel_cycles[which]);
   }
+  CK(cudaMemcpyToSymbol(g_prefill_trace_no_math, &zero, sizeof zero));
 #endif
   if (std::getenv("MOE_TRACE_NO_MMA_RATE") != nullptr) return 0;  // the GEMMs only
   // The tensor cores' rate for the kernel's MMA pattern, from shared memory alone.

@@ -132,6 +132,19 @@ __device__ __forceinline__ uint32_t bf16_pair(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// silu(gate) * up. Fast division (2 ulp, far below bf16's rounding): the IEEE
+// one calls a slow-path subroutine that took a fifth of the FP8 prefill
+// kernel's consumer time (profiled on an H200).
+__device__ __forceinline__ float swiglu(float gate, float up) {
+  return __fdividef(gate, 1.0f + __expf(-gate)) * up;
+}
+
+// swiglu rounded to bf16: the values the E4M3 gate_up epilogues quantize
+// (those quantize_fp8_groups would quantize from the bf16 rows).
+__device__ __forceinline__ float swiglu_bf16(float gate, float up) {
+  return __bfloat162float(__float2bfloat16_rn(swiglu(gate, up)));
+}
+
 // gate_up: kChunks chunks of gate columns, then kChunks of the matching up
 // columns; out_row[n] = bf16(silu(gate) * up).
 template <int kChunks, int kSize>
@@ -148,11 +161,7 @@ __device__ __forceinline__ void store_silu_mul_row(bf16* out_row, const float (&
       float v[2];
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        const float gate = acc[4 * i + 2 * h + c], up = acc[4 * (i + kChunks) + 2 * h + c];
-        // Fast division (2 ulp, far below bf16's rounding): the IEEE one calls a
-        // slow-path subroutine that took a fifth of the FP8 prefill kernel's
-        // consumer time (profiled on an H200).
-        v[c] = __fdividef(gate, 1.0f + __expf(-gate)) * up;
+        v[c] = swiglu(acc[4 * i + 2 * h + c], acc[4 * (i + kChunks) + 2 * h + c]);
       }
       pair[k] = bf16_pair(v[0], v[1]);
     }
@@ -172,8 +181,7 @@ __device__ __forceinline__ void store_silu_mul_fp8_row(uint8_t* out_row, float* 
   for (int i = 0; i < 16; ++i)
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const float gate = acc[4 * i + 2 * h + c], up = acc[4 * (i + 16) + 2 * h + c];
-      const float x = __bfloat162float(__float2bfloat16_rn(__fdividef(gate, 1.0f + __expf(-gate)) * up));
+      const float x = swiglu_bf16(acc[4 * i + 2 * h + c], acc[4 * (i + 16) + 2 * h + c]);
       v[2 * i + c] = n_base + 8 * i + 2 * q + c < N ? x : 0.0f;
     }
   store_fp8_group_quad(out_row + n_base, scale_out, v, N - n_base, q, live);

@@ -107,6 +107,23 @@
 // patches beside it). (ptxas serialises every wgmma when an MMA group is in
 // flight across a loop's back edge while another's accumulator is read, C7514;
 // wait_group 1 in straight-line code, drained per iteration, is fine.)
+// The data's own pace (2026-12-04, prefill_gemm_trace's third part: the
+// kernel with its consumers freeing each stage as it lands): at 375 rows per
+// expert gate_up's stages alone take 1.03-1.06 ms (6.8-7.0 TB/s into shared
+// memory, 34-38 bytes per SM cycle; 0.73 ms at 256 rows), the whole kernel
+// 1.12-1.15 ms, so gate_up runs at 90-93% of its copies' pace (97% at 256
+// rows): one CTA per item, it is bound by what its tiles bring in, not by
+// its MMAs. down's stages alone take 0.38-0.42 ms against 0.62-0.67: it is
+// bound by its consumers (the epilogue every 12 stages). The pace depends on
+// reuse, not on L2's read bandwidth alone: at 1000 rows per expert (8 row
+// tiles read each weight tile at once) the same copies run at 12.5 TB/s, and
+// pairs' multicasts at 375 rows land 10.4 TB/s, where the pair kernel is held
+// by its consumers instead (57% of its data's pace). Neither overlapping the
+// epilogue with the next item's first MMAs (its SiLU and stores then had
+// ~10 registers beside the 192 the MMAs and sums hold: gate_up 14% more
+// cycles) nor asking L2 for the weight rows 4-16 stages ahead
+// (cp.async.bulk.prefetch.tensor: the copies' own pace fell to 4.1-5.1 TB/s)
+// helped (bench/results/2026-12-04_gpu_fp8_prefill_delivery_floor, patches).
 //
 // Floor (Qwen3-235B, 128 experts, hidden 4096, moe_intermediate 1536, 375 rows
 // per expert = 6000 tokens x top-8): 2 x 48000 x 4096 x 4608 = 1.81 TFLOP per
@@ -167,7 +184,16 @@ struct PhaseClock {
     out[9] = global_ns() - start_ns;
   }
 };
+// 1: the FP8 consumers free each stage as soon as it lands -- no MMAs,
+// promotions nor stores --, so the kernel times its stages' data delivery
+// alone (prefill_gemm_trace's floor); set by the tool, trace builds only.
+__device__ int g_prefill_trace_no_math;
+__device__ __forceinline__ bool trace_no_math() { return g_prefill_trace_no_math != 0; }
 #else
+template <int = 0>
+__device__ __forceinline__ bool trace_no_math() {
+  return false;
+}
 // (Templates: never instantiated where the device code compiles out, so no unused warning.)
 struct PhaseClock {
   template <int = 0>
@@ -559,7 +585,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       // waiting for the next stage, 5 for the second half's MMAs, 6 its
       // promotion, 7 between items (epilogue, zeroing, the first stage's wait).
       PhaseClock trace;
+      const bool no_math = trace_no_math();
       auto k_step = [&](int stage, bool has_next, int next_stage, uint32_t next_parity, int look_ahead = -1) {
+        if (no_math) {
+          if (look_ahead >= 0 && look_ahead < num_items) next = item_of(look_ahead);
+          if (has_next) mbarrier_wait(full(next_stage), next_parity);
+          release(stage);
+          trace.mark(4);
+          return;
+        }
         issue_half(stage, 0);
         const StageScales scales = read_scales(stage);
         if (look_ahead >= 0 && look_ahead < num_items) next = item_of(look_ahead);
@@ -596,7 +630,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             k_step(step % T::kStages, ks + 1 < num_k_steps, (step + 1) % T::kStages,
                    ((step + 1) / T::kStages) & 1, ks == 0 ? index + num_clusters : -1);
         }
-        if (!idle) store_rows<kGateUp, kFp8>(p, item, acc, consumer * 64 + warp * 16 + g, q);
+        if (!idle && !no_math) store_rows<kGateUp, kFp8>(p, item, acc, consumer * 64 + warp * 16 + g, q);
       }
       trace.mark(7);
       trace.store();
@@ -634,7 +668,7 @@ cudaError_t launch_prefill_gemm(const PrefillArgs& args, const void* a, int a_ro
                                 int max_tiles, bool gate_up, cudaStream_t stream) {
   using T = Tile<kFp8>;
   if (!hopper_kernels_available()) return cudaErrorNotSupported;
-  if (args.K % (kFp8 ? 16 : 8) != 0 || a_rows <= 0) return cudaErrorInvalidValue;
+  if (args.K <= 0 || args.K % (kFp8 ? 16 : 8) != 0 || a_rows <= 0) return cudaErrorInvalidValue;
   if (max_tiles == 0) return cudaSuccess;
   const int element_bytes = kFp8 ? 1 : 2, ctas = cluster_ctas(kFp8, a_rows, args.num_experts);
   const uint64_t row_bytes = static_cast<uint64_t>(args.K) * element_bytes;
