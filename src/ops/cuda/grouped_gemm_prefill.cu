@@ -33,8 +33,9 @@
 //     which is then added to the m64n256 sum times (activation scale x
 //     weight scale); the other consumer's MMAs run meanwhile.
 //   A stage is free once the consumers of every CTA of the cluster are done
-//   with it (each consumer warp arrives on the stage's barrier in each),
-//   since the peers' multicasts write it too.
+//   with it (each consumer warp arrives on the stage's barrier in each, lane
+//   c on CTA c's in one instruction), since the peers' multicasts write it
+//   too.
 // bf16: an expert's last row tile when it holds at most 64 rows is "split":
 // both consumers multiply those rows, each by half the weight rows (so their
 // SiLU-multiply stays in its registers), instead of consumer 1 idling through
@@ -124,6 +125,13 @@
 // cycles) nor asking L2 for the weight rows 4-16 stages ahead
 // (cp.async.bulk.prefetch.tensor: the copies' own pace fell to 4.1-5.1 TB/s)
 // helped (bench/results/2026-12-04_gpu_fp8_prefill_delivery_floor, patches).
+// What did help the same day (same record, old and new binaries alternated,
+// three rounds): a pair's consumer warps arriving on both CTAs' barriers in
+// one instruction (lanes 0 and 1) instead of lane 0 arriving on each in turn,
+// and the kernel compiled apart for one CTA and for pairs (kCtas): FP8 at
+// 375 rows per expert 0.956-0.971x -> 0.989-0.994x of cuBLASLt's
+// block-scaled GEMM timed interleaved with one CTA per item, 0.907-0.923x ->
+// 0.979-0.984x in pairs; bf16 (pairs) unchanged.
 //
 // Floor (Qwen3-235B, 128 experts, hidden 4096, moe_intermediate 1536, 375 rows
 // per expert = 6000 tokens x top-8): 2 x 48000 x 4096 x 4608 = 1.81 TFLOP per
@@ -291,8 +299,10 @@ __device__ __forceinline__ void store_split_rows(const PrefillArgs& p, const Gem
 // ring), so the consumers' K loop unrolls by one round of the
 // ring with every stage index and shared-memory address a constant (DeepGEMM
 // unrolls its whole K loop; here a full unroll made ptxas hoist every stage's
-// descriptors and spill 1-3 KB per thread); 0: any K.
-template <bool kFp8, bool kGateUp, int kKSteps = 0>
+// descriptors and spill 1-3 KB per thread); 0: any K. kCtas: the cluster's
+// CTAs, 1 or 2 (compiled apart: with the count known at run time, the pairs'
+// code cost the lone CTAs' kernel ~2%, gpu_bench on an H200, 2026-12-04).
+template <bool kFp8, bool kGateUp, int kKSteps, int kCtas>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_grouped_gemm_kernel(const __grid_constant__ CUtensorMap weights,
                                 const __grid_constant__ CUtensorMap rows,
@@ -301,13 +311,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   using T = Tile<kFp8>;
   static_assert(kKSteps % T::kStages == 0, "whole rounds of the ring");
   constexpr int kColumnsPerTile = kGateUp ? T::kWeightRows / 2 : T::kWeightRows;
-  // The cluster (1 or 2 CTAs, from the launch). A pair's items come in two
+  // The cluster (kCtas, as launched). A pair's items come in two
   // kinds (item_of): two row tiles of one expert and one column tile, each
   // CTA loading its rows and one of the two weight boxes for both; or, for
   // an expert's last row tile when its count is odd (and everywhere when
   // the column tiles are odd), one row tile and two column tiles, each CTA
   // loading its weights and half the rows for both.
-  const uint32_t rank = cluster_ctarank(), ctas = cluster_nctarank();
+  static_assert(kCtas == 1 || kCtas == 2, "one CTA or a pair");
+  constexpr uint32_t ctas = kCtas;
+  const uint32_t rank = ctas == 1 ? 0 : cluster_ctarank();
   const bool weight_pairs = ctas == 2 && p.num_n_tiles % 2 == 0;
   const int num_pairs = (p.num_n_tiles + ctas - 1) / ctas;  // cluster items per row tile
   const int num_items = p.tile_offsets[p.num_experts] * num_pairs;
@@ -457,12 +469,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int consumer = __shfl_sync(0xffffffffu, (warp_id >> 2) - 1, 0), warp = warp_id & 3, g = lane >> 2,
               q = lane & 3;
     const uint32_t a_offset = consumer * 64 * 128;
-    // The stage is free in every CTA of the cluster (lane 0 of each warp arrives).
+    // The stage is free in every CTA of the cluster: lane c of each warp
+    // arrives on CTA c's barrier, all in one instruction (lane 0 arriving on
+    // each in turn waited for the first remote arrival before the second).
     auto release = [&](int stage) {
       if (ctas == 1) {
         mbarrier_arrive_if(empty(stage), lane == 0);
       } else {
-        for (uint32_t cta = 0; cta < ctas; ++cta) mbarrier_arrive_cluster_if(empty(stage), cta, lane == 0);
+        const bool arrives = static_cast<uint32_t>(lane) < ctas;
+        mbarrier_arrive_cluster_if(empty(stage), arrives ? static_cast<uint32_t>(lane) : 0u, arrives);
       }
     };
     int step = 0;
@@ -647,7 +662,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // 3.37-3.39 alone in the same call), FP8 a little from about four row tiles
 // per expert up (pairs against one CTA, two rounds each in one call: 512
 // rows per expert 2.47-2.52 / 2.57-2.78 ms, 768 rows 4.18-4.20 / 4.26-4.28,
-// 1000 rows 6.25-6.29 / 6.10-6.42, 375 rows 1.87-1.94 / 1.89-1.99).
+// 1000 rows 6.25-6.29 / 6.10-6.42, 375 rows 1.87-1.94 / 1.89-1.99). Since the
+// pairs' one-instruction release (2026-12-04, prefill_gemm_trace, two rounds,
+// both GEMMs one / pair): 256 rows 1.184-1.190 / 1.130-1.158 ms, 375 rows
+// 1.706-1.779 / 1.687-1.739, 1000 rows 4.938-4.981 / 4.885-4.900; but at 375
+// gpu_bench's interleaved timing puts one CTA ahead (0.989-0.994x of
+// cuBLASLt's against 0.979-0.984x), so the threshold stays.
 // MOE_PREFILL_GEMM_CLUSTER=1 or 2 overrides, for measuring and for the tests.
 int cluster_ctas(bool fp8, int a_rows, int num_experts) {
   const char* v = std::getenv("MOE_PREFILL_GEMM_CLUSTER");
@@ -661,6 +681,21 @@ int cluster_ctas(bool fp8, int a_rows, int num_experts) {
 bool unroll_k() {
   const char* v = std::getenv("MOE_PREFILL_GEMM_UNROLL");
   return v == nullptr || std::string_view(v) != "0";
+}
+
+// The instantiation for a launch: Qwen3-235B's K (4096 into gate_up, 1536
+// into down) unrolled.
+template <bool kFp8, int kCtas>
+auto pick_kernel(bool gate_up, int k_steps) {
+  using T = Tile<kFp8>;
+  constexpr int kGateUpSteps = 4096 / T::kKStep, kDownSteps = 1536 / T::kKStep;
+  const bool unroll = unroll_k();
+  if (gate_up) {
+    return unroll && k_steps == kGateUpSteps ? prefill_grouped_gemm_kernel<kFp8, true, kGateUpSteps, kCtas>
+                                             : prefill_grouped_gemm_kernel<kFp8, true, 0, kCtas>;
+  }
+  return unroll && k_steps == kDownSteps ? prefill_grouped_gemm_kernel<kFp8, false, kDownSteps, kCtas>
+                                         : prefill_grouped_gemm_kernel<kFp8, false, 0, kCtas>;
 }
 
 template <bool kFp8>
@@ -683,14 +718,8 @@ cudaError_t launch_prefill_gemm(const PrefillArgs& args, const void* a, int a_ro
   error = make_tensor_map_2d(&quarter_map, a, element_bytes, static_cast<uint64_t>(a_rows), args.K, row_bytes, kM / 4,
                              T::kKStep);
   if (error != cudaSuccess) return error;
-  auto kernel = gate_up ? prefill_grouped_gemm_kernel<kFp8, true> : prefill_grouped_gemm_kernel<kFp8, false>;
-  // Qwen3-235B's K (4096 into gate_up, 1536 into down) unrolled.
-  constexpr int kGateUpSteps = 4096 / T::kKStep, kDownSteps = 1536 / T::kKStep;
   const int k_steps = (args.K + T::kKStep - 1) / T::kKStep;
-  if (unroll_k() && gate_up && k_steps == kGateUpSteps)
-    kernel = prefill_grouped_gemm_kernel<kFp8, true, kGateUpSteps>;
-  if (unroll_k() && !gate_up && k_steps == kDownSteps)
-    kernel = prefill_grouped_gemm_kernel<kFp8, false, kDownSteps>;
+  auto kernel = ctas == 1 ? pick_kernel<kFp8, 1>(gate_up, k_steps) : pick_kernel<kFp8, 2>(gate_up, k_steps);
   const int smem_bytes = T::smem_bytes(args.num_experts);
   error = allow_dynamic_smem(kernel, smem_bytes);
   if (error != cudaSuccess) return error;
