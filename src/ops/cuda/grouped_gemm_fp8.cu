@@ -121,10 +121,14 @@ __device__ __forceinline__ float e8m0_to_float(uint32_t code) {
 
 // kRowsByTma: contiguous activation rows (fp8-block) by tensor copies (the
 // `rows` map), else gathered with cp.async. kSplitK: down's items add their
-// share of K into `out` (k_splits > 1). Both compiled in rather than read
-// from the arguments: the paths a launch does not take then cost its kernel
-// nothing (the prefill GEMMs gained 3% from the same, 2026-12-04).
-template <bool kGateUp, bool kMx, bool kRowsByTma, bool kSplitK>
+// share of K into `out` (k_splits > 1). kNarrowOut: gate_up writes E4M3 rows
+// and their scales (out_scales), down bf16 rows (bf16_out). Compiled in
+// rather than read from the arguments, so the paths a launch does not take
+// cost its kernel nothing: kRowsByTma and kSplitK took the GEMMs at 64 rows
+// per expert from 89.3-89.6% to 90.0-90.3% of the copy bandwidth (H200,
+// 2026-12-04, timed interleaved, three rounds; the prefill GEMMs gained 3%
+// from the same).
+template <bool kGateUp, bool kMx, bool kRowsByTma, bool kSplitK, bool kNarrowOut>
 __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __grid_constant__ CUtensorMap weights,
                                                                        Fp8GemmArgs args,
                                                                        const __grid_constant__ CUtensorMap rows) {
@@ -382,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
       const bool live = r < item.rows;  // every lane calls the stores (they shuffle within quads)
       if constexpr (kGateUp) {
         const int64_t row = item.row0 + r;
-        if (!kMx && args.out_scales != nullptr) {
+        if constexpr (kNarrowOut) {
           store_silu_mul_fp8_row(static_cast<uint8_t*>(p.out) + row * p.N,
                                  args.out_scales + row * args.gate_block_rows + n_base / 128, acc, n_base, p.N, h, q,
                                  live);
@@ -393,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_grouped_gemm_kernel(const __g
         add_f32_row(static_cast<float*>(p.out) + static_cast<int64_t>(item.row0 + r) * p.N, acc, n_base, p.N, h, q,
                     live);
       } else {
-        store_down_row(p.out, args.bf16_out, item.row0 + r, p.N, acc, n_base, h, q, live);
+        store_down_row(p.out, kNarrowOut, item.row0 + r, p.N, acc, n_base, h, q, live);
       }
     }
   }
@@ -516,6 +520,23 @@ __global__ void quantize_mxfp8_kernel(QuantizeMxfp8Params p) {
   if (lane == 0 && p.scales != nullptr) p.scales[row * groups + col / kMxGroup] = static_cast<uint8_t>(code);
 }
 
+// The instantiation for a launch (gate_up gathers its rows and never splits
+// K; split-K adds f32; MXFP8 has no E4M3 output and no rows by tensor copies).
+template <bool kMx>
+auto pick_fp8_kernel(bool gate_up, bool rows_by_tma, bool split_k, bool narrow_out) {
+  if (gate_up)
+    return narrow_out ? fp8_grouped_gemm_kernel<true, kMx, false, false, !kMx>
+                      : fp8_grouped_gemm_kernel<true, kMx, false, false, false>;
+  if (split_k)
+    return rows_by_tma ? fp8_grouped_gemm_kernel<false, kMx, !kMx, true, false>
+                       : fp8_grouped_gemm_kernel<false, kMx, false, true, false>;
+  if (rows_by_tma)
+    return narrow_out ? fp8_grouped_gemm_kernel<false, kMx, !kMx, false, true>
+                      : fp8_grouped_gemm_kernel<false, kMx, !kMx, false, false>;
+  return narrow_out ? fp8_grouped_gemm_kernel<false, kMx, false, false, true>
+                    : fp8_grouped_gemm_kernel<false, kMx, false, false, false>;
+}
+
 template <bool kMx>
 cudaError_t launch_fp8_gemm(Fp8GemmArgs args, const void* w, int max_tiles, bool gate_up, int a_rows,
                             cudaStream_t stream) {
@@ -545,14 +566,8 @@ cudaError_t launch_fp8_gemm(Fp8GemmArgs args, const void* w, int max_tiles, bool
     if (error != cudaSuccess) return error;
   }
   const int blocks = std::min(multiprocessor_count(), args.num_n_tiles * max_tiles * args.k_splits);
-  auto kernel = fp8_grouped_gemm_kernel<true, kMx, false, false>;  // gate_up gathers its rows
-  if (!gate_up && args.k_splits > 1) {
-    kernel = rows_by_tma ? fp8_grouped_gemm_kernel<false, kMx, !kMx, true>
-                         : fp8_grouped_gemm_kernel<false, kMx, false, true>;
-  } else if (!gate_up) {
-    kernel = rows_by_tma ? fp8_grouped_gemm_kernel<false, kMx, !kMx, false>
-                         : fp8_grouped_gemm_kernel<false, kMx, false, false>;
-  }
+  auto kernel = pick_fp8_kernel<kMx>(gate_up, rows_by_tma, args.k_splits > 1,
+                                     gate_up ? args.out_scales != nullptr : args.bf16_out);
   const int smem_bytes = kSmemBytes<kMx> + offsets_smem_bytes(args.num_experts);
   error = allow_dynamic_smem(kernel, smem_bytes);
   if (error != cudaSuccess) return error;
