@@ -18,7 +18,7 @@
 // 3. (Printed after 1.) The floor the stages' data sets: the kernel's launches
 //    with its consumers freeing each stage as soon as it lands (the trace
 //    build's g_prefill_trace_no_math), so only its copies take time; the
-//    kernel's cycles against those.
+//    kernel's time against theirs.
 // Built with the GPU targets (bench/CMakeLists.txt); run on the GPU machine.
 #include <algorithm>
 #include <cstdio>

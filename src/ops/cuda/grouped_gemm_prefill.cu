@@ -114,8 +114,9 @@
 // memory, 34-38 bytes per SM cycle; 0.73 ms at 256 rows), the whole kernel
 // 1.12-1.15 ms, so gate_up runs at 90-93% of its copies' pace (93% at 256
 // rows; 96% since the kCtas split below): one CTA per item, it is bound by
-// what its tiles bring in, not by its MMAs. down's stages alone take 0.38-0.42 ms against 0.62-0.67: it is
-// bound by its consumers (the epilogue every 12 stages). The pace depends on
+// what its tiles bring in, not by its MMAs. down's stages alone take
+// 0.38-0.42 ms against 0.62-0.67: it is bound by its consumers (the epilogue
+// every 12 stages). The pace depends on
 // reuse, not on L2's read bandwidth alone: at 1000 rows per expert (8 row
 // tiles read each weight tile at once) the same copies run at 12.5 TB/s, and
 // pairs' multicasts at 375 rows land 10.4 TB/s, where the pair kernel is held
