@@ -433,16 +433,19 @@ void bench_prefill_grouped_gemm() {
                     peer_ms / ms);
       report("cublaslt_fp8_block", shape, peer_ms, flops / 1580e9, extra);
       permute(k::kPrefillGemmTileRows);
-      auto ours = [&](const char* unroll) {
-        return [&, unroll] {
+      auto ours = [&](const char* unroll, const char* staged) {
+        return [&, unroll, staged] {
           setenv("MOE_PREFILL_GEMM_UNROLL", unroll, 1);
+          setenv("MOE_PREFILL_STAGED_OUT", staged, 1);
           run_gemms(k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, true);
         };
       };
-      interleaved("FP8 prefill GEMMs", {{"ours", ours("1")},
-                                        {"ours, K loop not unrolled", ours("0")},
+      interleaved("FP8 prefill GEMMs", {{"ours", ours("1", "1")},
+                                        {"ours, K loop not unrolled", ours("0", "1")},
+                                        {"ours, down's rows stored from registers", ours("1", "0")},
                                         {"cuBLASLt block-scaled FP8", peer}});
       unsetenv("MOE_PREFILL_GEMM_UNROLL");
+      unsetenv("MOE_PREFILL_STAGED_OUT");
     }
   }
 }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -153,7 +154,24 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
                                c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs, true},
                               nullptr);
                         });
-      if (gathered) continue;
+      if (gathered) {
+        // The prefill down GEMM's bf16 rows go out through shared memory;
+        // with MOE_PREFILL_STAGED_OUT=0 from registers: the same bytes.
+        const size_t row_bytes = static_cast<size_t>(pairs) * c.hidden * sizeof(bf16);
+        Output staged = Output::make(row_bytes), from_registers = Output::make(row_bytes);
+        k::Fp8GroupedGemmParams down{act_q.get<uint8_t>(), act_s.get<float>(), nullptr, d_w2.data_as<uint8_t>(),
+                                     d_s2.data_as<float>(), offsets.get<int32_t>(), tiles.get<int32_t>(),
+                                     staged.get<void>(), c.hidden, c.inter, c.experts, max_tiles, false, 1, pairs,
+                                     true};
+        ASSERT_EQ(gemm(down, nullptr), cudaSuccess);
+        down.out = from_registers.get<void>();
+        setenv("MOE_PREFILL_STAGED_OUT", "0", 1);
+        const cudaError_t status = gemm(down, nullptr);
+        unsetenv("MOE_PREFILL_STAGED_OUT");
+        ASSERT_EQ(status, cudaSuccess);
+        EXPECT_TRUE(staged.download() == from_registers.download()) << "bf16 rows from registers differ";
+        continue;
+      }
       // Down launched as gate_up's programmatic dependent (early_weights, as
       // the model runs it) gives the bytes of a plain launch after it: its
       // weight copies start before gate_up ends, its activation rows after.

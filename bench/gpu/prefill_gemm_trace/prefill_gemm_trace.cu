@@ -618,7 +618,8 @@ int main(int argc, char** argv) {
   const char* producer_phases[] = {"wait for a free stage", "issue copies"};
   const char* consumer_phases[] = {
       "issue half 0 (+ scales)", "wait half 0 MMAs", "promote half 0", "issue half 1",
-      "wait next stage",         "wait half 1 MMAs", "promote half 1", "between items"};
+      "wait next stage",         "wait half 1 MMAs", "promote half 1", "epilogue",
+      "wait first stage"};
   // One traced launch (after another, as in a layer): per warpgroup its
   // phases' shares; returns the consumers' mean cycles per CTA.
   auto traced = [&](const Fp8GroupedGemmParams& params, const char* name, bool phases) {
@@ -630,15 +631,15 @@ int main(int argc, char** argv) {
     std::printf("%s (traced launch):\n", name);
     double consumer_cycles = 0;
     for (int wg = 0; wg < 3; ++wg) {
-      double total = 0, ns = 0, share[8] = {};
+      double total = 0, ns = 0, share[kTracePhases] = {};
       for (int b = 0; b < ctas; ++b) {
-        total += tr[b][wg][8], ns += tr[b][wg][9];
-        for (int i = 0; i < 8; ++i) share[i] += tr[b][wg][i];
+        total += tr[b][wg][kTracePhases], ns += tr[b][wg][kTracePhases + 1];
+        for (int i = 0; i < kTracePhases; ++i) share[i] += tr[b][wg][i];
       }
       if (wg == 1) consumer_cycles = total / ctas;
       std::printf("  warpgroup %d: %.0f cycles per CTA, %.3f GHz%s", wg, total / ctas, total / ns,
                   phases ? ";" : "\n");
-      const int count = !phases ? 0 : wg == 0 ? 2 : 8;
+      const int count = !phases ? 0 : wg == 0 ? 2 : kTracePhases;
       for (int i = 0; i < count; ++i)
         std::printf(" %s %.1f%%%s", (wg == 0 ? producer_phases : consumer_phases)[i], 100.0 * share[i] / total,
                     i + 1 < count ? "," : "\n");

@@ -133,6 +133,25 @@
 // 375 rows per expert 0.956-0.971x -> 0.989-0.994x of cuBLASLt's
 // block-scaled GEMM timed interleaved with one CTA per item, 0.907-0.923x ->
 // 0.979-0.984x in pairs; bf16 (pairs) unchanged.
+// Between items (2026-12-04, bench/results/2026-12-04_gpu_fp8_prefill_order_staged;
+// the trace marks now time the epilogue and the wait for an item's first
+// stage apart): that wait is 0.3-1% of the consumers' cycles; the rest is
+// the epilogue itself, 11% of gate_up's cycles (its SiLU and quantization;
+// its stores ~2%) and 17% of down's (the quad transposes and conversions
+// ~11%, the stores ~6.5%). down's bf16 rows now go out through shared
+// memory (store_down_rows_staged: no shuffles, whole lines stored): down's
+// cycles -3.2%, both GEMMs 1.8-2.2% faster timed interleaved, 1.005-1.006x
+// of cuBLASLt's block-scaled GEMM. Measured and dropped (same record): the
+// tile written out by TMA tensor stores from a 64 KB staging area (three
+// stages: the stores delay the loads, next-stage waits 7 -> 13.5%: down's
+// cycles -2%), by one bulk copy per row (epilogue 17 -> 21%); CTAs started
+// staggered by a quarter or half a down item (no change: not all SMs
+// storing at once); an expert's row tiles innermost in the item order (the
+// copies alone -5% cycles, the kernel unchanged); L2 prefetches of the next
+// item's first weight stages; pairs' stage releases passed on by the
+// producers (+0.5% cycles). Traced cycles per CTA repeat within ~0.3% from
+// run to run where times move by 5% with the power-limited clock: the
+// measure for such comparisons.
 //
 // Floor (Qwen3-235B, 128 experts, hidden 4096, moe_intermediate 1536, 375 rows
 // per expert = 6000 tokens x top-8): 2 x 48000 x 4096 x 4608 = 1.81 TFLOP per
@@ -160,15 +179,15 @@ namespace {
 // Cycle counts of the kernel's phases for bench/gpu/prefill_gemm_trace,
 // compiled in only with MOE_PREFILL_GEMM_TRACE: per CTA and warpgroup
 // (0: the producer, 1 and 2: the consumers), the %clock cycles spent in each
-// of up to eight phases (the marks below say which), then the warpgroup's
+// of up to kTracePhases phases (the marks below say which), then the warpgroup's
 // cycles and %globaltimer nanoseconds from its start to its end. Every
 // thread keeps the sums (no divergence around the MMAs); thread 0 of each
 // warpgroup stores them.
 #ifdef MOE_PREFILL_GEMM_TRACE
-inline constexpr int kTraceSlots = 10;
+inline constexpr int kTracePhases = 9, kTraceSlots = kTracePhases + 2;
 __device__ unsigned long long g_prefill_trace[2048][3][kTraceSlots];
 struct PhaseClock {
-  uint32_t start = now(), last = start, sum[8] = {};
+  uint32_t start = now(), last = start, sum[kTracePhases] = {};
   uint64_t start_ns = global_ns();
   static __device__ __forceinline__ uint32_t now() {
     uint32_t t;
@@ -188,9 +207,9 @@ struct PhaseClock {
   __device__ __forceinline__ void store() const {
     if (threadIdx.x % 128 != 0 || blockIdx.x >= 2048) return;
     unsigned long long* out = g_prefill_trace[blockIdx.x][threadIdx.x / 128];
-    for (int i = 0; i < 8; ++i) out[i] = sum[i];
-    out[8] = now() - start;
-    out[9] = global_ns() - start_ns;
+    for (int i = 0; i < kTracePhases; ++i) out[i] = sum[i];
+    out[kTracePhases] = now() - start;
+    out[kTracePhases + 1] = global_ns() - start_ns;
   }
 };
 // 1: the FP8 consumers free each stage as soon as it lands -- no MMAs,
@@ -227,8 +246,13 @@ struct Tile {
   static constexpr int kScaleBytes = kFp8 ? 1024 : 0;  // 128 activation + 2 weight scales, padded
   static constexpr int kStageBytes = kABytes + kBBytes + kScaleBytes;
   static constexpr int kBarrierBase = kStages * kStageBytes;
+  // FP8: per consumer warp, 16 rows x 64 bf16 columns of down's output on
+  // their way out (store_down_rows_staged), 128-byte swizzled.
+  static constexpr int kOutPartBytes = 16 * 128;
+  static constexpr int kOutBase = (kBarrierBase + 2 * kStages * 8 + 1023) / 1024 * 1024;
+  static constexpr int kOutBytes = kFp8 ? 8 * kOutPartBytes : 0;
   // Then expert_offsets and tile_offsets ([num_experts + 1] each, so dynamic).
-  static constexpr int kOffsetsBase = kBarrierBase + 2 * kStages * 8;
+  static constexpr int kOffsetsBase = kOutBase + kOutBytes;
   static constexpr int kSmemBytes = kOffsetsBase + 1024;  // + alignment slack
   static int smem_bytes(int num_experts) { return kSmemBytes + offsets_smem_bytes(num_experts); }
   static_assert(kStageBytes % 1024 == 0, "stages keep the swizzle atoms 1024-aligned");
@@ -245,6 +269,7 @@ struct PrefillArgs {
   int scale_cols;       // ceil(K / 128)
   int gate_block_rows;  // gate_up: ceil(N / 128), where the up half's scale block rows start
   bool bf16_out;        // down: bf16 rows
+  bool staged_out;      // FP8 down, bf16 rows, N % 8 == 0, `out` 16-aligned: store_down_rows_staged
   float* out_scales;    // FP8 gate_up: E4M3 rows into `out`, their 1 x 128 scales here (store_silu_mul_fp8_row)
 };
 
@@ -590,6 +615,43 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[64 * half + i] += part[i] * scale[(i >> 1) & 1];
       };
+      // FP8 down's bf16 rows through shared memory (p.staged_out): per 64
+      // columns, the warp's 16 tile rows (16 w, w = 4 consumer + warp) go into
+      // its part of the staging area by stmatrix (matrix i of lane 8 i + r:
+      // chunk c + i / 2 of 8 columns, row 8 (i % 2) + r; 128-byte swizzle, so
+      // both the stmatrix rows and the reads back fall on distinct banks),
+      // then each lane reads back 16 bytes of four rows and stores them,
+      // eight lanes a full 128-byte row each. No shuffles (the quad
+      // transposes of store_bf16_row took ~11% of down's cycles), and whole
+      // lines stored.
+      auto store_down_rows_staged = [&](const GemmItem& item) {
+        const int first = (consumer * 4 + warp) * 16;
+        const uint32_t part_buf = smem + T::kOutBase + (consumer * 4 + warp) * T::kOutPartBytes;
+        const unsigned char* part_ptr = smem_raw + (part_buf - smem_u32(smem_raw));
+        const int m = lane >> 3, r = 8 * (m & 1) + (lane & 7), read_chunk = lane & 7;
+        bf16* out = static_cast<bf16*>(p.out);
+#pragma unroll
+        for (int part = 0; part < 4; ++part) {
+#pragma unroll
+          for (int c2 = 0; c2 < 8; c2 += 2) {
+            const int c = 8 * part + c2, chunk = c2 + (m >> 1);
+            const uint32_t r4[4] = {bf16_pair(acc[4 * c], acc[4 * c + 1]), bf16_pair(acc[4 * c + 2], acc[4 * c + 3]),
+                                    bf16_pair(acc[4 * c + 4], acc[4 * c + 5]),
+                                    bf16_pair(acc[4 * c + 6], acc[4 * c + 7])};
+            stmatrix_x4(part_buf + r * 128 + ((chunk ^ (r & 7)) << 4), r4);
+          }
+          __syncwarp();
+          const int col = item.n0 + 64 * part + 8 * read_chunk;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int row = (lane >> 3) + 4 * i;
+            const uint4 v = *reinterpret_cast<const uint4*>(part_ptr + row * 128 + ((read_chunk ^ (row & 7)) << 4));
+            if (first + row < item.rows && col < p.N)
+              *reinterpret_cast<uint4*>(out + static_cast<int64_t>(item.row0 + first + row) * p.N + col) = v;
+          }
+          __syncwarp();
+        }
+      };
       // One stage whose data has arrived: both halves, each promoted; its
       // scales (and, in an item's first stage, the next item `look_ahead`: a
       // binary search over the offsets) are read while the first half's MMAs
@@ -599,7 +661,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Trace phases: 0 issuing the first half (+ scales, look-ahead), 1
       // waiting for its MMAs, 2 its promotion, 3 issuing the second half, 4
       // waiting for the next stage, 5 for the second half's MMAs, 6 its
-      // promotion, 7 between items (epilogue, zeroing, the first stage's wait).
+      // promotion, 7 the epilogue (and zeroing the sums), 8 waiting for an
+      // item's first stage.
       PhaseClock trace;
       const bool no_math = trace_no_math();
       auto k_step = [&](int stage, bool has_next, int next_stage, uint32_t next_parity, int look_ahead = -1) {
@@ -633,8 +696,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const auto [item, idle, share_weights] = current;
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-        mbarrier_wait(full(step % T::kStages), (step / T::kStages) & 1);
         trace.mark(7);
+        mbarrier_wait(full(step % T::kStages), (step / T::kStages) & 1);
+        trace.mark(8);
         if constexpr (kKSteps > 0) {  // step is a multiple of the ring here: ks % kStages is the stage
 #pragma unroll 4
           for (int ks = 0; ks < kKSteps; ++ks)
@@ -646,7 +710,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             k_step(step % T::kStages, ks + 1 < num_k_steps, (step + 1) % T::kStages,
                    ((step + 1) / T::kStages) & 1, ks == 0 ? index + num_clusters : -1);
         }
-        if (!idle && !no_math) store_rows<kGateUp, kFp8>(p, item, acc, consumer * 64 + warp * 16 + g, q);
+        if (!idle && !no_math) {
+          if (!kGateUp && p.staged_out) {
+            store_down_rows_staged(item);
+          } else {
+            store_rows<kGateUp, kFp8>(p, item, acc, consumer * 64 + warp * 16 + g, q);
+          }
+        }
       }
       trace.mark(7);
       trace.store();
@@ -785,6 +855,10 @@ cudaError_t fp8_grouped_gemm_prefill(const Fp8GroupedGemmParams& p, cudaStream_t
   if (p.out_scales != nullptr && (!p.gate_up || p.N % 16 != 0)) return cudaErrorInvalidValue;
   PrefillArgs args = prefill_args(p, Tile<true>::kWeightRows);
   args.out_scales = p.out_scales;
+  // MOE_PREFILL_STAGED_OUT=0: down's rows from registers (store_bf16_row), for measuring.
+  const char* staged = std::getenv("MOE_PREFILL_STAGED_OUT");
+  args.staged_out = !p.gate_up && p.bf16_out && p.N % 8 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                    (staged == nullptr || std::string_view(staged) != "0");
   args.a_scales = p.a_scales, args.a_scale_rows = p.a_scale_rows, args.w_scales = p.w_scales;
   args.scale_cols = (p.K + 127) / 128, args.gate_block_rows = (p.N + 127) / 128;
   return launch_prefill_gemm<true>(args, p.a, p.a_rows, p.w, p.max_tiles, p.gate_up, stream);

@@ -283,6 +283,18 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tensor_map
       : "memory");
 #endif
 }
+// stmatrix: four 8x8 matrices of 16-bit values from the warp's registers
+// into shared memory. Register i of lane 4 g + q holds row g, columns 2 q and
+// 2 q + 1 of matrix i (the layout of an MMA accumulator's chunk of 8 columns
+// rounded to bf16 pairs); lane 8 i + r gives the address of matrix i's row r
+// (16 bytes).
+__device__ __forceinline__ void stmatrix_x4(uint32_t row_addr, const uint32_t (&r)[4]) {
+#if MOE_SM90A_DEVICE
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(row_addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#endif
+}
 // Thread-block clusters (sm_90): CTAs of a cluster share their shared memory.
 // A TMA load with multicast writes the same box at the same shared-memory
 // offset of every CTA in `cta_mask` and completes the bytes on the barrier at
