@@ -144,10 +144,11 @@ __device__ __forceinline__ float swiglu(float gate, float up) {
   return __fdividef(gate, 1.0f + e) * up;
 }
 
-// swiglu rounded to bf16: the values the E4M3 gate_up epilogues quantize
-// (those quantize_fp8_groups would quantize from the bf16 rows).
-__device__ __forceinline__ float swiglu_bf16(float gate, float up) {
-  return __bfloat162float(__float2bfloat16_rn(swiglu(gate, up)));
+// Two swiglu values rounded to bf16 in one conversion: the values the E4M3
+// gate_up epilogues quantize (those quantize_fp8_groups would quantize from
+// the bf16 rows).
+__device__ __forceinline__ float2 swiglu_bf16x2(float gate0, float up0, float gate1, float up1) {
+  return __bfloat1622float2(__floats2bfloat162_rn(swiglu(gate0, up0), swiglu(gate1, up1)));
 }
 
 // gate_up: kChunks chunks of gate columns, then kChunks of the matching up
@@ -183,12 +184,12 @@ __device__ __forceinline__ void store_silu_mul_fp8_row(uint8_t* out_row, float* 
                                                        int n_base, int N, int h, int q, bool live) {
   float v[32];
 #pragma unroll
-  for (int i = 0; i < 16; ++i)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const float x = swiglu_bf16(acc[4 * i + 2 * h + c], acc[4 * (i + 16) + 2 * h + c]);
-      v[2 * i + c] = n_base + 8 * i + 2 * q + c < N ? x : 0.0f;
-    }
+  for (int i = 0; i < 16; ++i) {
+    const int a = 4 * i + 2 * h, b = 4 * (i + 16) + 2 * h, n = n_base + 8 * i + 2 * q;
+    const float2 x = swiglu_bf16x2(acc[a], acc[b], acc[a + 1], acc[b + 1]);
+    v[2 * i] = n < N ? x.x : 0.0f;
+    v[2 * i + 1] = n + 1 < N ? x.y : 0.0f;
+  }
   store_fp8_group_quad(out_row + n_base, scale_out, v, N - n_base, q, live);
 }
 

@@ -133,25 +133,26 @@
 // 375 rows per expert 0.956-0.971x -> 0.989-0.994x of cuBLASLt's
 // block-scaled GEMM timed interleaved with one CTA per item, 0.907-0.923x ->
 // 0.979-0.984x in pairs; bf16 (pairs) unchanged.
-// Between items (2026-12-04, bench/results/2026-12-04_gpu_fp8_prefill_order_staged;
-// the trace marks now time the epilogue and the wait for an item's first
-// stage apart): that wait is 0.3-1% of the consumers' cycles; the rest is
-// the epilogue itself, 11% of gate_up's cycles (its SiLU and quantization;
-// its stores ~2%) and 17% of down's (the quad transposes and conversions
-// ~11%, the stores ~6.5%). down's bf16 rows now go out through shared
-// memory (store_down_rows_staged: no shuffles, whole lines stored): down's
-// cycles -3.2%, both GEMMs 1.8-2.2% faster timed interleaved, 1.005-1.006x
-// of cuBLASLt's block-scaled GEMM. Measured and dropped (same record): the
-// tile written out by TMA tensor stores from a 64 KB staging area (three
-// stages: the stores delay the loads, next-stage waits 7 -> 13.5%: down's
-// cycles -2%), by one bulk copy per row (epilogue 17 -> 21%); CTAs started
-// staggered by a quarter or half a down item (no change: not all SMs
-// storing at once); an expert's row tiles innermost in the item order (the
-// copies alone -5% cycles, the kernel unchanged); L2 prefetches of the next
-// item's first weight stages; pairs' stage releases passed on by the
-// producers (+0.5% cycles). Traced cycles per CTA repeat within ~0.3% from
-// run to run where times move by 5% with the power-limited clock: the
-// measure for such comparisons.
+// Between items (2026-12-04,
+// bench/results/2026-12-04_gpu_fp8_prefill_order_staged; the trace marks now
+// time the epilogue and the wait for an item's first stage apart): that wait is
+// 0.3-1% of the consumers' cycles; the rest is the epilogue itself, 11% of
+// gate_up's cycles (its SiLU and quantization; its stores ~2%) and 17% of
+// down's (the quad transposes and conversions ~11%, the stores ~6.5%). down's
+// bf16 rows now go out through shared memory (store_down_rows_staged: no
+// shuffles, whole lines stored): down's cycles -3.2%, both GEMMs 1.8-2.2%
+// faster timed interleaved, 1.005-1.006x of cuBLASLt's block-scaled GEMM;
+// gate_up's SiLU values are rounded to bf16 two per conversion (swiglu_bf16x2:
+// gate_up -1.2% cycles). Measured and dropped (same record): the tile written
+// out by TMA tensor stores from a 64 KB staging area (three stages: the stores
+// delay the loads, next-stage waits 7 -> 13.5%: down's cycles -2%), by one bulk
+// copy per row (epilogue 17 -> 21%); CTAs started staggered by a quarter or
+// half a down item (no change: not all SMs storing at once); an expert's row
+// tiles innermost in the item order (the copies alone -5% cycles, the kernel
+// unchanged); L2 prefetches of the next item's first weight stages; pairs'
+// stage releases passed on by the producers (+0.5% cycles). Traced cycles per
+// CTA repeat within ~0.3% from run to run where times move by 5% with the
+// power-limited clock: the measure for such comparisons.
 //
 // Floor (Qwen3-235B, 128 experts, hidden 4096, moe_intermediate 1536, 375 rows
 // per expert = 6000 tokens x top-8): 2 x 48000 x 4096 x 4608 = 1.81 TFLOP per
