@@ -191,18 +191,23 @@ class CudaOps : public testing::Test {
   ThreadPool pool_;
 };
 
-// Pins the prefill grouped GEMMs' cluster size (MOE_PREFILL_GEMM_CLUSTER: 1
-// or 2) for one scope; nullptr leaves the default.
-struct PrefillCluster {
-  explicit PrefillCluster(const char* ctas) : set(ctas != nullptr) {
-    if (set) setenv("MOE_PREFILL_GEMM_CLUSTER", ctas, 1);
+// Sets environment variable `name` to `value` for one scope (nullptr: leaves
+// it alone), then unsets it: the kernels' measuring switches, such as
+// MOE_PREFILL_GEMM_CLUSTER (1 or 2) or MOE_PREFILL_STAGED_OUT (0), which
+// their launchers read at every launch.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(value != nullptr ? name : nullptr) {
+    if (name_ != nullptr) setenv(name_, value, 1);
   }
-  ~PrefillCluster() {
-    if (set) unsetenv("MOE_PREFILL_GEMM_CLUSTER");
+  ~ScopedEnv() {
+    if (name_ != nullptr) unsetenv(name_);
   }
-  PrefillCluster(const PrefillCluster&) = delete;
-  PrefillCluster& operator=(const PrefillCluster&) = delete;
-  bool set;
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
 };
 
 }  // namespace moe::ops::cuda_test

@@ -86,7 +86,7 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
          {Kernel{"fp8", k::fp8_grouped_gemm, k::kGroupedGemmTileRows, nullptr},
           Kernel{"fp8 prefill", k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, "1"},
           Kernel{"fp8 prefill", k::fp8_grouped_gemm_prefill, k::kPrefillGemmTileRows, "2"}}) {
-      const PrefillCluster pin(cluster);
+      const ScopedEnv pin("MOE_PREFILL_GEMM_CLUSTER", cluster);
       SCOPED_TRACE(std::string("cluster ") + (cluster != nullptr ? cluster : "default"));
       Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
       Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);
@@ -165,10 +165,10 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
                                      true};
         ASSERT_EQ(gemm(down, nullptr), cudaSuccess);
         down.out = from_registers.get<void>();
-        setenv("MOE_PREFILL_STAGED_OUT", "0", 1);
-        const cudaError_t status = gemm(down, nullptr);
-        unsetenv("MOE_PREFILL_STAGED_OUT");
-        ASSERT_EQ(status, cudaSuccess);
+        {
+          const ScopedEnv from_registers_path("MOE_PREFILL_STAGED_OUT", "0");
+          ASSERT_EQ(gemm(down, nullptr), cudaSuccess);
+        }
         EXPECT_TRUE(staged.download() == from_registers.download()) << "bf16 rows from registers differ";
         continue;
       }

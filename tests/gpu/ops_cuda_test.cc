@@ -318,7 +318,7 @@ TEST_F(CudaOps, RoutingPermutationAndGroupedGemm) {
         gemms.push_back({"wgmma prefill", k::wgmma_grouped_gemm_prefill, k::kPrefillGemmTileRows, ctas});
     }
     for (const auto& [name, gemm, tile_rows, cluster] : gemms) {
-      const PrefillCluster pin(cluster);
+      const ScopedEnv pin("MOE_PREFILL_GEMM_CLUSTER", cluster);
       SCOPED_TRACE(std::string("cluster ") + (cluster != nullptr ? cluster : "default"));
       Output offsets = Output::make((c.experts + 1) * 4), tiles = Output::make((c.experts + 1) * 4);
       Output sorted = Output::make(pairs * 4), row_of = Output::make(pairs * 4);

@@ -39,120 +39,14 @@
 // bf16: an expert's last row tile when it holds at most 64 rows is "split":
 // both consumers multiply those rows, each by half the weight rows (so their
 // SiLU-multiply stays in its registers), instead of consumer 1 idling through
-// the item; 2% at 256 rows per expert on average (random routing, the size of
-// a 4096-token step). Not in FP8: there a partial item is held by its
-// weight stream and its consumers' work at once, so a split item gained ~1%
-// alone and 2-4% with the producer's row quarters (on the runtime K
-// loop), but the split path's code cost the unrolled K loop ~3% even with no
-// item split (2026-12-03; bench/results/2026-12-03_gpu_prefill_split_tiles.md,
-// the patch beside it). In a kernel instantiation and launch of their own
-// (after the whole tiles, a programmatic dependent launch) they gained
-// nothing: a split item streams the same weight rows per stage as a whole
-// one, and that stream sets an item's time
-// (2026-12-03_gpu_fp8_prefill_split_launch.md).
+// the item (2% at 256 rows per expert with random routing); FP8 does not
+// split, as its split path's code cost the unrolled K loop more than split
+// items gained.
 // The activation rows must be contiguous (rows of `a` in permuted order): a
 // gate_up caller gathers them first (gather_rows). Consecutive items are the
 // column tiles of one row tile, and the row tiles of an expert follow each
 // other, so the grid's concurrent items share their activation rows and
 // expert weights in L2.
-//
-// Measured on an H200 (375 rows per expert, 2026-12-01): the first version of
-// this kernel (activation rows gathered with cp.async through sorted_token,
-// one CTA per item) ran 3.87 ms bf16 / 3.12 ms FP8; TMA rows and the bf16
-// pair 3.2-3.4 / 2.44-2.55 ms; the item lookups in shared memory FP8 2.07 ms;
-// FP8 column tiles of 256 instead of 128 (so 48 instead of 32 KB per stage
-// for twice the MMAs) 2.04-2.33 -> 1.83-1.99 ms, and 743-826 -> 907-916
-// TFLOP/s at 1000-2000 rows per expert; pairs sharing weight rows besides
-// pairs sharing activation rows: bf16 3.18-3.24 -> 3.01-3.10 ms; the K loop
-// unrolled by one round of the ring (kKSteps, 2026-12-02; timed interleaved
-// call by call with the runtime loop, medians of 30): FP8 2.135-2.160 ->
-// 1.987-2.013 ms (7.3-7.5%; 3.1% at 1000-2000 rows per expert), bf16 0.4-0.7%;
-// the FP8 consumers waiting for the next stage and reading its scales while
-// their MMAs run, descriptors advanced by one add, the stage release
-// predicated (2026-12-02, old and new binaries alternated in one call, three
-// rounds): 1.95-2.05 -> 1.87-1.90 ms interleaved, 0.85-0.87x -> 0.91-0.93x of
-// cuBLASLt's block-scaled FP8 GEMM timed interleaved with it; the
-// epilogue's quad shuffles with the whole warp's mask (grouped_gemm.cuh;
-// 2026-12-02, two calls, old and new binaries alternated): FP8 1.90-1.96 ->
-// 1.83-1.88 ms, 0.90-0.91x -> 0.955x of cuBLASLt's; bf16 0.91x -> 0.93-0.94x
-// of cuBLASLt's dense GEMM; the FP8 consumers looking up their next item
-// under the first MMAs of the current one (2026-12-03, three rounds
-// alternated): 1.866-1.886 -> 1.836-1.850 ms. No gain from rewriting the
-// promotion FFMAs' yield and operand-reuse bits in the SASS, as DeepGEMM
-// does (three variants, 0.92-0.95x of cuBLASLt's against 0.96x unpatched;
-// bench/results/2026-12-03_gpu_fp8_prefill_yield_lookahead.md).
-// A cluster-scope release on the consumers' arrivals
-// (mbarrier.arrive.release.cluster) had cost 30-50%: it fences every earlier
-// access of the thread. bf16's gate_up now keeps the tensor pipe 87% busy
-// with L2 at 92% throughput, the SM clock held at ~1.55 GHz by the power
-// limit (so ~600 of the ~840 TFLOP/s that clock allows). FP8's tensor pipe is 64% (gate_up)
-// and 51% (down) busy, L2 at 87-94% throughput: its consumers wait on their
-// MMAs a third of the time and promote another third, and the producer
-// mostly waits for free stages (ncu; bench/results
-// 2026-12-01_gpu_prefill_gemm_v2.md, 2026-12-01_gpu_prefill_fp8_256.md).
-// Since 2026-12-02 gate_up's pipe is 74% busy at 1.52 GHz (1.02 ms): per
-// stage a consumer waits ~60% of its time on its MMAs and spends two
-// promotions of ~200 cycles each, and the SiLU epilogue takes ~14% of its
-// time (2026-12-02_gpu_fp8_prefill_stage_overlap.md).
-// Phase clocks (2026-12-04, bench/gpu/prefill_gemm_trace, the MOE_PREFILL_GEMM_TRACE
-// marks below): a gate_up stage takes ~1,390 cycles against 1,024 for its MMAs at
-// the tensor peak; the consumers wait ~9% of their time for the next stage (the
-// producer meanwhile waits ~60% for a free one: the copies land late) and spend
-// 12% (down: 18%) between items, both leaving the tensor cores idle since the
-// two consumers are in lockstep. The MMA/promotion pattern itself is not the
-// limit: alone in a CTA of this shape it keeps the tensor cores 100% busy per
-// clock, 99.9% with 48 KB copies landing beside it. Three consumers of 64 x 128
-// (192-row tiles), each half as two n64 quarters into partials taking turns,
-// and the scales by 16-byte loads with down's rows stored evict-first were all
-// correct and slower (bench/results/2026-12-04_gpu_fp8_prefill_promotion_floor,
-// patches beside it). (ptxas serialises every wgmma when an MMA group is in
-// flight across a loop's back edge while another's accumulator is read, C7514;
-// wait_group 1 in straight-line code, drained per iteration, is fine.)
-// The data's own pace (2026-12-04, prefill_gemm_trace's third part: the
-// kernel with its consumers freeing each stage as it lands): at 375 rows per
-// expert gate_up's stages alone take 1.03-1.06 ms (6.8-7.0 TB/s into shared
-// memory, 34-38 bytes per SM cycle; 0.73 ms at 256 rows), the whole kernel
-// 1.12-1.15 ms, so gate_up runs at 90-93% of its copies' pace (93% at 256
-// rows; 96% since the kCtas split below): one CTA per item, it is bound by
-// what its tiles bring in, not by its MMAs. down's stages alone take
-// 0.38-0.42 ms against 0.62-0.67: it is bound by its consumers (the epilogue
-// every 12 stages). The pace depends on
-// reuse, not on L2's read bandwidth alone: at 1000 rows per expert (8 row
-// tiles read each weight tile at once) the same copies run at 12.5 TB/s, and
-// pairs' multicasts at 375 rows land 10.4 TB/s, where the pair kernel is held
-// by its consumers instead (57% of its data's pace). Neither overlapping the
-// epilogue with the next item's first MMAs (its SiLU and stores then had
-// ~10 registers beside the 192 the MMAs and sums hold: gate_up 14% more
-// cycles) nor asking L2 for the weight rows 4-16 stages ahead
-// (cp.async.bulk.prefetch.tensor: the copies' own pace fell to 4.1-5.1 TB/s)
-// helped (bench/results/2026-12-04_gpu_fp8_prefill_delivery_floor, patches).
-// What did help the same day (same record, old and new binaries alternated,
-// three rounds): a pair's consumer warps arriving on both CTAs' barriers in
-// one instruction (lanes 0 and 1) instead of lane 0 arriving on each in turn,
-// and the kernel compiled apart for one CTA and for pairs (kCtas): FP8 at
-// 375 rows per expert 0.956-0.971x -> 0.989-0.994x of cuBLASLt's
-// block-scaled GEMM timed interleaved with one CTA per item, 0.907-0.923x ->
-// 0.979-0.984x in pairs; bf16 (pairs) unchanged.
-// Between items (2026-12-04,
-// bench/results/2026-12-04_gpu_fp8_prefill_order_staged; the trace marks now
-// time the epilogue and the wait for an item's first stage apart): that wait is
-// 0.3-1% of the consumers' cycles; the rest is the epilogue itself, 11% of
-// gate_up's cycles (its SiLU and quantization; its stores ~2%) and 17% of
-// down's (the quad transposes and conversions ~11%, the stores ~6.5%). down's
-// bf16 rows now go out through shared memory (store_down_rows_staged: no
-// shuffles, whole lines stored): down's cycles -3.2%, both GEMMs 1.8-2.2%
-// faster timed interleaved, 1.005-1.006x of cuBLASLt's block-scaled GEMM;
-// gate_up's SiLU values are rounded to bf16 two per conversion (swiglu_bf16x2:
-// gate_up -1.2% cycles). Measured and dropped (same record): the tile written
-// out by TMA tensor stores from a 64 KB staging area (three stages: the stores
-// delay the loads, next-stage waits 7 -> 13.5%: down's cycles -2%), by one bulk
-// copy per row (epilogue 17 -> 21%); CTAs started staggered by a quarter or
-// half a down item (no change: not all SMs storing at once); an expert's row
-// tiles innermost in the item order (the copies alone -5% cycles, the kernel
-// unchanged); L2 prefetches of the next item's first weight stages; pairs'
-// stage releases passed on by the producers (+0.5% cycles). Traced cycles per
-// CTA repeat within ~0.3% from run to run where times move by 5% with the
-// power-limited clock: the measure for such comparisons.
 //
 // Floor (Qwen3-235B, 128 experts, hidden 4096, moe_intermediate 1536, 375 rows
 // per expert = 6000 tokens x top-8): 2 x 48000 x 4096 x 4608 = 1.81 TFLOP per
@@ -162,6 +56,17 @@
 // row tiles. L2 is the next limit: a CTA's stage is 48 KB for 4.2 MFLOP
 // (bf16) or 8.4 MFLOP (FP8), ~9-10 TB/s across the grid at the bf16
 // tensor-core rate against ~7.2 TB/s measured; the pairs cut that to 32-40 KB.
+//
+// Where it stands (H200, 2026-12-04; docs/prefill_gemm.md has every
+// measurement behind this shape and the variants that lost): FP8 at 375 rows
+// per expert 1.005-1.007x of cuBLASLt's block-scaled FP8 GEMM timed
+// interleaved, ~1,150 TFLOP/s at the 1.3-1.45 GHz the power limit allows;
+// the tensor cores ~75% (gate_up) / ~70% (down) busy per clock. One CTA per
+// item is bound by its copies (gate_up's stages alone land at 6.8-7.0 TB/s:
+// 90-96% of the kernel's time); pairs land their data 1.5x faster but their
+// consumers then set the pace. The consumers lose ~9% waiting for the next
+// stage and 10% (gate_up) / 15% (down) in the epilogue, which both run at
+// once while the tensor cores idle.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -171,66 +76,12 @@
 
 #include "ops/cuda/grouped_gemm.cuh"
 #include "ops/cuda/kernels.h"
+#include "ops/cuda/prefill_gemm_trace.cuh"
 #include "ops/cuda/tensor_map.h"
 #include "ops/cuda/wgmma.cuh"
 
 namespace moe::ops::cuda {
 namespace {
-
-// Cycle counts of the kernel's phases for bench/gpu/prefill_gemm_trace,
-// compiled in only with MOE_PREFILL_GEMM_TRACE: per CTA and warpgroup
-// (0: the producer, 1 and 2: the consumers), the %clock cycles spent in each
-// of up to kTracePhases phases (the marks below say which), then the warpgroup's
-// cycles and %globaltimer nanoseconds from its start to its end. Every
-// thread keeps the sums (no divergence around the MMAs); thread 0 of each
-// warpgroup stores them.
-#ifdef MOE_PREFILL_GEMM_TRACE
-inline constexpr int kTracePhases = 9, kTraceSlots = kTracePhases + 2;
-__device__ unsigned long long g_prefill_trace[2048][3][kTraceSlots];
-struct PhaseClock {
-  uint32_t start = now(), last = start, sum[kTracePhases] = {};
-  uint64_t start_ns = global_ns();
-  static __device__ __forceinline__ uint32_t now() {
-    uint32_t t;
-    asm volatile("mov.u32 %0, %%clock;" : "=r"(t)::"memory");
-    return t;
-  }
-  static __device__ __forceinline__ uint64_t global_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-    return t;
-  }
-  __device__ __forceinline__ void mark(int phase) {
-    const uint32_t t = now();
-    sum[phase] += t - last;
-    last = t;
-  }
-  __device__ __forceinline__ void store() const {
-    if (threadIdx.x % 128 != 0 || blockIdx.x >= 2048) return;
-    unsigned long long* out = g_prefill_trace[blockIdx.x][threadIdx.x / 128];
-    for (int i = 0; i < kTracePhases; ++i) out[i] = sum[i];
-    out[kTracePhases] = now() - start;
-    out[kTracePhases + 1] = global_ns() - start_ns;
-  }
-};
-// 1: the FP8 consumers free each stage as soon as it lands -- no MMAs,
-// promotions nor stores --, so the kernel times its stages' data delivery
-// alone (prefill_gemm_trace's floor); set by the tool, trace builds only.
-__device__ int g_prefill_trace_no_math;
-__device__ __forceinline__ bool trace_no_math() { return g_prefill_trace_no_math != 0; }
-#else
-template <int = 0>
-__device__ __forceinline__ bool trace_no_math() {
-  return false;
-}
-// (Templates: never instantiated where the device code compiles out, so no unused warning.)
-struct PhaseClock {
-  template <int = 0>
-  __device__ __forceinline__ void mark(int) {}
-  template <int = 0>
-  __device__ __forceinline__ void store() const {}
-};
-#endif
 
 constexpr int kM = kPrefillGemmTileRows;  // two consumer warpgroups of 64 rows
 static_assert(kM == 128, "two wgmma row blocks per tile");
@@ -580,14 +431,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // is shorter than the other's batch. So everything else of a stage
       // change -- waiting for the next stage, reading its scales -- happens
       // while MMAs run, and the descriptors are one add from a base
-      // (2026-12-02: gate_up's tensor pipe 68 -> 74% busy). Measured on an
-      // H200, no gain from making the two consumers take turns to issue
-      // (named barriers, so one always promotes while the other's MMAs run),
-      // from the activation rows in registers (ldmatrix once per K block,
-      // RS-mode MMAs), nor from starting consumer 1 one or two stages behind
-      // consumer 0 so that their epilogues (SiLU on the SFUs: ~14% of a
-      // consumer's time in gate_up) would not leave the tensor pipe idle
-      // together (2026-12-02, within noise).
+      // (gate_up's tensor pipe 68 -> 74% busy; the variants that gained
+      // nothing are in docs/prefill_gemm.md).
       float acc[128], part[64];
       const uint64_t a_desc = sw128_descriptor(a_tile(0) + a_offset, 16, 1024);
       const uint64_t b_desc = sw128_descriptor(b_tile(0), 16, 1024);
@@ -728,32 +573,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// CTAs per cluster. Measured on an H200 (three runs each): bf16 gains from
-// pairs at 375 rows per expert (3.20-3.42 ms against 3.39-3.61 alone with
-// only row sharing; 2.87-3.10 since pairs share weights too, against
-// 3.37-3.39 alone in the same call), FP8 a little from about four row tiles
-// per expert up (pairs against one CTA, two rounds each in one call: 512
-// rows per expert 2.47-2.52 / 2.57-2.78 ms, 768 rows 4.18-4.20 / 4.26-4.28,
-// 1000 rows 6.25-6.29 / 6.10-6.42, 375 rows 1.87-1.94 / 1.89-1.99). Since the
-// pairs' one-instruction release (2026-12-04, prefill_gemm_trace, two rounds,
-// both GEMMs one / pair): 256 rows 1.184-1.190 / 1.130-1.158 ms, 375 rows
-// 1.706-1.779 / 1.687-1.739, 1000 rows 4.938-4.981 / 4.885-4.900; but at 375
-// gpu_bench's interleaved timing puts one CTA ahead (0.989-0.994x of
-// cuBLASLt's against 0.979-0.984x), so the threshold stays.
-// MOE_PREFILL_GEMM_CLUSTER=1 or 2 overrides, for measuring and for the tests.
+// The measuring switches below are read at every launch (the bench flips
+// them between calls); unset reads as "".
+std::string_view env_value(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? std::string_view() : std::string_view(v);
+}
+
+// CTAs per cluster: pairs for bf16, and for FP8 from four row tiles per
+// expert on average (below that one CTA per item measured ahead timed
+// interleaved; docs/prefill_gemm.md). MOE_PREFILL_GEMM_CLUSTER=1 or 2
+// overrides, for measuring and for the tests.
 int cluster_ctas(bool fp8, int a_rows, int num_experts) {
-  const char* v = std::getenv("MOE_PREFILL_GEMM_CLUSTER");
-  if (v != nullptr && (std::string_view(v) == "1" || std::string_view(v) == "2")) return v[0] - '0';
+  const std::string_view v = env_value("MOE_PREFILL_GEMM_CLUSTER");
+  if (v == "1" || v == "2") return v[0] - '0';
   return !fp8 || a_rows >= 4 * kM * num_experts ? 2 : 1;
 }
 
 // MOE_PREFILL_GEMM_UNROLL=0: the kernels' runtime K loop even where an
-// unrolled one exists (read at every launch, as the cluster override: the
-// bench switches it between calls).
-bool unroll_k() {
-  const char* v = std::getenv("MOE_PREFILL_GEMM_UNROLL");
-  return v == nullptr || std::string_view(v) != "0";
-}
+// unrolled one exists.
+bool unroll_k() { return env_value("MOE_PREFILL_GEMM_UNROLL") != "0"; }
 
 // The instantiation for a launch: Qwen3-235B's K (4096 into gate_up, 1536
 // into down) unrolled.
@@ -857,9 +696,8 @@ cudaError_t fp8_grouped_gemm_prefill(const Fp8GroupedGemmParams& p, cudaStream_t
   PrefillArgs args = prefill_args(p, Tile<true>::kWeightRows);
   args.out_scales = p.out_scales;
   // MOE_PREFILL_STAGED_OUT=0: down's rows from registers (store_bf16_row), for measuring.
-  const char* staged = std::getenv("MOE_PREFILL_STAGED_OUT");
   args.staged_out = !p.gate_up && p.bf16_out && p.N % 8 == 0 && reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
-                    (staged == nullptr || std::string_view(staged) != "0");
+                    env_value("MOE_PREFILL_STAGED_OUT") != "0";
   args.a_scales = p.a_scales, args.a_scale_rows = p.a_scale_rows, args.w_scales = p.w_scales;
   args.scale_cols = (p.K + 127) / 128, args.gate_block_rows = (p.N + 127) / 128;
   return launch_prefill_gemm<true>(args, p.a, p.a_rows, p.w, p.max_tiles, p.gate_up, stream);
