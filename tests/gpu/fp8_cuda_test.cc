@@ -38,9 +38,11 @@ TEST_F(CudaOps, Fp8GroupedGemmMatchesTheCpuQuantizedMoe) {
   };
   // (160 x 4 rows over 8 experts at Qwen3-235B's K: the prefill kernels'
   // unrolled K loops over experts of one and two row tiles, the last partly
-  // filled, some with at most 64 rows.)
+  // filled, some with at most 64 rows. 200 x 2 rows over 4 experts with
+  // hidden 640 and moe_intermediate 528: partial column tiles in both GEMMs,
+  // and K past a multiple of 128 with at least a ring of stages.)
   for (const Case& c : {Case{16, 4096, 1536, 8, 4}, Case{160, 4096, 1536, 8, 4}, Case{300, 256, 128, 16, 4},
-                        Case{37, 384, 192, 6, 2}, Case{640, 512, 384, 8, 4}}) {
+                        Case{37, 384, 192, 6, 2}, Case{640, 512, 384, 8, 4}, Case{200, 640, 528, 4, 2}}) {
     Host x = random_bf16({c.tokens, c.hidden}, rng_);
     Host logits = random_bf16({c.tokens, c.experts}, rng_, 3.0f);
     // Quantized expert weights (fp8-block; w13's gate and up halves have their own block rows).
