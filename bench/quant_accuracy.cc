@@ -29,7 +29,7 @@ ProjectionError projection_error(moe::ops::QuantFormat format, TensorView w, moe
   const int64_t n = w.dim(0), k = w.dim(1);
   Tensor plain(DType::kF32, {n, k}), deq(DType::kF32, {n, k});
   moe::ops::cpu::to_f32(w.dtype(), w.data(), plain.data_as<float>(), n * k);
-  auto q = moe::model::quantize_tensor(format, w);
+  auto q = moe::model::quantize_tensor(pool, format, w);
   moe::ops::dequantize_rows(q->view(), 0, n, deq.data_as<float>());
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;

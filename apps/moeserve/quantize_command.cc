@@ -17,6 +17,7 @@ struct QuantizeArgs {
   bool force = false;
   bool experts_only = false;
   double max_shard_gb = 5.0;
+  int threads = 0;
 };
 
 // "3m05s"
@@ -34,6 +35,8 @@ Status run_quantize(const QuantizeArgs& args) {
   options.quantize_attention = !args.experts_only;
   if (!(args.max_shard_gb > 0.0)) return invalid_argument("--max-shard-size must be positive");
   options.max_shard_bytes = static_cast<uint64_t>(args.max_shard_gb * 1e9);
+  if (args.threads < 0) return invalid_argument("--threads must be 0 (one per hardware thread) or more");
+  options.num_threads = args.threads;
   // A line at most every 2 s, and one for the last tensor.
   auto last_report = std::chrono::steady_clock::time_point();
   auto progress = [&](const model::QuantizeProgress& p) {
@@ -66,6 +69,7 @@ void add_quantize_command(CLI::App& app) {
   cmd->add_flag("--force", args->force, "Write into a non-empty --out (its old weights are removed)");
   cmd->add_flag("--experts-only", args->experts_only, "Keep attention projections in bf16 (quantize MLPs only)");
   cmd->add_option("--max-shard-size", args->max_shard_gb, "Output shard size in GB (default 5)");
+  cmd->add_option("--threads", args->threads, "Conversion threads (default 0: one per hardware thread)");
   cmd->callback([args] {
     Status status = run_quantize(*args);
     if (!status.is_ok()) {

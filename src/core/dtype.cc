@@ -18,13 +18,12 @@ struct MiniFloat {
   int bias;
   bool has_inf;
   int nan_magnitude;  // code without sign that means NaN, or -1 when none
-  double max_finite;
 };
 
-constexpr MiniFloat kF16Format{5, 10, 15, true, 0x7e00, 65504.0};
-constexpr MiniFloat kE4M3Format{4, 3, 7, false, 0x7f, 448.0};
-constexpr MiniFloat kE5M2Format{5, 2, 15, true, 0x7e, 57344.0};
-constexpr MiniFloat kE2M1Format{2, 1, 1, false, -1, 6.0};
+constexpr MiniFloat kF16Format{5, 10, 15, true, 0x7e00};
+constexpr MiniFloat kE4M3Format{4, 3, 7, false, 0x7f};
+constexpr MiniFloat kE5M2Format{5, 2, 15, true, 0x7e};
+constexpr MiniFloat kE2M1Format{2, 1, 1, false, -1};
 
 double decode_minifloat(const MiniFloat& fmt, uint32_t code) {
   const int total_bits = 1 + fmt.exponent_bits + fmt.mantissa_bits;
@@ -49,46 +48,55 @@ double decode_minifloat(const MiniFloat& fmt, uint32_t code) {
   return sign ? -value : value;
 }
 
-// Rounds |f| to the format's grid (nearest, ties to even), then packs the bits.
-uint32_t encode_minifloat(const MiniFloat& fmt, float f, Overflow overflow) {
-  const int total_bits = 1 + fmt.exponent_bits + fmt.mantissa_bits;
-  const uint32_t sign_bit = std::signbit(f) ? (1u << (total_bits - 1)) : 0u;
-  const uint32_t max_exponent = (1u << fmt.exponent_bits) - 1u;
-  const uint32_t inf_magnitude = max_exponent << fmt.mantissa_bits;
-  if (std::isnan(f)) {
-    if (fmt.has_inf) return sign_bit | inf_magnitude | (1u << (fmt.mantissa_bits - 1));
-    if (fmt.nan_magnitude >= 0) return sign_bit | static_cast<uint32_t>(fmt.nan_magnitude);
-    // No NaN in the format: +max whatever the NaN's sign (dtype.h's contract,
-    // and what CUDA's __nv_cvt_float_to_fp4 does).
-    return encode_minifloat(fmt, std::numeric_limits<float>::infinity(), Overflow::kSaturate);
+// The largest finite magnitude code: below Inf (IEEE style), below the NaN
+// code, or all ones when the format has neither.
+constexpr uint32_t max_finite_magnitude(const MiniFloat& fmt) {
+  if (fmt.has_inf) return (((1u << fmt.exponent_bits) - 1u) << fmt.mantissa_bits) - 1u;
+  if (fmt.nan_magnitude >= 0) return static_cast<uint32_t>(fmt.nan_magnitude) - 1u;
+  return (1u << (fmt.exponent_bits + fmt.mantissa_bits)) - 1u;
+}
+
+// Rounds |f| to the format's grid (nearest, ties to even), then packs the bits,
+// in integer arithmetic on f's bits (the quantizers call it per element).
+// Where |f| is at least the format's smallest normal, the float's mantissa is
+// rounded from 23 bits to M in place: adding half a unit of the kept LSB, less
+// one unless that LSB is odd, carries into the exponent when the mantissa
+// rounds up to the next binade; moving the exponent from bias 127 to the
+// format's is then one subtraction. Below it the grid is the multiples of the
+// smallest subnormal, 2^(1 - bias - M): |f| times 2^(bias - 1 + M) is exact in
+// float and nearbyint rounds it, ties to even (the default rounding mode).
+template <const MiniFloat& kFmt>
+uint32_t encode_minifloat(float f, Overflow overflow) {
+  constexpr int kShift = 23 - kFmt.mantissa_bits;
+  constexpr uint32_t kSignBit = 1u << (kFmt.exponent_bits + kFmt.mantissa_bits);
+  constexpr uint32_t kInfMagnitude = ((1u << kFmt.exponent_bits) - 1u) << kFmt.mantissa_bits;
+  constexpr uint32_t kMaxFinite = max_finite_magnitude(kFmt);
+  constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 + 1 - kFmt.bias) << 23;  // 2^(1 - bias)
+  constexpr uint32_t kRebias = static_cast<uint32_t>(127 - kFmt.bias) << kFmt.mantissa_bits;
+  constexpr float kSubnormalsPerUnit = static_cast<float>(1u << (kFmt.bias - 1 + kFmt.mantissa_bits));
+  const uint32_t bits = float_to_bits(f);
+  const uint32_t sign = (bits >> 31) != 0 ? kSignBit : 0u;
+  const uint32_t a = bits & 0x7fffffffu;
+  if (a > 0x7f800000u) {  // NaN
+    if (kFmt.has_inf) return sign | kInfMagnitude | (1u << (kFmt.mantissa_bits - 1));
+    if (kFmt.nan_magnitude >= 0) return sign | static_cast<uint32_t>(kFmt.nan_magnitude);
+    return kMaxFinite;  // no NaN in the format: +max whatever the sign (dtype.h, CUDA's fp4 conversion)
   }
-  const double a = std::fabs(static_cast<double>(f));
-  const int min_normal_exponent = 1 - fmt.bias;
-  int exponent;  // a = m * 2^exponent with m in [0.5, 1)
-  std::frexp(a, &exponent);
-  const int unbiased = std::max(exponent - 1, min_normal_exponent);
-  const double quantum = std::ldexp(1.0, unbiased - fmt.mantissa_bits);
-  double rounded = std::nearbyint(a / quantum) * quantum;  // default mode: ties to even
-  if (std::isinf(a) || rounded > fmt.max_finite) {
-    if (overflow == Overflow::kNonFinite) {
-      if (fmt.has_inf) return sign_bit | inf_magnitude;
-      if (fmt.nan_magnitude >= 0) return sign_bit | static_cast<uint32_t>(fmt.nan_magnitude);
-    }
-    rounded = fmt.max_finite;
-  }
-  if (rounded == 0.0) return sign_bit;
-  int value_exponent;
-  std::frexp(rounded, &value_exponent);
-  const int e = value_exponent - 1;
   uint32_t magnitude;
-  if (e < min_normal_exponent) {
-    magnitude = static_cast<uint32_t>(std::ldexp(rounded, fmt.bias - 1 + fmt.mantissa_bits));
+  if (a < kMinNormalBits) {
+    magnitude = static_cast<uint32_t>(std::nearbyint(bits_to_float(a) * kSubnormalsPerUnit));
   } else {
-    const auto mantissa = static_cast<uint32_t>(std::ldexp(rounded, fmt.mantissa_bits - e)) -
-                          (1u << fmt.mantissa_bits);
-    magnitude = (static_cast<uint32_t>(e + fmt.bias) << fmt.mantissa_bits) | mantissa;
+    const uint32_t rounded = a + ((1u << (kShift - 1)) - 1u) + ((a >> kShift) & 1u);
+    magnitude = (rounded >> kShift) - kRebias;  // Inf lands past kMaxFinite too
   }
-  return sign_bit | magnitude;
+  if (magnitude > kMaxFinite) {
+    if (overflow == Overflow::kNonFinite) {
+      if (kFmt.has_inf) return sign | kInfMagnitude;
+      if (kFmt.nan_magnitude >= 0) return sign | static_cast<uint32_t>(kFmt.nan_magnitude);
+    }
+    magnitude = kMaxFinite;
+  }
+  return sign | magnitude;
 }
 
 template <int N>
@@ -158,16 +166,16 @@ Expected<DType> dtype_from_safetensors_name(std::string_view name) {
 
 float f16_to_float(uint16_t bits) { return static_cast<float>(decode_minifloat(kF16Format, bits)); }
 uint16_t float_to_f16(float f) {
-  return static_cast<uint16_t>(encode_minifloat(kF16Format, f, Overflow::kNonFinite));
+  return static_cast<uint16_t>(encode_minifloat<kF16Format>(f, Overflow::kNonFinite));
 }
 
 float e4m3_to_float(uint8_t code) { return e4m3_table()[code]; }
 uint8_t float_to_e4m3(float f, Overflow overflow) {
-  return static_cast<uint8_t>(encode_minifloat(kE4M3Format, f, overflow));
+  return static_cast<uint8_t>(encode_minifloat<kE4M3Format>(f, overflow));
 }
 float e5m2_to_float(uint8_t code) { return e5m2_table()[code]; }
 uint8_t float_to_e5m2(float f, Overflow overflow) {
-  return static_cast<uint8_t>(encode_minifloat(kE5M2Format, f, overflow));
+  return static_cast<uint8_t>(encode_minifloat<kE5M2Format>(f, overflow));
 }
 
 float e8m0_to_float(uint8_t code) {
@@ -189,7 +197,7 @@ float e2m1_to_float(uint8_t nibble) {
   return static_cast<float>(decode_minifloat(kE2M1Format, nibble & 0xfu));
 }
 uint8_t float_to_e2m1(float f) {
-  return static_cast<uint8_t>(encode_minifloat(kE2M1Format, f, Overflow::kSaturate));
+  return static_cast<uint8_t>(encode_minifloat<kE2M1Format>(f, Overflow::kSaturate));
 }
 
 float load_as_float(DType dtype, const void* data, int64_t i) {

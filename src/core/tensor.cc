@@ -1,5 +1,7 @@
 #include "core/tensor.h"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -64,9 +66,20 @@ TensorView TensorView::reshaped(Shape shape) const {
   return {data_, dtype_, shape, device_};
 }
 
-void HostFree::operator()(void* p) const { std::free(p); }
+void HostFree::operator()(void* p) const {
+  if (mapped_bytes > 0) {
+    munmap(p, mapped_bytes);
+  } else {
+    std::free(p);
+  }
+}
 
 HostBuffer allocate_host(size_t num_bytes) {
+  if (num_bytes >= kHostMapBytes) {
+    void* p = mmap(nullptr, num_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    return HostBuffer(p, HostFree{num_bytes});
+  }
   const size_t rounded = (num_bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment;
   void* p = std::aligned_alloc(kHostAlignment, rounded == 0 ? kHostAlignment : rounded);
   if (p == nullptr) throw std::bad_alloc();

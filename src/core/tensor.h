@@ -84,9 +84,14 @@ class TensorView {
   Device device_;
 };
 
-// Host memory aligned to kHostAlignment bytes, zero-initialised.
+// Host memory aligned to kHostAlignment bytes, zero-initialised. From
+// kHostMapBytes up it is a private anonymous mapping, whose pages the kernel
+// zeroes when first touched: no pass over the memory at allocation, and the
+// threads that fill a large tensor fault its pages in in parallel.
 inline constexpr size_t kHostAlignment = 64;
+inline constexpr size_t kHostMapBytes = size_t{1} << 20;
 struct HostFree {
+  size_t mapped_bytes = 0;  // non-zero: the length to munmap; else free()
   void operator()(void* p) const;
 };
 using HostBuffer = std::unique_ptr<void, HostFree>;

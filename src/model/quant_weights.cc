@@ -1,5 +1,6 @@
 #include "model/quant_weights.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -63,29 +64,44 @@ OwnedQuantized allocate_quantized(QuantFormat format, int64_t num_groups, int64_
   return out;
 }
 
-float tensor_max_abs(TensorView src) {
-  float amax = 0.0f;
-  std::vector<float> row(4096);
-  for (int64_t i = 0; i < src.num_elements(); i += 4096) {
-    const int64_t n = std::min<int64_t>(4096, src.num_elements() - i);
-    ops::cpu::to_f32(src.dtype(), static_cast<const char*>(src.data()) + dtype_bytes(src.dtype(), i), row.data(), n);
-    amax = std::max(amax, ops::max_abs(row.data(), n));
-  }
-  return amax;
+float tensor_max_abs(ThreadPool& pool, TensorView src) {
+  constexpr int64_t kChunk = int64_t{1} << 16;
+  const int64_t n = src.num_elements(), num_chunks = (n + kChunk - 1) / kChunk;
+  std::vector<float> chunk_max(static_cast<size_t>(num_chunks));
+  pool.parallel_for(0, num_chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> values(static_cast<size_t>(kChunk));
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t first = c * kChunk, count = std::min(kChunk, n - first);
+      ops::cpu::to_f32(src.dtype(), static_cast<const char*>(src.data()) + dtype_bytes(src.dtype(), first),
+                       values.data(), count);
+      chunk_max[c] = ops::max_abs(values.data(), count);
+    }
+  });
+  return ops::max_abs(chunk_max.data(), num_chunks);
 }
 
-Expected<OwnedQuantized> quantize_tensor(QuantFormat format, TensorView src, float global_amax) {
+Expected<OwnedQuantized> quantize_tensor(ThreadPool& pool, QuantFormat format, TensorView src, float global_amax) {
   if (src.rank() != 2) return invalid_argument("cannot quantize a rank-{} tensor", src.rank());
   const int64_t rows = src.dim(0), cols = src.dim(1);
   MOE_RETURN_IF_ERROR(ops::check_quantizable(format, rows, cols));
-  Tensor f32(DType::kF32, {rows, cols});
-  ops::cpu::to_f32(src.dtype(), src.data(), f32.data_as<float>(), rows * cols);
   OwnedQuantized out = allocate_quantized(format, 0, rows, cols);
   if (ops::quant_format_spec(format).has_global_scale) {
-    const float amax = global_amax > 0.0f ? global_amax : ops::max_abs(f32.data_as<float>(), rows * cols);
+    const float amax = global_amax > 0.0f ? global_amax : tensor_max_abs(pool, src);
     out.global_scale.data_as<float>()[0] = ops::nvfp4_global_scale(amax);
   }
-  ops::quantize_matrix(f32.data_as<float>(), out.view());
+  // A task converts 128 rows (one fp8-block scale block row) to f32 and
+  // quantizes them: the tasks write disjoint values and scales.
+  constexpr int64_t kTaskRows = 128;
+  const ops::QuantizedTensor to = out.view();
+  pool.parallel_for(0, (rows + kTaskRows - 1) / kTaskRows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> f32(static_cast<size_t>(kTaskRows * cols));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t first = task * kTaskRows, count = std::min(kTaskRows, rows - first);
+      ops::cpu::to_f32(src.dtype(), static_cast<const char*>(src.data()) + dtype_bytes(src.dtype(), first * cols),
+                       f32.data(), count * cols);
+      ops::quantize_rows(f32.data(), first, count, to);
+    }
+  });
   return out;
 }
 

@@ -58,14 +58,16 @@ struct OwnedQuantized {
 OwnedQuantized allocate_quantized(ops::QuantFormat format, int64_t num_groups, int64_t rows, int64_t cols,
                                   int64_t row_period = 0);
 
-// Quantizes a float matrix [rows, cols] (bf16, f16 or f32) into new storage;
-// nvfp4's global scale comes from `global_amax` when > 0 (so that fused halves
-// share it), else from the matrix. InvalidArgument when the shape cannot be
-// stored (check_quantizable).
-Expected<OwnedQuantized> quantize_tensor(ops::QuantFormat format, TensorView src, float global_amax = 0.0f);
+// Quantizes a float matrix [rows, cols] (bf16, f16 or f32) into new storage,
+// 128 rows per task on `pool` (the bytes do not depend on its size); nvfp4's
+// global scale comes from `global_amax` when > 0 (so that fused halves share
+// it), else from the matrix. InvalidArgument when the shape cannot be stored
+// (check_quantizable).
+Expected<OwnedQuantized> quantize_tensor(ThreadPool& pool, ops::QuantFormat format, TensorView src,
+                                         float global_amax = 0.0f);
 
-// Largest magnitude of a float tensor of any float dtype.
-float tensor_max_abs(TensorView src);
+// Largest magnitude of a float tensor of any float dtype (NaN propagates).
+float tensor_max_abs(ThreadPool& pool, TensorView src);
 
 // Reads projection `weight_name` [rows, cols] from a checkpoint: every part
 // present with its dtype and shape (InvalidArgument / NotFound naming the

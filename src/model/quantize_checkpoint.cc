@@ -134,12 +134,13 @@ Expected<std::vector<PlannedTensor>> plan_tensors(const SafetensorsCheckpoint& c
 }
 
 // nvfp4: gate_proj and up_proj of one MLP share a global scale, from both.
-float shared_global_amax(const SafetensorsCheckpoint& checkpoint, const std::string& name, TensorView tensor) {
-  float amax = tensor_max_abs(tensor);
+float shared_global_amax(ThreadPool& pool, const SafetensorsCheckpoint& checkpoint, const std::string& name,
+                         TensorView tensor) {
+  float amax = tensor_max_abs(pool, tensor);
   for (auto [mine, sibling] : {std::pair{"gate_proj.weight", "up_proj.weight"}, {"up_proj.weight", "gate_proj.weight"}}) {
     if (!name.ends_with(mine)) continue;
     const std::string other = name.substr(0, name.size() - std::string_view(mine).size()) + sibling;
-    if (auto view = checkpoint.view(other); view.has_value()) amax = std::max(amax, tensor_max_abs(*view));
+    if (auto view = checkpoint.view(other); view.has_value()) amax = std::max(amax, tensor_max_abs(pool, *view));
   }
   return amax;
 }
@@ -150,16 +151,16 @@ struct ShardContents {
   std::vector<std::pair<std::string, TensorView>> tensors;
 };
 
-Status convert_tensor(const SafetensorsCheckpoint& checkpoint, const PlannedTensor& p, QuantFormat format,
-                      ShardContents& shard) {
+Status convert_tensor(ThreadPool& pool, const SafetensorsCheckpoint& checkpoint, const PlannedTensor& p,
+                      QuantFormat format, ShardContents& shard) {
   MOE_ASSIGN_OR_RETURN(TensorView input, checkpoint.view(p.name));
   if (!p.quantize) {
     shard.tensors.emplace_back(p.name, input);
     return Status::ok();
   }
   const float global_amax =
-      ops::quant_format_spec(format).has_global_scale ? shared_global_amax(checkpoint, p.name, input) : 0.0f;
-  MOE_ASSIGN_OR_RETURN(OwnedQuantized q, quantize_tensor(format, input, global_amax));
+      ops::quant_format_spec(format).has_global_scale ? shared_global_amax(pool, checkpoint, p.name, input) : 0.0f;
+  MOE_ASSIGN_OR_RETURN(OwnedQuantized q, quantize_tensor(pool, format, input, global_amax));
   const int64_t rows = input.dim(0), cols = input.dim(1);
   const StoredTensorSpec values = stored_values_spec(format, rows, cols);
   const StoredTensorSpec scales = stored_scales_spec(format, rows, cols);
@@ -238,6 +239,7 @@ Expected<QuantizeSummary> quantize_checkpoint(const QuantizeOptions& options,
   state.num_tensors = summary.num_tensors;
   state.input_bytes = summary.input_bytes;
 
+  ThreadPool pool(options.num_threads);
   const auto start = std::chrono::steady_clock::now();
   json weight_map = json::object();
   const std::map<std::string, std::string> metadata = {{"format", "pt"}};
@@ -245,7 +247,7 @@ Expected<QuantizeSummary> quantize_checkpoint(const QuantizeOptions& options,
     const std::string shard_name = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
     ShardContents contents;
     for (const PlannedTensor* p : shards[s]) {
-      if (auto status = convert_tensor(checkpoint, *p, options.format, contents); !status.is_ok())
+      if (auto status = convert_tensor(pool, checkpoint, *p, options.format, contents); !status.is_ok())
         return status.with_context(p->name);
       for (const auto& name : p->output_names) weight_map[name] = shard_name;
       state.num_tensors_done += 1;

@@ -8,9 +8,9 @@
 // dtype. For nvfp4 an MLP's gate_proj and up_proj share one global scale
 // (computed from both), so that the loader can fuse them.
 //
-// Streaming: the input is memory-mapped and converted one tensor at a time;
-// at most one output shard (max_shard_bytes) plus one tensor in f32 is held in
-// memory. The output directory gets model-0000i-of-0000N.safetensors shards,
+// Streaming: the input is memory-mapped and converted one tensor at a time,
+// 128 rows per task on num_threads threads; at most one output shard
+// (max_shard_bytes) plus 128 rows in f32 per thread is held in memory. The output directory gets model-0000i-of-0000N.safetensors shards,
 // model.safetensors.index.json, config.json with its quantization_config, and
 // a copy of every other top-level regular file of the input (tokenizer files,
 // generation_config.json, ...).
@@ -38,6 +38,7 @@ struct QuantizeOptions {
   bool force = false;               // write into an existing non-empty out_dir
   bool quantize_attention = true;   // q/k/v/o_proj too
   uint64_t max_shard_bytes = 5'000'000'000;
+  int num_threads = 0;              // 0: one per hardware thread
 };
 
 struct QuantizeProgress {

@@ -111,6 +111,11 @@ float max_abs(const float* x, int64_t n);
 // Quantizes one matrix src [rows, cols] f32 into `out` (a matrix, views of the
 // right shapes; global_scale already holds nvfp4's g, see nvfp4_global_scale).
 void quantize_matrix(const float* src, const QuantizedTensor& out);
+// The same for rows [row_begin, row_begin + num_rows) of `out`, from src
+// [num_rows, cols] f32 (those rows), writing only their values and scales, so
+// that threads can quantize disjoint row ranges of one matrix. fp8-block: the
+// range covers whole 128-row scale blocks (a period's last may be shorter).
+void quantize_rows(const float* src, int64_t row_begin, int64_t num_rows, const QuantizedTensor& out);
 
 // Dequantizes rows [row_begin, row_begin + num_rows) of a matrix into dst
 // [num_rows, cols] f32.

@@ -215,6 +215,11 @@ TEST(Cli, BadArgumentsGiveAUsageErrorAndNonZeroExit) {
   CliRun bad_range = run("generate --model " + kGolden + " --prompt-ids 1 --top-p 1.5");
   EXPECT_EQ(bad_range.exit_code, 2);
 
+  CliRun threads = run("quantize --model " + kGolden + " --out /nonexistent/out --format fp8-block --threads -1");
+  EXPECT_EQ(threads.exit_code, 1);
+  EXPECT_NE(threads.output.find("--threads must be 0 (one per hardware thread) or more"), std::string::npos)
+      << threads.output;
+
   // The load flags are shared by generate and the engine commands (apps/moeserve/load_options.h).
   for (const std::string command : {"generate --prompt-ids 1", "serve --port 0"}) {
     CliRun layers = run(command + " --model " + kGolden + " --num-layers 1");

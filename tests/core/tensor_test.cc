@@ -80,7 +80,8 @@ TEST(Device, NamesAndEquality) {
 // --- Host allocation -------------------------------------------------------------
 
 TEST(AllocateHost, AlignedAndZeroedForAnySize) {
-  for (size_t n : {0u, 1u, 7u, 63u, 64u, 65u, 1000u, 4096u, 100003u}) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{63}, size_t{64}, size_t{65}, size_t{1000}, size_t{4096},
+                   size_t{100003}, kHostMapBytes - 1, kHostMapBytes, 3 * kHostMapBytes + 5}) {
     HostBuffer buffer = allocate_host(n);
     ASSERT_NE(buffer.get(), nullptr) << n;
     EXPECT_TRUE(is_aligned(buffer.get())) << n;
@@ -93,13 +94,14 @@ TEST(AllocateHost, AlignedAndZeroedForAnySize) {
 TEST(AllocateHost, ReusedMemoryIsZeroedAgain) {
   // Dirty a block, free it, then allocate the same size: malloc is likely to
   // hand the same memory back, which must come back zeroed.
-  constexpr size_t kBytes = 1 << 16;
-  for (int round = 0; round < 8; ++round) {
-    HostBuffer dirty = allocate_host(kBytes);
-    std::memset(dirty.get(), 0xab, kBytes);
-    dirty.reset();
-    HostBuffer clean = allocate_host(kBytes);
-    EXPECT_TRUE(all_zero(clean.get(), kBytes)) << round;
+  for (size_t bytes : {size_t{1} << 16, kHostMapBytes, 2 * kHostMapBytes + 64}) {
+    for (int round = 0; round < 8; ++round) {
+      HostBuffer dirty = allocate_host(bytes);
+      std::memset(dirty.get(), 0xab, bytes);
+      dirty.reset();
+      HostBuffer clean = allocate_host(bytes);
+      EXPECT_TRUE(all_zero(clean.get(), bytes)) << bytes << " round " << round;
+    }
   }
 }
 

@@ -6,6 +6,8 @@
 // the documented names, dtypes and shapes.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -133,12 +135,42 @@ TEST_F(QuantModelTest, ConverterWritesALoadableCheckpoint) {
     const ops::QuantizedTensor w13 = layer.w13_quant.slice0(1);
     const TensorView gate = *input->view("model.layers.1.mlp.experts.1.gate_proj.weight");
     const TensorView up = *input->view("model.layers.1.mlp.experts.1.up_proj.weight");
-    const float shared_amax = std::max(tensor_max_abs(gate), tensor_max_abs(up));
-    auto gate_q = quantize_tensor(format, gate, shared_amax);
-    auto up_q = quantize_tensor(format, up, shared_amax);
+    const float shared_amax = std::max(tensor_max_abs(pool_, gate), tensor_max_abs(pool_, up));
+    auto gate_q = quantize_tensor(pool_, format, gate, shared_amax);
+    auto up_q = quantize_tensor(pool_, format, up, shared_amax);
     ASSERT_TRUE(gate_q.has_value() && up_q.has_value());
     EXPECT_EQ(dequantized(w13, 0, inter), dequantized(gate_q->view(), 0, inter));
     EXPECT_EQ(dequantized(w13, inter, inter), dequantized(up_q->view(), 0, inter));
+  }
+}
+
+// quantize_tensor splits a matrix into 128-row tasks: its bytes are those of
+// quantize_matrix on the whole f32 matrix, whatever the pool's size.
+TEST_F(QuantModelTest, QuantizeTensorBytesDoNotDependOnThreads) {
+  const int64_t rows = 300, cols = 200;
+  Tensor bf16(DType::kBF16, {rows, cols});
+  Tensor f32(DType::kF32, {rows, cols});
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const float v = std::sin(0.37f * static_cast<float>(i)) * (1.0f + static_cast<float>(i % 97));
+    bf16.data_as<uint16_t>()[i] = float_to_bf16(v);
+    f32.data_as<float>()[i] = bf16_to_float(float_to_bf16(v));
+  }
+  ThreadPool one(1), three(3);
+  for (QuantFormat format : {QuantFormat::kFp8Block, QuantFormat::kMxfp8, QuantFormat::kNvfp4, QuantFormat::kMxfp4}) {
+    SCOPED_TRACE(std::string(ops::quant_format_name(format)));
+    OwnedQuantized want = allocate_quantized(format, 0, rows, cols);
+    if (!want.global_scale.empty())
+      want.global_scale.data_as<float>()[0] = ops::nvfp4_global_scale(ops::max_abs(f32.data_as<float>(), rows * cols));
+    ops::quantize_matrix(f32.data_as<float>(), want.view());
+    for (ThreadPool* pool : {&one, &three}) {
+      auto got = quantize_tensor(*pool, format, bf16.view());
+      ASSERT_TRUE(got.has_value()) << got.status().to_string();
+      EXPECT_EQ(std::memcmp(got->values.data(), want.values.data(), want.values.num_bytes()), 0);
+      EXPECT_EQ(std::memcmp(got->scales.data(), want.scales.data(), want.scales.num_bytes()), 0);
+      if (!want.global_scale.empty()) {
+        EXPECT_EQ(got->global_scale.data_as<float>()[0], want.global_scale.data_as<float>()[0]);
+      }
+    }
   }
 }
 
@@ -164,15 +196,15 @@ TEST_F(QuantModelTest, WeightOnlyModelEqualsItsDequantizedCheckpoint) {
           owned.push_back(std::move(f32));
         }
         if (!is_quantized_projection(name, true)) continue;
-        float amax = tensor_max_abs(view);
+        float amax = tensor_max_abs(pool_, view);
         for (auto [mine, other] : {std::pair{"gate_proj", "up_proj"}, {"up_proj", "gate_proj"}}) {
           const size_t at = name.find(mine);
           if (at == std::string::npos) continue;
           std::string sibling = name;
           sibling.replace(at, std::string(mine).size(), other);
-          amax = std::max(amax, tensor_max_abs(*input->view(sibling)));
+          amax = std::max(amax, tensor_max_abs(pool_, *input->view(sibling)));
         }
-        auto q = quantize_tensor(format, view, amax);
+        auto q = quantize_tensor(pool_, format, view, amax);
         ASSERT_TRUE(q.has_value());
         Tensor f32(DType::kF32, view.shape());
         ops::dequantize_rows(q->view(), 0, view.dim(0), f32.data_as<float>());

@@ -14,6 +14,8 @@
 #include <random>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "core/dtype.h"
 #include "ops/linear.h"
 #include "ops/quant.h"
@@ -268,6 +270,47 @@ TEST(QuantFormat, FusedHalvesKeepTheirOwnFp8Blocks) {
     EXPECT_EQ(std::memcmp(alone.values.data(), q.values.data_as<uint8_t>() + half * inter * cols, inter * cols), 0);
     EXPECT_EQ(alone.scales.data_as<float>()[0], q.scales.data_as<float>()[half * 2]);
     EXPECT_EQ(alone.scales.data_as<float>()[1], q.scales.data_as<float>()[half * 2 + 1]);
+  }
+}
+
+// quantize_rows over row ranges, last range first, writes what quantize_matrix
+// does: the threads of the converter quantize such ranges of one matrix.
+TEST(QuantFormat, RowRangesInAnyOrderEqualTheWholeMatrix) {
+  struct Case {
+    int64_t rows, cols, period;
+    std::vector<int64_t> range_starts;  // ascending; the last range ends at rows
+  };
+  // fp8-block ranges are whole block rows: 128-row blocks, restarting at each period.
+  const Case cases[] = {{300, 200, 0, {0, 128, 256}}, {300, 200, 150, {0, 150, 278}}, {7, 34, 0, {0}}};
+  for (QuantFormat f : kAllFormats) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(fmt::format("{} [{}, {}] period {}", quant_format_name(f), c.rows, c.cols, c.period));
+      const int64_t period = f == QuantFormat::kFp8Block ? c.period : 0;
+      auto src = random_matrix(c.rows, c.cols, 21);
+      src[5 * c.cols + 3] = 40.0f;  // one block with a larger amax
+      Quantized whole = quantize(f, src, c.rows, c.cols, period);
+      Quantized parts(f, c.rows, c.cols, period);
+      if (!parts.global.empty()) parts.global.data_as<float>()[0] = whole.global.data_as<float>()[0];
+      for (size_t i = c.range_starts.size(); i-- > 0;) {
+        const int64_t first = c.range_starts[i];
+        const int64_t end = i + 1 < c.range_starts.size() ? c.range_starts[i + 1] : c.rows;
+        quantize_rows(src.data() + first * c.cols, first, end - first, parts.view);
+      }
+      ASSERT_EQ(whole.values.num_bytes(), parts.values.num_bytes());
+      EXPECT_EQ(std::memcmp(whole.values.data(), parts.values.data(), whole.values.num_bytes()), 0);
+      EXPECT_EQ(std::memcmp(whole.scales.data(), parts.scales.data(), whole.scales.num_bytes()), 0);
+    }
+  }
+}
+
+TEST(QuantFormat, MaxAbsPropagatesNaN) {
+  std::vector<float> x = {1.0f, -3.0f, 2.0f};
+  EXPECT_EQ(max_abs(x.data(), 3), 3.0f);
+  EXPECT_EQ(max_abs(x.data(), 0), 0.0f);
+  for (size_t at = 0; at < x.size(); ++at) {
+    std::vector<float> y = x;
+    y[at] = std::nanf("");
+    EXPECT_TRUE(std::isnan(max_abs(y.data(), 3))) << at;
   }
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "ops/linear.h"
@@ -76,54 +77,66 @@ std::vector<BlockRow> fp8_block_rows(int64_t rows, int64_t period) {
 
 int64_t period_of(const QuantizedTensor& w) { return w.scale_row_period > 0 ? w.scale_row_period : w.rows(); }
 
-void quantize_fp8_block(const float* src, const QuantizedTensor& out) {
-  const int64_t rows = out.rows(), cols = out.cols(), num_block_cols = ceil_div(cols, 128);
+// Rows [row_begin, row_begin + num_rows) from src (those rows): whole block rows.
+void quantize_fp8_block(const float* src, int64_t row_begin, int64_t num_rows, const QuantizedTensor& out) {
+  const int64_t cols = out.cols(), num_block_cols = ceil_div(cols, 128);
   auto* values = out.values.data_as<uint8_t>();
   auto* scales = out.scales.data_as<float>();
-  const auto block_rows = fp8_block_rows(rows, period_of(out));
+  const auto block_rows = fp8_block_rows(out.rows(), period_of(out));
+  int64_t covered = 0;
   for (size_t br = 0; br < block_rows.size(); ++br) {
     const auto [r0, nr] = block_rows[br];
+    if (r0 < row_begin || r0 >= row_begin + num_rows) continue;
+    covered += nr;
+    const float* block_src = src + (r0 - row_begin) * cols;
     for (int64_t bc = 0; bc < num_block_cols; ++bc) {
       const int64_t c0 = bc * 128, nc = std::min<int64_t>(128, cols - c0);
       float amax = 0.0f;
-      for (int64_t r = r0; r < r0 + nr; ++r) amax = std::max(amax, max_abs(src + r * cols + c0, nc));
+      for (int64_t r = 0; r < nr; ++r) amax = std::max(amax, max_abs(block_src + r * cols + c0, nc));
       const float scale = amax > 0.0f ? amax / kE4M3Max : 1.0f;
       scales[static_cast<int64_t>(br) * num_block_cols + bc] = scale;
-      for (int64_t r = r0; r < r0 + nr; ++r)
-        for (int64_t c = c0; c < c0 + nc; ++c) values[r * cols + c] = float_to_e4m3(src[r * cols + c] / scale);
+      for (int64_t r = 0; r < nr; ++r) {
+        const float* from = block_src + r * cols + c0;
+        uint8_t* to = values + (r0 + r) * cols + c0;
+        for (int64_t c = 0; c < nc; ++c) to[c] = float_to_e4m3(from[c] / scale);
+      }
     }
   }
+  CHECK(covered == num_rows, "fp8-block rows [{}, +{}) are not whole 128-row blocks", row_begin, num_rows);
 }
 
 // mxfp8, nvfp4, mxfp4: 1 x block_cols blocks, one scale per block.
-void quantize_row_blocks(const float* src, const QuantizedTensor& out) {
+// Rows [row_begin, row_begin + num_rows) from src (those rows).
+void quantize_row_blocks(const float* src, int64_t row_begin, int64_t num_rows, const QuantizedTensor& out) {
   const QuantFormatSpec& spec = quant_format_spec(out.format);
-  const int64_t rows = out.rows(), cols = out.cols(), bk = spec.block_cols, num_blocks = ceil_div(cols, bk);
+  const int64_t cols = out.cols(), bk = spec.block_cols, num_blocks = ceil_div(cols, bk);
   auto* scales = out.scales.data_as<uint8_t>();
   const float global = spec.has_global_scale ? out.global_scale.data_as<float>()[0] : 1.0f;
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = row_begin; r < row_begin + num_rows; ++r) {
     for (int64_t b = 0; b < num_blocks; ++b) {
       const int64_t c0 = b * bk, nc = std::min(bk, cols - c0);
-      const float* block = src + r * cols + c0;
+      const float* block = src + (r - row_begin) * cols + c0;
       const float amax = max_abs(block, nc);
       uint8_t scale_code;
-      float nv_scale = 0.0f;  // nvfp4: s * g, the divisor (0: a block of zeros)
-      int mx_exponent = 0;    // mx: X = 2^mx_exponent
+      float nv_scale = 0.0f;   // nvfp4: s * g, the divisor (0: a block of zeros)
+      float mx_inverse = 0.0f; // mx: 1 / X = 2^-e, e in [-127, 127], exact in float
       if (spec.has_global_scale) {
         scale_code = float_to_e4m3(amax / spec.element_max / global);
         nv_scale = e4m3_to_float(scale_code) * global;
       } else {
         scale_code = mx_scale_code(amax, spec.element_emax);
-        mx_exponent = static_cast<int>(scale_code) - 127;
+        mx_inverse = std::ldexp(1.0f, 127 - static_cast<int>(scale_code));
       }
       scales[r * num_blocks + b] = scale_code;
       for (int64_t c = 0; c < nc; ++c) {
-        // mx: ldexp is the exact division by X; nvfp4 divides once by s * g.
+        // mx: times a power of two, the exact division by X (rounded as
+        // ldexp would where it lands among float subnormals); nvfp4 divides
+        // once by s * g.
         float scaled;
         if (spec.has_global_scale) {
           scaled = nv_scale > 0.0f ? block[c] / nv_scale : 0.0f;
         } else {
-          scaled = scale_code == 255 ? NAN : std::ldexp(block[c], -mx_exponent);
+          scaled = scale_code == 255 ? NAN : block[c] * mx_inverse;
         }
         store_element(spec.element, out.values.data(), r * cols + c0 + c, encode_element(spec.element, scaled));
       }
@@ -219,24 +232,30 @@ void check_quantized(const QuantizedTensor& w) {
 float nvfp4_global_scale(float amax) { return amax > 0.0f ? amax / (kE4M3Max * kE2M1Max) : 1.0f; }
 
 float max_abs(const float* x, int64_t n) {
+  // No early return at a NaN, so that the loop vectorizes.
   float m = 0.0f;
+  bool nan = false;
   for (int64_t i = 0; i < n; ++i) {
     const float a = std::fabs(x[i]);
-    if (std::isnan(a)) return a;
-    m = std::max(m, a);
+    nan |= a != a;
+    m = a > m ? a : m;
   }
-  return m;
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
 }
 
-void quantize_matrix(const float* src, const QuantizedTensor& out) {
+void quantize_rows(const float* src, int64_t row_begin, int64_t num_rows, const QuantizedTensor& out) {
   check_quantized(out);
-  CHECK(out.rank() == 2, "quantize_matrix wants one matrix");
+  CHECK(out.rank() == 2, "quantize_rows wants one matrix");
+  CHECK(row_begin >= 0 && num_rows >= 0 && row_begin + num_rows <= out.rows(), "quantize_rows [{}, +{}) of {}",
+        row_begin, num_rows, out.values.shape().to_string());
   if (out.format == QuantFormat::kFp8Block) {
-    quantize_fp8_block(src, out);
+    quantize_fp8_block(src, row_begin, num_rows, out);
   } else {
-    quantize_row_blocks(src, out);
+    quantize_row_blocks(src, row_begin, num_rows, out);
   }
 }
+
+void quantize_matrix(const float* src, const QuantizedTensor& out) { quantize_rows(src, 0, out.rows(), out); }
 
 void dequantize_rows(const QuantizedTensor& w, int64_t row_begin, int64_t num_rows, float* dst) {
   CHECK(w.rank() == 2 && row_begin >= 0 && num_rows >= 0 && row_begin + num_rows <= w.rows(),
