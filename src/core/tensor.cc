@@ -77,8 +77,8 @@ void HostFree::operator()(void* p) const {
 HostBuffer allocate_host(size_t num_bytes) {
   if (num_bytes >= kHostMapBytes) {
     void* p = mmap(nullptr, num_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
-    return HostBuffer(p, HostFree{num_bytes});
+    if (p != MAP_FAILED) return HostBuffer(p, HostFree{num_bytes});
+    // Out of mappings (vm.max_map_count) rather than memory, perhaps: the heap.
   }
   const size_t rounded = (num_bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment;
   void* p = std::aligned_alloc(kHostAlignment, rounded == 0 ? kHostAlignment : rounded);

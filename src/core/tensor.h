@@ -87,7 +87,8 @@ class TensorView {
 // Host memory aligned to kHostAlignment bytes, zero-initialised. From
 // kHostMapBytes up it is a private anonymous mapping, whose pages the kernel
 // zeroes when first touched: no pass over the memory at allocation, and the
-// threads that fill a large tensor fault its pages in in parallel.
+// threads that fill a large tensor fault its pages in in parallel (the heap
+// when no mapping is left).
 inline constexpr size_t kHostAlignment = 64;
 inline constexpr size_t kHostMapBytes = size_t{1} << 20;
 struct HostFree {
