@@ -100,6 +100,7 @@ server::ApiOptions api_options(const ServeArgs& args, const engine::SchedulerOpt
   o.limits.max_model_len = sched.max_model_len;
   o.limits.max_n = args.max_n;
   o.limits.max_logprobs = args.max_logprobs;
+  o.limits.max_waiting = args.max_waiting;
   o.limits.default_sampling = generation_defaults(args.model);
   o.reasoning_parser_qwen3 = args.reasoning_parser == "qwen3";
   if (args.tool_call_parser == "hermes") o.tool_call_parser = server::ToolCallFormat::kHermes;

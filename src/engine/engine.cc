@@ -160,10 +160,10 @@ void Engine::release(std::vector<int32_t> pages) {
   wake_.notify_one();
 }
 
-void Engine::cancel(uint64_t id) {
+void Engine::cancel(uint64_t id, FinishReason finish) {
   {
     std::lock_guard lock(mutex_);
-    cancels_.push_back(id);
+    cancels_.emplace_back(id, finish == FinishReason::kStop ? FinishReason::kStop : FinishReason::kAbort);
   }
   wake_.notify_one();
 }
@@ -204,7 +204,7 @@ void Engine::finish(uint64_t id, EngineOutput out) {
 
 void Engine::drain_queues() {
   std::vector<std::pair<uint64_t, Active>> incoming;
-  std::vector<uint64_t> cancels;
+  std::vector<std::pair<uint64_t, FinishReason>> cancels;
   std::vector<std::function<void()>> commands;
   {
     std::lock_guard lock(mutex_);
@@ -214,10 +214,10 @@ void Engine::drain_queues() {
   }
   for (auto& command : commands) command();
   for (auto& [id, active] : incoming) admit(id, std::move(active));
-  for (uint64_t id : cancels) {
+  for (auto [id, reason] : cancels) {
     if (!scheduler_.abort(id)) continue;
     EngineOutput out;
-    out.finish = FinishReason::kAbort;
+    out.finish = reason;
     finish(id, std::move(out));
   }
 }

@@ -150,9 +150,11 @@ class Engine {
   void reserve(int32_t num_tokens, std::function<void(Expected<std::vector<int32_t>>)> done);
   void release(std::vector<int32_t> pages);
   Expected<uint64_t> submit_prefilled(EngineRequest request, PrefilledPrompt prompt, OutputCallback on_output);
-  // Ends the request with finish kAbort as soon as the loop sees it, freeing
-  // its pages; a no-op for an unknown or finished id.
-  void cancel(uint64_t id);
+  // Ends the request as soon as the loop sees it, freeing its pages; a no-op
+  // for an unknown or finished id. `finish` is what its final output and the
+  // metrics say: kAbort (the client left, or the request failed), or kStop
+  // when the caller ends it on a stop string it found in the text.
+  void cancel(uint64_t id, FinishReason finish = FinishReason::kAbort);
 
   EngineMetrics metrics() const;
   bool healthy() const { return !dead_.load(); }
@@ -225,7 +227,7 @@ class Engine {
   mutable std::mutex mutex_;  // guards the queues, stop_, next_id_, metrics_, num_queued_
   std::condition_variable wake_;
   std::vector<std::pair<uint64_t, Active>> incoming_;
-  std::vector<uint64_t> cancels_;
+  std::vector<std::pair<uint64_t, FinishReason>> cancels_;
   std::vector<std::function<void()>> commands_;  // run on the engine thread (reserve, release)
   uint64_t next_id_ = 1;
   int num_queued_ = 0;  // incoming + waiting in the scheduler

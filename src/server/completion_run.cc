@@ -88,7 +88,7 @@ std::optional<ApiError> CompletionRun::start(const engine::EngineRequest& base) 
         std::move(request), [self, i](const engine::EngineOutput& out) { self->on_output(i, out); }, config_.request_id);
     if (!id) {
       failed_ = true;
-      for (size_t k = 0; k < i; ++k) engine_.cancel(choices_[k].engine_id);
+      for (size_t k = 0; k < i; ++k) engine_.cancel(choices_[k].engine_id, engine::FinishReason::kAbort);
       const Status& s = id.status();
       ApiError error = bad_request(s.message());
       error.status = http_status_of(s);
@@ -111,7 +111,7 @@ std::optional<ApiError> CompletionRun::start(const engine::EngineRequest& base) 
 void CompletionRun::cancel() {
   std::lock_guard lock(mutex_);
   for (const auto& c : choices_)
-    if (!c.done && c.engine_id != 0) engine_.cancel(c.engine_id);
+    if (!c.done && c.engine_id != 0) engine_.cancel(c.engine_id, engine::FinishReason::kAbort);
 }
 
 std::string CompletionRun::token_text(int32_t id) const {
@@ -168,7 +168,7 @@ void CompletionRun::on_output(size_t index, const engine::EngineOutput& out) {
     c.done = true;
   }
   if (find_stop(c)) {
-    if (!c.done) engine_.cancel(c.engine_id);
+    if (!c.done) engine_.cancel(c.engine_id, engine::FinishReason::kStop);
     c.finish_reason = "stop";
     c.done = true;
   }
@@ -261,6 +261,8 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
   const bool new_logprobs = c.logprobs.size() > c.logprobs_emitted;
   // Token ids are visible (return_token_ids, or no tokenizer): a chunk per token.
   const bool new_tokens = (config_.params.return_token_ids || !config_.tokenizer) && c.token_ids.size() > c.tokens_emitted;
+  const size_t first_new_token = c.tokens_emitted;
+  const bool first_chunk = !c.sent_role;
   c.tokens_emitted = c.token_ids.size();
   const std::string& echo = config_.prompts[c.prompt].echo_text;
   if (delta.empty() && !final_chunk && !new_logprobs && !new_tokens && (c.sent_role || !config_.chat) &&
@@ -306,7 +308,11 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
     for (size_t i = c.logprobs_emitted; i < c.logprobs.size(); ++i)
       c.logprobs_text += token_text(c.logprobs[i].token).size();
   c.logprobs_emitted = c.logprobs.size();
-  if (config_.params.return_token_ids) choice["token_ids"] = c.token_ids;
+  if (config_.params.return_token_ids) {  // vLLM's streamed form: the chunk's new ids, the prompt's in the first
+    choice["token_ids"] = std::vector<int32_t>(c.token_ids.begin() + static_cast<std::ptrdiff_t>(first_new_token),
+                                               c.token_ids.end());
+    if (first_chunk) choice["prompt_token_ids"] = config_.prompts[c.prompt].ids;
+  }
   choice["finish_reason"] = final_chunk ? json(finish_reason(c)) : json(nullptr);
   chunk["choices"] = json::array({choice});
   if (config_.params.include_usage) chunk["usage"] = nullptr;
@@ -338,7 +344,7 @@ json CompletionRun::usage() const {
 void CompletionRun::fail(const Status& status) {
   failed_ = true;
   for (const auto& c : choices_)
-    if (!c.done) engine_.cancel(c.engine_id);
+    if (!c.done) engine_.cancel(c.engine_id, engine::FinishReason::kAbort);
   const int http_status = http_status_of(status);
   const std::string type = http_status == 504 ? "timeout" : http_status == 503 ? "service_unavailable" : "internal_error";
   if (config_.params.stream) {

@@ -23,7 +23,9 @@ class GenerationBackend {
   // `request_id` (the client's X-Request-Id) is propagated to every instance.
   virtual Expected<uint64_t> submit(engine::EngineRequest request, engine::OutputCallback on_output,
                                     const std::string& request_id) = 0;
-  virtual void cancel(uint64_t id) = 0;
+  // Ends request `id`: finish kAbort (the client left), or kStop when the
+  // caller cut its text at a stop string (what the metrics then count).
+  virtual void cancel(uint64_t id, engine::FinishReason finish) = 0;
   virtual int64_t vocab_size() const = 0;
   virtual bool healthy() const = 0;
   // The Prometheus text of GET /metrics.
@@ -38,7 +40,7 @@ class EngineBackend final : public GenerationBackend {
                             const std::string&) override {
     return engine_.submit(std::move(request), std::move(on_output));
   }
-  void cancel(uint64_t id) override { engine_.cancel(id); }
+  void cancel(uint64_t id, engine::FinishReason finish) override { engine_.cancel(id, finish); }
   int64_t vocab_size() const override { return engine_.vocab_size(); }
   bool healthy() const override { return engine_.healthy(); }
   std::string metrics_text(const std::string& model_name) const override;

@@ -1,5 +1,6 @@
 #include "server/openai_api.h"
 
+#include <cctype>
 #include <chrono>
 #include <random>
 
@@ -42,8 +43,27 @@ OpenAiApi::OpenAiApi(GenerationBackend& engine, const tokenizer::Tokenizer* toke
 
 bool OpenAiApi::authorized(const HttpRequest& request) const {
   if (options_.api_key.empty()) return true;
-  return request.header("authorization") == "Bearer " + options_.api_key;
+  // "Bearer KEY"; the scheme is case-insensitive (RFC 9110 11.1), the key is not.
+  const std::string value = request.header("authorization");
+  constexpr std::string_view kScheme = "bearer ";
+  if (value.size() != kScheme.size() + options_.api_key.size()) return false;
+  for (size_t i = 0; i < kScheme.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(value[i])) != kScheme[i]) return false;
+  return value.compare(kScheme.size(), std::string::npos, options_.api_key) == 0;
 }
+
+namespace {
+
+ApiError model_not_found(const std::string& name) {
+  return {404, fmt::format("The model `{}` does not exist.", name), "NotFoundError", "model", "model_not_found", {}};
+}
+
+HttpResponse method_not_allowed(const std::string& path, const char* allowed) {
+  return {405, "application/json", error_json(fmt::format("use {} for {}", allowed, path), "invalid_request_error"),
+          {{"Allow", allowed}}};
+}
+
+}  // namespace
 
 void OpenAiApi::handle(HttpRequest request, std::shared_ptr<HttpExchange> exchange) {
   std::string request_id = sanitize_request_id(request.header("x-request-id"));
@@ -55,17 +75,28 @@ void OpenAiApi::handle(HttpRequest request, std::shared_ptr<HttpExchange> exchan
   };
   const std::string& path = request.path;
   const bool is_post = request.method == "POST";
+  const bool is_get = request.method == "GET";
+  constexpr std::string_view kModelPrefix = "/v1/models/";
+  const bool models = path == "/v1/models" || path.starts_with(kModelPrefix);
+  if (path == "/health" || path == "/metrics" || models) {
+    if (!is_get) return reply(method_not_allowed(path, "GET"));
+  } else if (path == "/v1/completions" || path == "/v1/chat/completions" || path == "/tokenize" ||
+             path == "/detokenize") {
+    if (!is_post) return reply(method_not_allowed(path, "POST"));
+  } else {
+    return reply(not_found(path));
+  }
   if (path == "/health") return reply({engine_.healthy() ? 200 : 503, "text/plain", "", {}});
   if (path == "/metrics") return reply({200, "text/plain; version=0.0.4", engine_.metrics_text(options_.model_name), {}});
-  const bool known = path == "/v1/models" || path == "/v1/completions" || path == "/v1/chat/completions" ||
-                     path == "/tokenize" || path == "/detokenize";
-  if (!known) return reply(not_found(path));
   if (!authorized(request))
     return reply({401, "application/json",
                   error_json("Incorrect API key provided.", "invalid_request_error", "", "invalid_api_key"), {}});
   if (path == "/v1/models") return reply(handle_models());
-  if (!is_post)
-    return reply({405, "application/json", error_json("use POST for " + path, "invalid_request_error"), {{"Allow", "POST"}}});
+  if (models) {  // GET /v1/models/{model}: the OpenAI client's models.retrieve()
+    const std::string name = path.substr(kModelPrefix.size());
+    if (name != options_.model_name) return reply(model_not_found(name).to_response());
+    return reply(json_response(200, model_json()));
+  }
   if (path == "/tokenize") return reply(handle_tokenize(request));
   if (path == "/detokenize") return reply(handle_detokenize(request));
   if (!engine_.healthy())
@@ -77,14 +108,17 @@ std::string EngineBackend::metrics_text(const std::string& model_name) const {
   return render_metrics(engine_.metrics(), model_name);
 }
 
+nlohmann::json OpenAiApi::model_json() const {
+  return {{"id", options_.model_name},
+          {"object", "model"},
+          {"created", created_s_},
+          {"owned_by", "moeserve"},
+          {"root", options_.model_name},
+          {"max_model_len", options_.limits.max_model_len}};
+}
+
 HttpResponse OpenAiApi::handle_models() const {
-  json model = {{"id", options_.model_name},
-                {"object", "model"},
-                {"created", created_s_},
-                {"owned_by", "moeserve"},
-                {"root", options_.model_name},
-                {"max_model_len", options_.limits.max_model_len}};
-  return json_response(200, {{"object", "list"}, {"data", json::array({model})}});
+  return json_response(200, {{"object", "list"}, {"data", json::array({model_json()})}});
 }
 
 std::optional<ApiError> OpenAiApi::prepare_chat(const ChatRequest& chat, RunPrompt& out) const {
@@ -149,13 +183,18 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
       if (auto e = prepare_completion(p, r.echo, params.skip_special_tokens, prompts.emplace_back()))
         return reply_error(*e);
   }
-  if (params.model && *params.model != options_.model_name)
-    return reply_error({404,
-                        fmt::format("The model `{}` does not exist.", *params.model),
-                        "NotFoundError",
-                        "model",
-                        "model_not_found",
-                        {}});
+  if (params.model && *params.model != options_.model_name) return reply_error(model_not_found(*params.model));
+  for (const auto& [token, bias] : params.sampling.logit_bias)
+    if (token >= engine_.vocab_size())
+      return reply_error(bad_request(fmt::format("logit_bias names token {}, outside the vocabulary [0, {})", token,
+                                                 engine_.vocab_size()),
+                                     "logit_bias"));
+  const int64_t num_choices = static_cast<int64_t>(prompts.size()) * params.n;
+  if (num_choices > limits.max_waiting)
+    return reply_error(bad_request(fmt::format("this request has {} choices ({} prompt(s) x n = {}); the server queues "
+                                               "at most {} requests (--max-waiting)",
+                                               num_choices, prompts.size(), params.n, limits.max_waiting),
+                                   "n"));
   const char* param = chat ? "messages" : "prompt";
   for (size_t p = 0; p < prompts.size(); ++p) {
     const auto num_prompt = static_cast<int64_t>(prompts[p].ids.size());
@@ -199,6 +238,10 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
 HttpResponse OpenAiApi::handle_tokenize(const HttpRequest& request) const {
   json j = json::parse(request.body, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return bad_request("the request body must be a JSON object").to_response();
+  if (const auto m = j.find("model"); m != j.end() && !m->is_null()) {
+    if (!m->is_string()) return bad_request("'model' must be a string", "model").to_response();
+    if (m->get<std::string>() != options_.model_name) return model_not_found(m->get<std::string>()).to_response();
+  }
   if (!tokenizer_) return bad_request("this model has no tokenizer").to_response();
   std::vector<int32_t> ids;
   if (j.contains("messages")) {

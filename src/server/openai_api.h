@@ -55,6 +55,7 @@ class OpenAiApi {
                                              RunPrompt& out) const;
   HttpResponse handle_tokenize(const HttpRequest& request) const;
   HttpResponse handle_detokenize(const HttpRequest& request) const;
+  nlohmann::json model_json() const;  // the served model, as /v1/models lists it
   HttpResponse handle_models() const;
   bool authorized(const HttpRequest& request) const;
 

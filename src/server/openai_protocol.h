@@ -6,6 +6,7 @@
 // Pure functions: any thread.
 #pragma once
 
+#include <limits>
 #include <optional>
 #include <string>
 #include <variant>
@@ -39,6 +40,9 @@ struct RequestLimits {
   int max_stop_strings = 16;
   int max_logit_bias = 1024;  // tokens in one request's logit_bias
   int max_model_len = 4096;
+  // The engine queues at most this many requests (--max-waiting): one with more
+  // choices (prompts x n) could never be admitted, so it is a 400, not a 503.
+  int max_waiting = std::numeric_limits<int>::max();
   // Sampling defaults for fields a request leaves out (the model's
   // generation_config.json, as vLLM's --generation-config auto).
   engine::SamplingParams default_sampling;

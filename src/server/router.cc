@@ -333,7 +333,7 @@ Expected<uint64_t> Router::submit(engine::EngineRequest request, engine::OutputC
   return id;
 }
 
-void Router::cancel(uint64_t id) {
+void Router::cancel(uint64_t id, engine::FinishReason) {
   std::shared_ptr<Job> job;
   {
     std::lock_guard lock(mutex_);

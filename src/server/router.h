@@ -52,7 +52,9 @@ class Router final : public GenerationBackend {
 
   Expected<uint64_t> submit(engine::EngineRequest request, engine::OutputCallback on_output,
                             const std::string& request_id) override;
-  void cancel(uint64_t id) override;
+  // `finish` is not passed on: the decode instance counts a stream the router
+  // closes, a stop string's cut included, as aborted.
+  void cancel(uint64_t id, engine::FinishReason finish) override;
   int64_t vocab_size() const override { return options_.vocab_size; }
   bool healthy() const override;
   std::string metrics_text(const std::string& model_name) const override;

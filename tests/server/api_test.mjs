@@ -26,9 +26,12 @@ before(async () => {
 });
 after(async () => { assert.equal(await server.stop(), 0); });
 
-test('models lists the served model', async () => {
+test('models lists the served model, and retrieves it by name', async () => {
   const list = await client.models.list();
   assert.deepEqual(list.data.map((m) => m.id), [model]);
+  assert.deepEqual(await client.models.retrieve(model), list.data[0]);
+  await assert.rejects(client.models.retrieve('no-such-model'),
+                       (e) => e instanceof OpenAI.NotFoundError && e.code === 'model_not_found');
 });
 
 test('greedy completions equal the transformers goldens (not streaming)', async () => {
@@ -43,10 +46,12 @@ test('greedy completions equal the transformers goldens (not streaming)', async 
   });
 });
 
+// A streamed choice's ids: each chunk holds the ids new in it, the first chunk the prompt's too (vLLM's form).
 async function streamIds(params, { signal } = {}) {
   const stream = await client.completions.create({ model, stream: true, return_token_ids: true, ...params },
                                                   signal ? { signal } : undefined);
-  let ids = [];
+  const ids = [];
+  let promptIds = null;
   let usage = null;
   let finish = null;
   let chunks = 0;
@@ -54,11 +59,13 @@ async function streamIds(params, { signal } = {}) {
     chunks++;
     if (chunk.usage) usage = chunk.usage;
     for (const c of chunk.choices) {
-      if (c.token_ids) ids = c.token_ids;
+      assert.equal(c.prompt_token_ids !== undefined, chunks === 1, `prompt_token_ids in chunk ${chunks}`);
+      if (c.prompt_token_ids) promptIds = c.prompt_token_ids;
+      if (c.token_ids) ids.push(...c.token_ids);
       if (c.finish_reason) finish = c.finish_reason;
     }
   }
-  return { ids, usage, finish, chunks };
+  return { ids, promptIds, usage, finish, chunks };
 }
 
 test('greedy streaming equals the goldens, with a usage chunk', async () => {
@@ -66,6 +73,7 @@ test('greedy streaming equals the goldens, with a usage chunk', async () => {
     const r = await streamIds({ prompt: p.ids, max_tokens: 24, temperature: 0, ignore_eos: true,
                                 stream_options: { include_usage: true } });
     assert.deepEqual(r.ids, p.greedy);
+    assert.deepEqual(r.promptIds, p.ids);
     assert.equal(r.finish, 'length');
     assert.equal(r.usage.completion_tokens, 24);
     assert.equal(r.usage.total_tokens, 24 + p.ids.length);
@@ -246,7 +254,7 @@ test('a batch of prompts gives each prompt\'s goldens, choices ordered prompt by
   let usage = null;
   for await (const chunk of stream) {
     if (chunk.usage) usage = chunk.usage;
-    for (const c of chunk.choices) if (c.token_ids) ids.set(c.index, c.token_ids);
+    for (const c of chunk.choices) if (c.token_ids) ids.set(c.index, [...(ids.get(c.index) ?? []), ...c.token_ids]);
   }
   assert.deepEqual([...ids.keys()].sort((a, b) => a - b), [...Array(2 * prompts.length).keys()]);
   batch.choices.forEach((c, i) => assert.deepEqual(ids.get(i), c.token_ids, `choice ${i}`));

@@ -9,7 +9,7 @@ import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import path from 'node:path';
 import OpenAI from 'openai';
-import { startServer, repoRoot } from './server_harness.mjs';
+import { startServer, repoRoot, metrics, waitFor } from './server_harness.mjs';
 
 const golden = JSON.parse(fs.readFileSync(path.join(repoRoot, 'models/moeserve-demo/golden.json')));
 const model = 'moeserve-demo';
@@ -101,6 +101,8 @@ test('streamed chat equals the same chat not streamed, with usage', async () => 
 
 test('stop strings cut the text, streaming or not', async () => {
   const c = golden.chats[0];  // "The most important service rendered by the press ..."
+  const key = (reason) => `moeserve:request_success_total{${reason}}`;
+  const before = await metrics(server.url);
   const r = await client.chat.completions.create({ model, messages: c.messages, temperature: 0, max_tokens: 32, stop: ['press'] });
   assert.equal(r.choices[0].finish_reason, 'stop');
   assert.equal(r.choices[0].message.content, 'The most important service rendered by the ');
@@ -109,6 +111,14 @@ test('stop strings cut the text, streaming or not', async () => {
   let text = '';
   for await (const chunk of stream) for (const ch of chunk.choices) text += ch.delta.content ?? '';
   assert.equal(text, 'The most important service ');
+  // The metrics count both as ended by a stop, not as aborted (the engine ends them when cut).
+  const counted = await waitFor(async () => {
+    const m = await metrics(server.url);
+    return (m[key('stop')] ?? 0) === (before[key('stop')] ?? 0) + 2;
+  });
+  const after = await metrics(server.url);
+  assert.ok(counted, `stop ${before[key('stop')] ?? 0} -> ${after[key('stop')] ?? 0}`);
+  assert.equal(after[key('abort')] ?? 0, before[key('abort')] ?? 0);
 });
 
 test('no stop string ends within the first min_tokens tokens (as vLLM)', async () => {
@@ -165,6 +175,12 @@ test('an API key is required when set', async () => {
     const r = await good.chat.completions.create({ model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: 3 });
     assert.ok(r.choices.length === 1);
     assert.equal((await fetch(`${keyed.url}/health`)).status, 200);  // health needs no key
+    // The scheme is case-insensitive (RFC 9110), the key is not.
+    const models = (auth) => fetch(`${keyed.url}/v1/models`, { headers: { Authorization: auth } });
+    assert.equal((await models('bearer sekret')).status, 200);
+    assert.equal((await models('BEARER sekret')).status, 200);
+    assert.equal((await models('Bearer SEKRET')).status, 401);
+    assert.equal((await models('Bearer sekret2')).status, 401);
   } finally {
     assert.equal(await keyed.stop(), 0);
   }
@@ -184,6 +200,9 @@ test('a full queue answers 503 with Retry-After, and the rest complete', async (
       assert.equal(r.reason.headers.get('retry-after'), '1');
     }
     for (const r of served) assert.equal(r.value.data.choices[0].finish_reason, 'length');
+    // A request with more choices than the queue holds could never be admitted: 400, not 503.
+    await assert.rejects(c.completions.create({ model, prompt: 'The', max_tokens: 2, n: 3 }),
+                         (e) => e instanceof OpenAI.BadRequestError && e.error?.param === 'n');
   } finally {
     assert.equal(await busy.stop(), 0);
   }

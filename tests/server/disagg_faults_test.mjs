@@ -37,11 +37,11 @@ const longPrompt = (words, salt) => Array.from({ length: words }, (_, i) => ['co
 async function streamIds(c, params, { signal, onChunk } = {}) {
   const stream = await c.completions.create({ model: 'moeserve-demo', stream: true, return_token_ids: true,
                                               temperature: 0, ...params }, signal ? { signal } : undefined);
-  let ids = [];
+  const ids = [];  // each chunk holds the ids new in it
   let finish = null;
   for await (const chunk of stream) {
     for (const ch of chunk.choices) {
-      if (ch.token_ids) ids = ch.token_ids;
+      if (ch.token_ids) ids.push(...ch.token_ids);
       if (ch.finish_reason) finish = ch.finish_reason;
     }
     if (onChunk) onChunk(ids);

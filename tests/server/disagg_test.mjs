@@ -60,7 +60,7 @@ async function run(client, req) {
     for (const c of chunk.choices) {
       const slot = choices[c.index] ??= { text: '', finish: null, ids: null };
       slot.text += chat ? (c.delta.content ?? '') : c.text;
-      if (c.token_ids) slot.ids = c.token_ids;
+      if (c.token_ids) slot.ids = [...(slot.ids ?? []), ...c.token_ids];  // each chunk's new ids
       if (c.finish_reason) slot.finish = c.finish_reason;
     }
   }

@@ -94,6 +94,12 @@ const cases = [
                                                                     logit_bias: { 11: 5 } }), 200],
   ['detokenize ids past the vocabulary', httpPost('/detokenize', { tokens: [1, 1e9] }), 400, 'tokens'],
   ['tokenize without a prompt', httpPost('/tokenize', { nothing: 1 }), 400, 'prompt'],
+  ['tokenize for another model', httpPost('/tokenize', { model: 'nope', prompt: 'Hi' }), 404, 'model'],
+  ['logit_bias names a token past the vocabulary', completion({ ...ok, logit_bias: { 1000000: 1 } }), 400, 'logit_bias'],
+  ['POST on a GET route (models)', httpPost('/v1/models', {}), 405],
+  ['POST on a GET route (health)', httpPost('/health', {}), 405],
+  ['an unknown model by name', [Buffer.from('GET /v1/models/nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n')], 404,
+   'model'],
 ];
 
 test(`${cases.length} hostile requests get their documented status`, async () => {

@@ -295,7 +295,7 @@ class ScriptedBackend final : public GenerationBackend {
     callbacks.push_back(std::move(on_output));
     return callbacks.size();
   }
-  void cancel(uint64_t) override {}
+  void cancel(uint64_t, engine::FinishReason) override {}
   int64_t vocab_size() const override { return 1 << 20; }
   bool healthy() const override { return true; }
   std::string metrics_text(const std::string&) const override { return {}; }
