@@ -93,7 +93,9 @@ Status run_router(ServeArgs args, const std::vector<std::string>& prefill,
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   log_info("signal {}: shutting down the router", signal_number);
-  http.stop();
+  http.close_listener();
+  router.shutdown();  // each request in flight ends (finish_reason "abort")
+  http.stop(kDrainSeconds);
   return Status::ok();
 }
 
@@ -360,8 +362,9 @@ Status run_instance(const ServeArgs& args, engine::Engine& engine, const Instanc
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   log_info("signal {}: shutting down the {} instance", signal_number, args.role);
-  http.stop();
+  http.close_listener();
   engine.shutdown();  // its last outputs still reach the service
+  http.stop(kDrainSeconds);
   decode.reset();
   prefill.reset();
   return Status::ok();

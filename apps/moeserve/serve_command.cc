@@ -489,8 +489,9 @@ Status serve_api(const ServeArgs& args, engine::Engine& engine, const tokenizer:
   int signal_number = 0;
   sigwait(&signals, &signal_number);
   log_info("signal {}: shutting down", signal_number);
-  http.stop();
-  engine.shutdown();
+  http.close_listener();
+  engine.shutdown();  // fails the requests in flight: their errors go out
+  http.stop(kDrainSeconds);
   return Status::ok();
 }
 

@@ -35,6 +35,10 @@ inline constexpr int kDefaultCpuMaxModelLen = 4096;  // GPUs: the model's max_po
 // weights for a few rows each: docs/performance.md, "Step budget").
 inline constexpr int kDefaultCpuMaxNumSeqs = 64, kDefaultCpuMaxNumBatchedTokens = 512;
 inline constexpr int kDefaultGpuMaxNumSeqs = 256, kDefaultGpuMaxNumBatchedTokens = 8192;
+// On SIGINT/SIGTERM a server stops accepting, ends what is in flight (an
+// error, or finish_reason "abort" at the router), and waits up to this long
+// for those answers to be written before it closes the connections.
+inline constexpr double kDrainSeconds = 2.0;
 
 struct ServeArgs {
   std::string model;

@@ -1,8 +1,10 @@
 #include "server/http_server.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <deque>
+#include <future>
 #include <thread>
 
 #include <boost/asio.hpp>
@@ -42,8 +44,9 @@ std::string status_line(int status) {
 
 class Session : public std::enable_shared_from_this<Session>, public HttpExchange {
  public:
-  Session(tcp::socket socket, const HttpServerOptions& options, const HttpHandler& handler)
-      : stream_(std::move(socket)), options_(options), handler_(handler) {}
+  Session(tcp::socket socket, const HttpServerOptions& options, const HttpHandler& handler,
+          std::atomic<int>& num_in_request)
+      : stream_(std::move(socket)), options_(options), handler_(handler), num_in_request_(num_in_request) {}
 
   void run() {
     net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->read_request(); });
@@ -135,7 +138,7 @@ class Session : public std::enable_shared_from_this<Session>, public HttpExchang
     request.body = std::move(msg.body());
     keep_alive_ = msg.keep_alive();
     stream_.expires_never();
-    in_request_ = true;
+    set_in_request(true);
     start_probe();
     try {
       handler_(std::move(request), shared_from_this());
@@ -147,7 +150,7 @@ class Session : public std::enable_shared_from_this<Session>, public HttpExchang
 
   void reject(int status, const std::string& message, const std::string& code) {
     keep_alive_ = false;
-    in_request_ = true;
+    set_in_request(true);
     write_response({status, "application/json", error_json(message, "invalid_request_error", "", code)});
   }
 
@@ -221,7 +224,7 @@ class Session : public std::enable_shared_from_this<Session>, public HttpExchang
     out_.pop_front();
     stream_.expires_never();
     if (!last) return write_next();
-    in_request_ = false;
+    set_in_request(false);
     on_close_.clear();
     out_.clear();
     writing_ = false;
@@ -258,9 +261,18 @@ class Session : public std::enable_shared_from_this<Session>, public HttpExchang
     });
   }
 
+  // A request is in flight from its read to its response's last byte written
+  // (HttpServer::stop waits for those to end).
+  void set_in_request(bool in_request) {
+    if (in_request == in_request_) return;
+    in_request_ = in_request;
+    num_in_request_.fetch_add(in_request ? 1 : -1);
+  }
+
   void close() {
     if (closed_) return;
     closed_ = true;
+    set_in_request(false);
     beast::error_code ignored;
     stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
     stream_.close();
@@ -273,6 +285,7 @@ class Session : public std::enable_shared_from_this<Session>, public HttpExchang
   beast::tcp_stream stream_;
   const HttpServerOptions& options_;
   const HttpHandler& handler_;
+  std::atomic<int>& num_in_request_;
   beast::flat_buffer buffer_;
   std::optional<http::request_parser<http::string_body>> parser_;
   std::deque<Pending> out_;
@@ -303,10 +316,14 @@ struct HttpServer::Impl {
   HttpServerOptions options;
   HttpHandler handler;
   net::io_context ioc;
+  // Keeps the I/O threads running until stop(), also when no connection and
+  // no listener is left (close_listener() then stop() post work to them).
+  std::optional<net::executor_work_guard<net::io_context::executor_type>> work;
   std::optional<tcp::acceptor> acceptor;
   std::vector<std::thread> threads;
   std::mutex mutex;  // guards sessions
   std::vector<std::weak_ptr<Session>> sessions;
+  std::atomic<int> num_in_request{0};  // sessions between a request and its response's end
 
   void accept() {
     acceptor->async_accept(net::make_strand(ioc), [this](beast::error_code ec, tcp::socket socket) {
@@ -319,7 +336,7 @@ struct HttpServer::Impl {
           std::lock_guard lock(mutex);
           std::erase_if(sessions, [](const auto& w) { return w.expired(); });
           if (sessions.size() < options.max_connections) {
-            session = std::make_shared<Session>(std::move(socket), options, handler);
+            session = std::make_shared<Session>(std::move(socket), options, handler, num_in_request);
             sessions.push_back(session);
           }
         }
@@ -348,6 +365,7 @@ Status HttpServer::start(const HttpServerOptions& options, HttpHandler handler) 
   if (!ec) acceptor.listen(net::socket_base::max_listen_connections, ec);
   if (ec) return unavailable("cannot listen on {}:{}: {}", options.host, options.port, ec.message());
   impl_->accept();
+  impl_->work.emplace(impl_->ioc.get_executor());
   for (int i = 0; i < std::max(1, options.num_threads); ++i)
     impl_->threads.emplace_back([this] {
       try {
@@ -364,17 +382,31 @@ uint16_t HttpServer::port() const {
   return impl_->acceptor ? impl_->acceptor->local_endpoint(ec).port() : 0;
 }
 
-void HttpServer::stop() {
+void HttpServer::close_listener() {
   if (impl_->threads.empty()) return;
-  net::post(impl_->ioc, [this] {
+  std::promise<void> closed;
+  net::post(impl_->ioc, [this, &closed] {
     beast::error_code ignored;
     impl_->acceptor->close(ignored);
+    closed.set_value();
+  });
+  closed.get_future().wait();
+}
+
+void HttpServer::stop(double drain_s) {
+  if (impl_->threads.empty()) return;
+  close_listener();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(drain_s);
+  while (impl_->num_in_request.load() > 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  net::post(impl_->ioc, [this] {
     std::lock_guard lock(impl_->mutex);
     for (auto& w : impl_->sessions)
       if (auto s = w.lock()) s->close_now();
   });
   // Let the closes run, then stop.
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  impl_->work.reset();
   impl_->ioc.stop();
   for (auto& t : impl_->threads) t.join();
   impl_->threads.clear();

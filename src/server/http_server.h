@@ -85,8 +85,12 @@ class HttpServer {
   // Binds and starts the I/O threads.
   Status start(const HttpServerOptions& options, HttpHandler handler);
   uint16_t port() const;
-  // Closes the listener and every connection and joins the I/O threads.
-  void stop();
+  // Closes the listener: no new connection is accepted; the open ones go on.
+  void close_listener();
+  // Closes the listener, waits up to drain_s for the responses in flight to be
+  // written (their requests ended, e.g. failed by a stopping engine), then
+  // closes every connection and joins the I/O threads.
+  void stop(double drain_s = 0.0);
 
  private:
   struct Impl;

@@ -277,7 +277,9 @@ Router::Job::Outcome Router::Job::stream_decode(HttpCall& decode) {
 
 Router::Router(RouterOptions options) : options_(std::move(options)), pool_(options_.pool) {}
 
-Router::~Router() {
+Router::~Router() { shutdown(); }
+
+void Router::shutdown() {
   std::vector<std::shared_ptr<Job>> jobs;
   {
     std::lock_guard lock(mutex_);

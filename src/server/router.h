@@ -42,7 +42,10 @@ struct RouterOptions {
 class Router final : public GenerationBackend {
  public:
   explicit Router(RouterOptions options);
-  ~Router() override;  // cancels what runs and joins the workers
+  ~Router() override;  // shutdown()
+  // Cancels what runs (each request's final output: finish kAbort) and joins
+  // the workers; later submissions are refused. Idempotent.
+  void shutdown();
 
   Status add_instance(InstanceRole role, const std::string& url) { return pool_.add(role, url); }
   void start() { pool_.start(); }

@@ -1,10 +1,10 @@
 // `moeserve serve` as a process: bad flags fail with a message and exit code
 // 1 (or 2 for usage errors) before binding; a busy port fails; SIGINT and
-// SIGTERM stop it cleanly (exit 0).
+// SIGTERM stop it cleanly (exit 0), ending the requests in flight with errors.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
-import { startServer, moeserveBin } from './server_harness.mjs';
+import { startServer, moeserveBin, metrics, waitFor } from './server_harness.mjs';
 
 function serve(args) {
   return spawnSync(moeserveBin, ['serve', ...args], { encoding: 'utf8', timeout: 60000 });
@@ -56,6 +56,33 @@ test('SIGINT stops the server with exit code 0', async () => {
   const s = await startServer([]);
   const exited = new Promise((resolve) => s.proc.on('exit', (code) => resolve(code)));
   s.proc.kill('SIGINT');
+  assert.equal(await exited, 0);
+  await s.stop();
+});
+
+test('SIGTERM ends the requests in flight with an error (a stream: an error event, then [DONE]) and exits 0',
+     async () => {
+  const s = await startServer(['--max-num-seqs', '1']);  // one runs, the others wait
+  const post = (body) => fetch(`${s.url}/v1/completions`, {
+    method: 'POST', headers: { 'Content-Type': 'application/json' },
+    body: JSON.stringify({ prompt: 'hi', max_tokens: 1000, ignore_eos: true, ...body }) });
+  const streamed = await post({ stream: true, n: 4 });
+  const plain = post({ n: 4 });
+  const reader = streamed.body.getReader();
+  const first = await reader.read();  // the stream has started
+  assert.ok(!first.done);
+  assert.ok(await waitFor(async () => (await metrics(s.url))['moeserve:num_requests_waiting'] > 0),
+            'the second request is queued');
+  const exited = new Promise((resolve) => s.proc.on('exit', (code) => resolve(code)));
+  s.proc.kill('SIGTERM');
+  let text = new TextDecoder().decode(first.value);
+  for (let r = await reader.read(); !r.done; r = await reader.read()) text += new TextDecoder().decode(r.value);
+  const events = text.split('\n\n').filter((e) => e.startsWith('data: ')).map((e) => e.slice(6));
+  assert.equal(events.at(-1), '[DONE]');
+  assert.match(JSON.parse(events.at(-2)).error.message, /shutting down/);
+  const answer = await plain;
+  assert.equal(answer.status, 503);
+  assert.match((await answer.json()).error.message, /shutting down/);
   assert.equal(await exited, 0);
   await s.stop();
 });
