@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake git pkg-config nlohmann-json3-dev libfmt-dev libspdlog-dev libcli11-dev
           libboost-dev libpcre2-dev libutf8proc-dev libgtest-dev libgmock-dev libbenchmark-dev
-          libibverbs-dev)  # optional for the build: the ibverbs transport (src/transfer), ~3 MB
+          libibverbs-dev  # optional for the build: the ibverbs transport (src/transfer), ~3 MB
+          curl ca-certificates)  # the README's and scripts/run.sh's example requests; the Prometheus test
 if [[ "${1:-}" == "--test" ]]; then
   packages+=(clang libclang-rt-14-dev prometheus)
   # Node.js for the npm test oracles: Debian's, unless a node and npm are

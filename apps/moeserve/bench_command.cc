@@ -244,7 +244,7 @@ void print_and_save(const BenchArgs& args, const std::string& model, const std::
 
 Status run_bench(const BenchArgs& args) {
   if (args.dataset != "random") return invalid_argument("--dataset: only 'random' is supported");
-  if (args.vocab_lo < 0 || args.vocab_hi <= args.vocab_lo) return invalid_argument("--random-vocab-range must be lo < hi");
+  if (args.vocab_lo < 0 || args.vocab_hi <= args.vocab_lo) return invalid_argument("--random-vocab-lo must be >= 0 and below --random-vocab-hi");
   MOE_ASSIGN_OR_RETURN(Endpoint ep, parse_url(args.url));
   std::string model = args.model.empty() ? find_model(ep) : args.model;
   if (model.empty()) return unavailable("no model from {}/v1/models (is the server up?)", args.url);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -33,6 +34,9 @@ Status check_device(const DeviceArgs& args);
 // --disagg`'s instances: `unit` names them in errors): --gpus[rank] when given
 // (its length must be `world`), else --gpu + rank.
 Expected<int> rank_gpu(const DeviceArgs& args, int rank, int world, const char* unit = "ranks");
+
+// One item of --gpus: an ordinal ("3") or an inclusive range ("0-7").
+Expected<std::vector<int>> parse_gpu_range(std::string_view item);
 
 // Whether --gpus names a GPU more than once (processes sharing it).
 bool gpus_repeat(const DeviceArgs& args);

@@ -19,6 +19,7 @@
 #include "model/config.h"
 #include "model/qwen3_moe.h"
 #include "model/weights.h"
+#include "tokenizer/tokenizer.h"
 
 namespace moe::apps {
 namespace {
@@ -26,6 +27,7 @@ namespace {
 struct GenerateArgs {
   std::string model;
   std::vector<std::string> prompt_ids;  // each "1,2,3"; repeat the flag for a batch
+  std::vector<std::string> prompts;     // or text, encoded with the model's tokenizer
   int max_tokens = 16;
   float temperature = 0.0f;
   int top_k = 0;
@@ -80,10 +82,28 @@ Status run_generate(const GenerateArgs& args) {
     mtp_source = std::move(source);
   }
 
-  std::vector<engine::GenerationRequest> requests;
+  if (args.prompts.empty() == args.prompt_ids.empty())
+    return invalid_argument("give the prompts as --prompt TEXT or as --prompt-ids IDS (one of them, repeatable)");
+  std::optional<tokenizer::Tokenizer> tok;  // text prompts and text output
+  if (!args.prompts.empty()) {
+    if (dummy || !std::filesystem::exists(std::filesystem::path(args.model) / "tokenizer.json"))
+      return invalid_argument("--prompt needs the model's tokenizer.json ({} has none): use --prompt-ids", args.model);
+    MOE_ASSIGN_OR_RETURN(auto t, tokenizer::Tokenizer::load(args.model));
+    tok.emplace(std::move(t));
+  }
+  std::vector<std::vector<int32_t>> prompt_tokens;
   for (const auto& text : args.prompt_ids) {
+    MOE_ASSIGN_OR_RETURN(auto ids, parse_ids(text));
+    prompt_tokens.push_back(std::move(ids));
+  }
+  for (const auto& text : args.prompts) {
+    prompt_tokens.push_back(tok->encode(text, /*parse_special=*/true));
+    if (prompt_tokens.back().empty()) return invalid_argument("--prompt '{}' encodes to no tokens", text);
+  }
+  std::vector<engine::GenerationRequest> requests;
+  for (auto& ids : prompt_tokens) {
     engine::GenerationRequest r;
-    MOE_ASSIGN_OR_RETURN(r.prompt, parse_ids(text));
+    r.prompt = std::move(ids);
     r.max_tokens = args.max_tokens;
     r.sampling.temperature = args.temperature;
     r.sampling.top_k = args.top_k;
@@ -175,6 +195,7 @@ Status run_generate(const GenerateArgs& args) {
     if (args.output == "json") {
       nlohmann::json j;
       j["token_ids"] = results[i].token_ids;
+      if (tok) j["text"] = tok->decode(results[i].token_ids, /*skip_special_tokens=*/true);
       j["finish_reason"] = results[i].finish_reason;
       j["prompt_tokens"] = requests[i].prompt.size();
       j["completion_tokens"] = results[i].token_ids.size();
@@ -183,6 +204,8 @@ Status run_generate(const GenerateArgs& args) {
         j["num_accepted_draft_tokens"] = results[i].num_accepted_draft_tokens;
       }
       std::printf("%s\n", j.dump().c_str());
+    } else if (tok) {  // text prompts: the text that follows each
+      std::printf("%s\n", tok->decode(results[i].token_ids, /*skip_special_tokens=*/true).c_str());
     } else {
       std::printf("%s\n", fmt::format("{}", fmt::join(results[i].token_ids, " ")).c_str());
     }
@@ -194,10 +217,13 @@ Status run_generate(const GenerateArgs& args) {
 
 void add_generate_command(CLI::App& app) {
   auto args = std::make_shared<GenerateArgs>();
-  CLI::App* cmd = app.add_subcommand("generate", "Generate tokens offline from prompt token ids (no server)");
+  CLI::App* cmd = app.add_subcommand("generate", "Generate offline from text or token-id prompts (no server)");
   cmd->add_option("--model", args->model, "Model directory (or a config.json with --load-format dummy)")->required();
+  cmd->add_option("--prompt", args->prompts,
+                  "Prompt text, encoded with the model's tokenizer (no chat template); repeat for a batch. "
+                  "Prints the generated text")
+      ->allow_extra_args(false);
   cmd->add_option("--prompt-ids", args->prompt_ids, "Comma-separated prompt token ids; repeat for a batch")
-      ->required()
       ->allow_extra_args(false);
   cmd->add_option("--max-tokens", args->max_tokens, "Tokens to generate per prompt")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--temperature", args->temperature, "0 = greedy")->check(CLI::Range(0.0f, 100.0f));

@@ -53,6 +53,30 @@ TEST(Cli, GenerateJsonMatchesTheGoldenGreedyTokens) {
   EXPECT_EQ(result["finish_reason"], "length");
 }
 
+// Text prompts go through the model's tokenizer: the demo model's texts give
+// transformers' ids and greedy tokens (models/moeserve-demo/golden.json).
+TEST(Cli, GenerateTextPromptsMatchTheDemoGoldens) {
+  const std::string demo = std::string(MOE_SOURCE_DIR) + "/models/moeserve-demo";
+  std::ifstream in(demo + "/golden.json");
+  auto golden = nlohmann::json::parse(in);
+  const auto& text = golden["texts"][0];
+  const int n = golden["n_greedy"].get<int>();
+  CliRun r = run("generate --model " + demo + " --prompt '" + text["text"].get<std::string>() + "' --max-tokens " +
+                 std::to_string(n) + " --ignore-eos --output json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto result = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(result["prompt_tokens"], text["ids"].size());
+  EXPECT_EQ(result["token_ids"], text["greedy"]);
+  EXPECT_TRUE(result["text"].is_string() && !result["text"].get<std::string>().empty());
+  CliRun both = run("generate --model " + demo + " --prompt Hi --prompt-ids 1,2");
+  EXPECT_EQ(both.exit_code, 1);
+  EXPECT_NE(both.output.find("one of them"), std::string::npos) << both.output;
+  CliRun no_tokenizer = run("generate --model " + kGolden + " --prompt Hi");
+  EXPECT_EQ(no_tokenizer.exit_code, 1);
+  EXPECT_NE(no_tokenizer.output.find("--prompt needs the model's tokenizer.json"), std::string::npos)
+      << no_tokenizer.output;
+}
+
 // Speculative decoding (docs/speculative.md): the same greedy tokens with
 // MTP drafts (the golden model with a random MTP layer from its golden
 // checkpoint), and clear start-up errors for what is not supported.
@@ -169,6 +193,15 @@ TEST(Cli, GpuSelectionErrors) {
   CliRun gpus_cpu = run("generate --model " + kGolden + " --prompt-ids 1 --gpus 0,1");
   EXPECT_EQ(gpus_cpu.exit_code, 1) << gpus_cpu.output;
   EXPECT_NE(gpus_cpu.output.find("--gpus only applies with --device cuda"), std::string::npos) << gpus_cpu.output;
+  // Ranges expand in place: 0-1,1 is three GPUs.
+  CliRun gpus_range = run("serve --disagg --device cuda --gpus 0-1,1 --model " + kGolden);
+  EXPECT_EQ(gpus_range.exit_code, 1) << gpus_range.output;
+  EXPECT_NE(gpus_range.output.find("--gpus names 3 GPUs for 2 instances"), std::string::npos) << gpus_range.output;
+  for (const std::string bad : {"3-1", "x", "0-", "1024", "-2"}) {
+    CliRun r = run("generate --model " + kGolden + " --prompt-ids 1 --gpus " + bad);
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("--gpus"), std::string::npos) << r.output;
+  }
   CliRun gpus_count = run("serve --model " + kGolden + " --device cuda --tp 2 --gpus 0,0,1 --port 0");
   EXPECT_EQ(gpus_count.exit_code, 1) << gpus_count.output;
   EXPECT_NE(gpus_count.output.find("--gpus names 3 GPUs for 2 ranks"), std::string::npos) << gpus_count.output;
