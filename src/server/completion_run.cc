@@ -135,14 +135,15 @@ bool CompletionRun::find_stop(Choice& c) {
     c.stop_checked = c.text.size();  // as vLLM: no stop string ends within the first min_tokens tokens
     return false;
   }
-  size_t best = std::string::npos;
+  size_t best = std::string::npos, best_size = 0;  // the earliest match (the first listed at a tie)
   for (const auto& s : config_.params.stop) {
     const size_t from = c.stop_checked >= s.size() ? c.stop_checked - s.size() + 1 : 0;
-    best = std::min(best, c.text.find(s, from));
+    const size_t at = c.text.find(s, from);
+    if (at < best) best = at, best_size = s.size();
   }
   c.stop_checked = c.text.size();
   if (best == std::string::npos) return false;
-  c.text.resize(best);
+  c.text.resize(config_.params.include_stop_str_in_output ? best + best_size : best);
   return true;
 }
 

@@ -184,6 +184,14 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
         return reply_error(*e);
   }
   if (params.model && *params.model != options_.model_name) return reply_error(model_not_found(*params.model));
+  if (params.truncate_prompt_tokens) {  // vLLM's: keep each prompt's last k tokens
+    const auto keep = static_cast<size_t>(*params.truncate_prompt_tokens);
+    for (auto& p : prompts) {
+      if (p.ids.size() <= keep) continue;
+      p.ids.erase(p.ids.begin(), p.ids.end() - static_cast<std::ptrdiff_t>(keep));
+      if (!p.echo_text.empty() && tokenizer_) p.echo_text = tokenizer_->decode(p.ids, params.skip_special_tokens);
+    }
+  }
   for (const auto& [token, bias] : params.sampling.logit_bias)
     if (token >= engine_.vocab_size())
       return reply_error(bad_request(fmt::format("logit_bias names token {}, outside the vocabulary [0, {})", token,

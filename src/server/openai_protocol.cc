@@ -76,6 +76,10 @@ std::optional<ApiError> reject_unsupported(const Json& j) {
                           "structured_outputs", "bad_words", "allowed_token_ids"}) {
     if (auto it = j.find(key); it != j.end() && !it->is_null()) return unsupported(key, "null");
   }
+  // vLLM's beam search and chat continuation.
+  for (const char* key : {"use_beam_search", "continue_final_message"}) {
+    if (auto it = j.find(key); it != j.end() && !it->is_null() && *it != false) return unsupported(key, "false");
+  }
   return std::nullopt;
 }
 
@@ -151,6 +155,10 @@ std::optional<ApiError> read_common(const Json& j, const RequestLimits& limits, 
     return bad_request("'best_of' above 'n' is not supported by this server (send n or leave it out)",
                        "best_of");
   MOE_API_TRY(read_bool(j, "ignore_eos", p.ignore_eos));
+  MOE_API_TRY(read_bool(j, "include_stop_str_in_output", p.include_stop_str_in_output));
+  MOE_API_TRY(read_int(j, "truncate_prompt_tokens", 1, std::numeric_limits<int32_t>::max(), v));
+  if (v) p.truncate_prompt_tokens = static_cast<int>(*v);
+  v.reset();
   MOE_API_TRY(read_bool(j, "skip_special_tokens", p.skip_special_tokens));
   MOE_API_TRY(read_bool(j, "stream", p.stream));
   if (p.stream && p.prompt_logprobs >= 0)  // as vLLM
@@ -278,6 +286,8 @@ std::variant<ChatRequest, ApiError> parse_chat_request(const std::string& body, 
   if (top && !logprobs) return bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs");
   if (logprobs) r.params.logprobs = static_cast<int>(top.value_or(0));
   MOE_API_TRY(read_bool(*j, "add_generation_prompt", r.add_generation_prompt));
+  if (auto it = j->find("echo"); it != j->end() && !it->is_null() && *it != false)  // vLLM's chat echo
+    return bad_request("'echo' is not supported for chat by this server (send false or leave it out)", "echo");
   if (auto it = j->find("chat_template_kwargs"); it != j->end() && !it->is_null()) {
     if (!it->is_object()) return bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs");
     r.chat_template_kwargs = *it;

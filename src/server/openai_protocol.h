@@ -58,6 +58,8 @@ struct GenerationParams {
   int logprobs = -1;  // -1: none; else the number of top alternatives
   int prompt_logprobs = -1;  // vLLM's extension: -1 none; else each prompt token's logprob and top k
   bool ignore_eos = false;
+  bool include_stop_str_in_output = false;    // vLLM's: the stop string stays at the end of the text
+  std::optional<int> truncate_prompt_tokens;  // vLLM's: only the prompt's last k tokens are used
   bool skip_special_tokens = true;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage

@@ -92,6 +92,19 @@ test('errors surface as the client\'s APIError classes', async () => {
                        (e) => e instanceof OpenAI.BadRequestError && /no tokenizer/.test(e.message));
 });
 
+test('vLLM\'s truncate_prompt_tokens: the prompt\'s last k tokens, as if sent alone', async () => {
+  const p = golden.prompts[3];  // 17 tokens
+  const k = 5;
+  const cut = await client.completions.create({ model, prompt: p.ids, max_tokens: 8, temperature: 0, ignore_eos: true,
+                                                truncate_prompt_tokens: k, return_token_ids: true });
+  const alone = await client.completions.create({ model, prompt: p.ids.slice(-k), max_tokens: 8, temperature: 0,
+                                                  ignore_eos: true, return_token_ids: true });
+  assert.ok(p.ids.length > k);
+  assert.equal(cut.usage.prompt_tokens, k);
+  assert.deepEqual(cut.choices[0].prompt_token_ids, p.ids.slice(-k));
+  assert.deepEqual(cut.choices[0].token_ids, alone.choices[0].token_ids);
+});
+
 test('n choices, seeds, logprobs and stop_token_ids', async () => {
   const p = golden.prompts[2];
   const r = await client.completions.create({ model, prompt: p.ids, max_tokens: 8, temperature: 1, seed: 5, n: 3,

@@ -111,10 +111,20 @@ test('stop strings cut the text, streaming or not', async () => {
   let text = '';
   for await (const chunk of stream) for (const ch of chunk.choices) text += ch.delta.content ?? '';
   assert.equal(text, 'The most important service ');
-  // The metrics count both as ended by a stop, not as aborted (the engine ends them when cut).
+  // vLLM's include_stop_str_in_output keeps the stop string, streamed or not.
+  for (const streamed of [false, true]) {
+    const kept = await client.chat.completions.create({ model, messages: c.messages, temperature: 0, max_tokens: 32,
+                                                        stop: ['xyz', 'rendered by'], include_stop_str_in_output: true,
+                                                        stream: streamed });
+    let keptText = '';
+    if (streamed) for await (const chunk of kept) for (const ch of chunk.choices) keptText += ch.delta.content ?? '';
+    else keptText = kept.choices[0].message.content;
+    assert.equal(keptText, 'The most important service rendered by', `stream ${streamed}`);
+  }
+  // The metrics count the four as ended by a stop, not as aborted (the engine ends them when cut).
   const counted = await waitFor(async () => {
     const m = await metrics(server.url);
-    return (m[key('stop')] ?? 0) === (before[key('stop')] ?? 0) + 2;
+    return (m[key('stop')] ?? 0) === (before[key('stop')] ?? 0) + 4;
   });
   const after = await metrics(server.url);
   assert.ok(counted, `stop ${before[key('stop')] ?? 0} -> ${after[key('stop')] ?? 0}`);
