@@ -22,6 +22,12 @@ int http_status_of(const Status& s) {
   }
 }
 
+// Characters (code points) of UTF-8 text: text_offset counts them, as
+// OpenAI's and vLLM's do (Python string indices).
+size_t num_chars(std::string_view utf8) {
+  return static_cast<size_t>(std::count_if(utf8.begin(), utf8.end(), [](char b) { return (b & 0xC0) != 0x80; }));
+}
+
 }  // namespace
 
 std::pair<std::string, std::string> ReasoningSplitter::feed(const std::string& text) {
@@ -126,7 +132,12 @@ void CompletionRun::add_token(Choice& c, const engine::EngineOutput& out) {
   if (!out.prompt_logprobs.empty()) c.prompt_logprobs = out.prompt_logprobs;
   // The token that stopped generation (eos or a stop id) is not part of the text.
   const bool stop_token = out.finish == engine::FinishReason::kStop;
-  if (c.detokenizer && !stop_token) c.text += c.detokenizer->add(out.token);
+  c.token_offsets.push_back(c.text_chars);
+  if (c.detokenizer && !stop_token) {
+    const std::string piece = c.detokenizer->add(out.token);
+    c.text_chars += num_chars(piece);
+    c.text += piece;
+  }
 }
 
 bool CompletionRun::find_stop(Choice& c) {
@@ -193,15 +204,16 @@ json CompletionRun::chunk_head() const {
           {"model", config_.model}};
 }
 
-json CompletionRun::logprobs_json(const Choice& c, size_t from, size_t text_offset, bool with_prompt) const {
+json CompletionRun::logprobs_json(const Choice& c, size_t from, bool with_prompt) const {
   if (config_.params.logprobs < 0) return nullptr;
   if (config_.chat) {
     json content = json::array();
     for (size_t i = from; i < c.logprobs.size(); ++i) {
       auto entry = [&](int32_t id, float lp) {
         const std::string t = token_text(id);
-        std::vector<int> bytes;
-        for (unsigned char b : t) bytes.push_back(b);
+        std::vector<int> bytes;  // the token's own bytes, also when they are part of a character
+        if (config_.tokenizer)
+          for (unsigned char b : config_.tokenizer->token_bytes(id)) bytes.push_back(b);
         return json{{"token", t}, {"logprob", lp}, {"bytes", bytes}};
       };
       json e = entry(c.logprobs[i].token, c.logprobs[i].logprob);
@@ -216,10 +228,9 @@ json CompletionRun::logprobs_json(const Choice& c, size_t from, size_t text_offs
   auto label = [&](int32_t id) {
     return config_.tokenizer ? token_text(id) : fmt::format("token_id:{}", id);
   };
-  auto add = [&](int32_t id, const engine::TokenLogprobs* lp, size_t& offset) {  // lp null: nothing before it
+  auto add = [&](int32_t id, const engine::TokenLogprobs* lp, size_t offset) {  // lp null: nothing before it
     tokens.push_back(label(id));
     offsets.push_back(offset);
-    offset += token_text(id).size();
     token_logprobs.push_back(lp ? json(lp->logprob) : json(nullptr));
     json alternatives = json::object();
     if (lp)  // (a prompt's may hold more alternatives, for prompt_logprobs)
@@ -227,13 +238,19 @@ json CompletionRun::logprobs_json(const Choice& c, size_t from, size_t text_offs
         alternatives[label(lp->top[a].first)] = lp->top[a].second;
     top.push_back(lp && config_.params.logprobs > 0 ? alternatives : json(nullptr));
   };
-  if (with_prompt && config_.echo_logprobs) {  // the echoed prompt first
+  if (with_prompt && config_.echo_logprobs) {  // the echoed prompt first, its offsets from its own decoding
     const std::vector<int32_t>& ids = config_.prompts[c.prompt].ids;
+    std::optional<tokenizer::IncrementalDetokenizer> prompt_text;
+    if (config_.tokenizer) prompt_text.emplace(*config_.tokenizer, config_.params.skip_special_tokens);
     size_t offset = 0;
-    for (size_t j = 0; j < ids.size(); ++j)
+    for (size_t j = 0; j < ids.size(); ++j) {
       add(ids[j], j > 0 && j <= c.prompt_logprobs.size() ? &c.prompt_logprobs[j - 1] : nullptr, offset);
+      if (prompt_text) offset += num_chars(prompt_text->add(ids[j]));
+    }
   }
-  for (size_t i = from; i < c.logprobs.size(); ++i) add(c.logprobs[i].token, &c.logprobs[i], text_offset);
+  const size_t echo_chars = num_chars(config_.prompts[c.prompt].echo_text);
+  for (size_t i = from; i < c.logprobs.size(); ++i)
+    add(c.logprobs[i].token, &c.logprobs[i], echo_chars + (i < c.token_offsets.size() ? c.token_offsets[i] : 0));
   return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
 }
 
@@ -303,11 +320,8 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
   const bool with_prompt = !config_.chat && !c.sent_role && config_.echo_logprobs;
   if (!config_.chat) c.sent_role = true;
   choice["logprobs"] = new_logprobs || with_prompt
-                           ? logprobs_json(c, c.logprobs_emitted, echo.size() + c.logprobs_text, with_prompt)
+                           ? logprobs_json(c, c.logprobs_emitted, with_prompt)
                            : json(nullptr);
-  if (!config_.chat)
-    for (size_t i = c.logprobs_emitted; i < c.logprobs.size(); ++i)
-      c.logprobs_text += token_text(c.logprobs[i].token).size();
   c.logprobs_emitted = c.logprobs.size();
   if (config_.params.return_token_ids) {  // vLLM's streamed form: the chunk's new ids, the prompt's in the first
     choice["token_ids"] = std::vector<int32_t>(c.token_ids.begin() + static_cast<std::ptrdiff_t>(first_new_token),
@@ -401,7 +415,7 @@ void CompletionRun::complete() {
     } else {
       choice["text"] = config_.prompts[c.prompt].echo_text + c.text;
     }
-    choice["logprobs"] = logprobs_json(c, 0, config_.prompts[c.prompt].echo_text.size(), true);
+    choice["logprobs"] = logprobs_json(c, 0, true);
     if (config_.params.prompt_logprobs >= 0) {
       if (config_.chat) {
         body["prompt_logprobs"] = prompt_logprobs_json(c);  // (every choice has the same prompt)

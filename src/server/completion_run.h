@@ -88,7 +88,8 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
     std::vector<engine::TokenLogprobs> logprobs;
     std::vector<engine::TokenLogprobs> prompt_logprobs;  // echo_logprobs: prompt tokens 1 .. n-1
     size_t logprobs_emitted = 0;
-    size_t logprobs_text = 0;  // bytes of the tokens' text behind those logprobs (text_offset)
+    std::vector<size_t> token_offsets;  // per token: characters of text before it (text_offset)
+    size_t text_chars = 0;              // characters (code points) the tokens have added to text
     size_t tokens_emitted = 0;
     std::string finish_reason;
     bool done = false;
@@ -115,10 +116,10 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
   void complete();
   nlohmann::json usage() const;
   nlohmann::json chunk_head() const;
-  // Logprobs from token `from` on, their text offsets from `text_offset`;
-  // with_prompt (and echo_logprobs): the echoed prompt's first, from offset 0.
-  nlohmann::json logprobs_json(const Choice& c, size_t from, size_t text_offset,
-                               bool with_prompt = false) const;
+  // Logprobs from token `from` on; with_prompt (and echo_logprobs): the
+  // echoed prompt's first. text_offset counts characters (code points, as
+  // OpenAI and vLLM) into the choice's text, the echoed prompt included.
+  nlohmann::json logprobs_json(const Choice& c, size_t from, bool with_prompt = false) const;
   nlohmann::json prompt_logprobs_json(const Choice& c) const;  // vLLM's prompt_logprobs
   std::string token_text(int32_t id) const;
 

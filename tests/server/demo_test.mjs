@@ -164,6 +164,30 @@ test('chat with prompt_logprobs: one entry per prompt token of the rendered temp
   });
 });
 
+test('text_offset counts characters; chat logprobs carry each token\'s own bytes (non-ASCII text)', async () => {
+  // Accented letters split into two byte-tokens each here: their offsets stay at the character, never go back.
+  const r = await client.completions.create({ model, prompt: 'café naïve résumé', max_tokens: 8, temperature: 0,
+                                              ignore_eos: true, echo: true, logprobs: 0 });
+  const { text, logprobs: lp } = r.choices[0];
+  const chars = Array.from(text);
+  lp.text_offset.forEach((o, i) => {
+    if (i > 0) assert.ok(o >= lp.text_offset[i - 1], `offsets ${lp.text_offset}`);
+    const t = lp.tokens[i];
+    if (!t.includes('\uFFFD') && text.includes(t))
+      assert.equal(chars.slice(o, o + Array.from(t).length).join(''), t, `token ${i} ${JSON.stringify(t)} at ${o}`);
+  });
+  assert.equal(lp.text_offset[0], 0);
+  assert.ok(lp.tokens.some((t) => t.includes('\uFFFD')), 'the prompt has tokens that split a character');
+  const chat = await client.chat.completions.create({ model, messages: [{ role: 'user', content: 'café naïve résumé' }],
+                                                      temperature: 0, max_tokens: 8, logprobs: true,
+                                                      logit_bias: { 130: 100 } });  // a lone UTF-8 lead byte
+  for (const e of chat.choices[0].logprobs.content) {
+    assert.ok(e.bytes.length > 0);
+    if (e.token.includes('\uFFFD')) assert.notDeepEqual(e.bytes, [0xEF, 0xBF, 0xBD], 'raw bytes, not U+FFFD');
+    else assert.equal(Buffer.from(e.bytes).toString('utf8'), e.token);
+  }
+});
+
 test('chat logprobs: one entry per token, the top alternative first', async () => {
   const r = await client.chat.completions.create({ model, messages: golden.chats[1].messages, temperature: 0, max_tokens: 6,
                                                    logprobs: true, top_logprobs: 3 });
