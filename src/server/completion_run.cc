@@ -410,7 +410,9 @@ void CompletionRun::complete() {
         for (const auto& call : piece.calls)
           message["tool_calls"].push_back(tool_call_json(i, c.num_tool_calls++, call, false));
       }
-      message["content"] = content.empty() && c.num_tool_calls > 0 ? json(nullptr) : json(content);
+      // Only whitespace around the calls (the newlines between blocks): no content.
+      const bool blank = content.find_first_not_of(" \t\r\n") == std::string::npos;
+      message["content"] = blank && c.num_tool_calls > 0 ? json(nullptr) : json(content);
       choice["message"] = message;
     } else {
       choice["text"] = config_.prompts[c.prompt].echo_text + c.text;

@@ -19,9 +19,16 @@ std::optional<ToolCall> parse_json_call(std::string_view body) {
   if (name == j.end() || !name->is_string() || name->get<std::string>().empty()) return std::nullopt;
   ToolCall call{name->get<std::string>(), "{}"};
   // "arguments" as the model wrote it: an object (or any JSON value), or a
-  // string that already holds the JSON text.
-  if (const auto args = j.find("arguments"); args != j.end() && !args->is_null())
-    call.arguments = args->is_string() ? args->get<std::string>() : args->dump();
+  // string that already holds an object's JSON text; any other string is
+  // passed on as a JSON string (as vLLM's json.dumps), so that the arguments
+  // are always JSON a client can parse.
+  if (const auto args = j.find("arguments"); args != j.end() && !args->is_null()) {
+    call.arguments = args->dump();
+    if (args->is_string()) {
+      const auto inner = nlohmann::ordered_json::parse(args->get<std::string>(), nullptr, false);
+      if (!inner.is_discarded() && inner.is_object()) call.arguments = args->get<std::string>();
+    }
+  }
   return call;
 }
 

@@ -249,6 +249,14 @@ TEST(ToolCalls, HermesBlocksBecomeCallsFedInAnyPieces) {
   ASSERT_EQ(out.calls.size(), 1u);
   EXPECT_EQ(out.calls[0].arguments, "{}");
   EXPECT_TRUE(bare.feed("<tool_call>{\"arguments\": {}}</tool_call>").calls.empty());  // no name: content
+  // String arguments that are not an object's JSON go out as a JSON string, so clients can parse them.
+  for (const auto& [written, sent] : std::vector<std::pair<std::string, std::string>>{
+           {R"("Paris")", R"("Paris")"}, {R"("[1, 2]")", R"("[1, 2]")"}, {"5", "5"}, {R"("{\"a\": 1}")", R"({"a": 1})"}}) {
+    ToolCallParser p;
+    auto r = p.feed("<tool_call>{\"name\": \"f\", \"arguments\": " + written + "}</tool_call>");
+    ASSERT_EQ(r.calls.size(), 1u) << written;
+    EXPECT_EQ(r.calls[0].arguments, sent) << written;
+  }
 }
 
 TEST(ToolCalls, Qwen3CoderBlocksTakeTheirArgumentTypesFromTheToolSchema) {
@@ -316,6 +324,28 @@ class CapturedExchange final : public HttpExchange {
   std::string body;
   std::vector<std::string> events;
 };
+
+// Parallel calls as Qwen's templates write them (a newline between blocks):
+// no content beside them, so "content" is null (docs/server.md).
+TEST(ToolCalls, OnlyWhitespaceBesideTheCallsIsNoContent) {
+  auto tok = tokenizer::Tokenizer::load(std::string(MOE_SOURCE_DIR) + "/models/moeserve-demo");
+  ASSERT_TRUE(tok.has_value()) << tok.status().to_string();
+  const std::string turn = "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n"
+                           "<tool_call>\n{\"name\": \"b\", \"arguments\": {}}\n</tool_call>\n";
+  RunConfig config;
+  config.chat = true, config.id = "chatcmpl-x", config.model = "m", config.request_id = "r2";
+  config.prompts = {RunPrompt{{1, 2, 3}, "", 64}};
+  config.tokenizer = &*tok;
+  config.parse_tool_calls = true;
+  ScriptedBackend backend;
+  auto exchange = std::make_shared<CapturedExchange>();
+  auto run = std::make_shared<CompletionRun>(config, exchange, backend);
+  ASSERT_FALSE(run->start(engine::EngineRequest{}).has_value());
+  backend.play(0, tok->encode(turn, false));
+  const auto message = nlohmann::json::parse(exchange->body)["choices"][0]["message"];
+  ASSERT_EQ(message["tool_calls"].size(), 2u);
+  EXPECT_TRUE(message["content"].is_null()) << message.dump();
+}
 
 TEST(ToolCalls, ChatResponsesCarryThemStreamingOrNot) {
   auto tok = tokenizer::Tokenizer::load(std::string(MOE_SOURCE_DIR) + "/models/moeserve-demo");
