@@ -1,6 +1,8 @@
 #include "server/tool_calls.h"
 
 #include <nlohmann/json.hpp>
+#include <algorithm>
+#include <cctype>
 #include <optional>
 
 namespace moe::server {
@@ -54,8 +56,14 @@ std::string schema_type(const Json& tools, const std::string& name, const std::s
   return {};
 }
 
-// A parameter's text as a JSON value of its schema type.
+// A parameter's text as a JSON value of its schema type. As vLLM's
+// qwen3_coder parser: "null" (any case) is null whatever the type, and a
+// boolean may be written True / False.
 Json typed_value(std::string_view text, const std::string& type) {
+  std::string lower(text);
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  if (lower == "null") return nullptr;
+  if (type == "boolean" && (lower == "true" || lower == "false")) return lower == "true";
   if (type == "string") return std::string(text);
   const Json parsed = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (parsed.is_discarded()) return std::string(text);

@@ -292,6 +292,13 @@ TEST(ToolCalls, Qwen3CoderBlocksTakeTheirArgumentTypesFromTheToolSchema) {
   auto out = no_params.feed("<tool_call><function=now></function></tool_call>");
   ASSERT_EQ(out.calls.size(), 1u);
   EXPECT_EQ(out.calls[0].arguments, "{}");
+  // As vLLM's parser: True / False for a boolean, and null (any case) for any type.
+  ToolCallParser python_style(ToolCallFormat::kQwen3Coder, tools);
+  auto typed = python_style.feed("<tool_call>\n<function=book>\n<parameter=breakfast>\nFalse\n</parameter>\n"
+                                 "<parameter=city>\nNULL\n</parameter>\n</function>\n</tool_call>");
+  ASSERT_EQ(typed.calls.size(), 1u);
+  EXPECT_EQ(nlohmann::ordered_json::parse(typed.calls[0].arguments),
+            nlohmann::ordered_json::parse(R"({"breakfast": false, "city": null})"));
 }
 
 // A CompletionRun driven by a scripted backend: the demo tokenizer's ids of
