@@ -332,6 +332,24 @@ class CapturedExchange final : public HttpExchange {
   std::vector<std::string> events;
 };
 
+// A chat turn parsed for hermes tool calls: `ids` played by a scripted
+// backend through a CompletionRun; the exchange holds what it sent.
+std::shared_ptr<CapturedExchange> run_tool_call_chat(const tokenizer::Tokenizer& tok, const std::vector<int32_t>& ids,
+                                                     bool stream, const std::string& request_id) {
+  RunConfig config;
+  config.chat = true, config.id = "chatcmpl-x", config.model = "m", config.request_id = request_id;
+  config.params.stream = stream;
+  config.prompts = {RunPrompt{{1, 2, 3}, "", 64}};
+  config.tokenizer = &tok;
+  config.parse_tool_calls = true;
+  ScriptedBackend backend;
+  auto exchange = std::make_shared<CapturedExchange>();
+  auto run = std::make_shared<CompletionRun>(config, exchange, backend);
+  EXPECT_FALSE(run->start(engine::EngineRequest{}).has_value());
+  backend.play(0, ids);
+  return exchange;
+}
+
 // Parallel calls as Qwen's templates write them (a newline between blocks):
 // no content beside them, so "content" is null (docs/server.md).
 TEST(ToolCalls, OnlyWhitespaceBesideTheCallsIsNoContent) {
@@ -339,16 +357,7 @@ TEST(ToolCalls, OnlyWhitespaceBesideTheCallsIsNoContent) {
   ASSERT_TRUE(tok.has_value()) << tok.status().to_string();
   const std::string turn = "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n"
                            "<tool_call>\n{\"name\": \"b\", \"arguments\": {}}\n</tool_call>\n";
-  RunConfig config;
-  config.chat = true, config.id = "chatcmpl-x", config.model = "m", config.request_id = "r2";
-  config.prompts = {RunPrompt{{1, 2, 3}, "", 64}};
-  config.tokenizer = &*tok;
-  config.parse_tool_calls = true;
-  ScriptedBackend backend;
-  auto exchange = std::make_shared<CapturedExchange>();
-  auto run = std::make_shared<CompletionRun>(config, exchange, backend);
-  ASSERT_FALSE(run->start(engine::EngineRequest{}).has_value());
-  backend.play(0, tok->encode(turn, false));
+  const auto exchange = run_tool_call_chat(*tok, tok->encode(turn, false), /*stream=*/false, "r2");
   const auto message = nlohmann::json::parse(exchange->body)["choices"][0]["message"];
   ASSERT_EQ(message["tool_calls"].size(), 2u);
   EXPECT_TRUE(message["content"].is_null()) << message.dump();
@@ -362,17 +371,7 @@ TEST(ToolCalls, ChatResponsesCarryThemStreamingOrNot) {
   const std::vector<int32_t> ids = tok->encode(turn, false);
   for (bool stream : {false, true}) {
     SCOPED_TRACE(stream ? "streaming" : "one response");
-    RunConfig config;
-    config.chat = true, config.id = "chatcmpl-x", config.model = "m", config.request_id = "r1";
-    config.params.stream = stream;
-    config.prompts = {RunPrompt{{1, 2, 3}, "", 64}};
-    config.tokenizer = &*tok;
-    config.parse_tool_calls = true;
-    ScriptedBackend backend;
-    auto exchange = std::make_shared<CapturedExchange>();
-    auto run = std::make_shared<CompletionRun>(config, exchange, backend);
-    ASSERT_FALSE(run->start(engine::EngineRequest{}).has_value());
-    backend.play(0, ids);
+    const auto exchange = run_tool_call_chat(*tok, ids, stream, "r1");
     nlohmann::json message, call, finish;
     if (!stream) {
       const auto body = nlohmann::json::parse(exchange->body);
