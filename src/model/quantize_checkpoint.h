@@ -10,7 +10,8 @@
 //
 // Streaming: the input is memory-mapped and converted one tensor at a time,
 // 128 rows per task on num_threads threads; at most one output shard
-// (max_shard_bytes) plus 128 rows in f32 per thread is held in memory. The output directory gets model-0000i-of-0000N.safetensors shards,
+// (max_shard_bytes) plus 128 rows in f32 per thread is held in memory. The
+// output directory gets model-0000i-of-0000N.safetensors shards,
 // model.safetensors.index.json, config.json with its quantization_config, and
 // a copy of every other top-level regular file of the input (tokenizer files,
 // generation_config.json, ...).

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/logging.h"
+#include "tokenizer/utf8.h"
 
 namespace moe::server {
 
@@ -20,12 +21,6 @@ int http_status_of(const Status& s) {
     case StatusCode::kDeadlineExceeded: return 504;
     default: return 500;
   }
-}
-
-// Characters (code points) of UTF-8 text: text_offset counts them, as
-// OpenAI's and vLLM's do (Python string indices).
-size_t num_chars(std::string_view utf8) {
-  return static_cast<size_t>(std::count_if(utf8.begin(), utf8.end(), [](char b) { return (b & 0xC0) != 0x80; }));
 }
 
 }  // namespace
@@ -135,7 +130,7 @@ void CompletionRun::add_token(Choice& c, const engine::EngineOutput& out) {
   c.token_offsets.push_back(c.text_chars);
   if (c.detokenizer && !stop_token) {
     const std::string piece = c.detokenizer->add(out.token);
-    c.text_chars += num_chars(piece);
+    c.text_chars += tokenizer::num_code_points(piece);
     c.text += piece;
   }
 }
@@ -245,10 +240,10 @@ json CompletionRun::logprobs_json(const Choice& c, size_t from, bool with_prompt
     size_t offset = 0;
     for (size_t j = 0; j < ids.size(); ++j) {
       add(ids[j], j > 0 && j <= c.prompt_logprobs.size() ? &c.prompt_logprobs[j - 1] : nullptr, offset);
-      if (prompt_text) offset += num_chars(prompt_text->add(ids[j]));
+      if (prompt_text) offset += tokenizer::num_code_points(prompt_text->add(ids[j]));
     }
   }
-  const size_t echo_chars = num_chars(config_.prompts[c.prompt].echo_text);
+  const size_t echo_chars = tokenizer::num_code_points(config_.prompts[c.prompt].echo_text);
   for (size_t i = from; i < c.logprobs.size(); ++i)
     add(c.logprobs[i].token, &c.logprobs[i], echo_chars + (i < c.token_offsets.size() ? c.token_offsets[i] : 0));
   return {{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};

@@ -271,12 +271,6 @@ std::vector<std::string> split_code_points(std::string_view s) {
   return out;
 }
 
-size_t num_code_points(std::string_view s) {
-  size_t n = 0;
-  for (char c : s) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
-  return n;
-}
-
 Expected<Value> call_method(const Value& object, std::string_view name, const CallArgs& args, bool& found,
                             bool js_strip) {
   if (object.is_string()) return string_method(object.as_string(), name, args, found, js_strip);

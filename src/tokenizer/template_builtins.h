@@ -33,9 +33,9 @@ void add_global_functions(Object& globals);
 Expected<Value> slice_value(const Value& object, const Value& start, const Value& stop, const Value& step);
 Value index_value(const Value& object, const Value& index);
 
-// Code points of a UTF-8 string as separate strings, and their count.
+// Code points of a UTF-8 string as separate strings (their count:
+// num_code_points, tokenizer/utf8.h).
 std::vector<std::string> split_code_points(std::string_view s);
-size_t num_code_points(std::string_view s);
 
 // Longest list (range, append) and string (join, replace) a template may build.
 inline constexpr size_t kMaxBuiltItems = size_t{1} << 20;

@@ -6,6 +6,7 @@
 #include <utf8proc.h>
 
 #include "tokenizer/template_builtins.h"
+#include "tokenizer/utf8.h"
 
 namespace moe::tokenizer::tmpl {
 namespace {

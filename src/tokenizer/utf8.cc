@@ -67,6 +67,12 @@ void append_utf8(char32_t cp, std::string& out) {
   }
 }
 
+size_t num_code_points(std::string_view text) {
+  size_t n = 0;
+  for (char c : text) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  return n;
+}
+
 bool is_ascii(std::string_view text) {
   for (char c : text) {
     if (static_cast<unsigned char>(c) >= 0x80) return false;

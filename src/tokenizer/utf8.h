@@ -42,4 +42,8 @@ std::string nfc(std::string_view text);
 // True when every byte is ASCII; ASCII text is already in NFC.
 bool is_ascii(std::string_view text);
 
+// Code points of UTF-8 text (its bytes that do not continue a sequence), as
+// Python's len() and Jinja's length count characters.
+size_t num_code_points(std::string_view text);
+
 }  // namespace moe::tokenizer

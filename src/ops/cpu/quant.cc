@@ -118,8 +118,8 @@ void quantize_row_blocks(const float* src, int64_t row_begin, int64_t num_rows, 
       const float* block = src + (r - row_begin) * cols + c0;
       const float amax = max_abs(block, nc);
       uint8_t scale_code;
-      float nv_scale = 0.0f;   // nvfp4: s * g, the divisor (0: a block of zeros)
-      float mx_inverse = 0.0f; // mx: 1 / X = 2^-e, e in [-127, 127], exact in float
+      float nv_scale = 0.0f;    // nvfp4: s * g, the divisor (0: a block of zeros)
+      float mx_inverse = 0.0f;  // mx: 1 / X = 2^-e, e in [-127, 127], exact in float
       if (spec.has_global_scale) {
         scale_code = float_to_e4m3(amax / spec.element_max / global);
         nv_scale = e4m3_to_float(scale_code) * global;
