@@ -1,6 +1,7 @@
 #include "server/completion_run.h"
 
 #include <algorithm>
+#include <random>
 
 #include "core/logging.h"
 #include "tokenizer/utf8.h"
@@ -68,12 +69,17 @@ CompletionRun::CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exc
   choices_.resize(config_.prompts.size() * n);
   for (size_t i = 0; i < choices_.size(); ++i) {
     choices_[i].prompt = i / n;
+    choices_[i].splitter = ReasoningSplitter(config_.prompts[i / n].opens_reasoning);
     if (config_.parse_tool_calls)
       choices_[i].tool_parser = ToolCallParser(config_.tool_call_format, config_.tools);
     if (config_.tokenizer)
       choices_[i].detokenizer.emplace(*config_.tokenizer, config_.params.skip_special_tokens);
   }
   for (const auto& s : config_.params.stop) max_stop_len_ = std::max(max_stop_len_, s.size());
+  if (config_.parse_tool_calls) {
+    std::random_device random;
+    call_id_salt_ = (uint64_t{random()} << 32) | random();
+  }
 }
 
 std::optional<ApiError> CompletionRun::start(const engine::EngineRequest& base) {
@@ -185,7 +191,7 @@ void CompletionRun::on_output(size_t index, const engine::EngineOutput& out) {
 }
 
 json CompletionRun::tool_call_json(size_t index, size_t k, const ToolCall& call, bool streamed) const {
-  json j = {{"id", fmt::format("call_{}_{}_{}", config_.request_id, index, k)},
+  json j = {{"id", fmt::format("call_{:016x}{:04x}{:04x}", call_id_salt_, index, k)},
             {"type", "function"},
             {"function", {{"name", call.name}, {"arguments", call.arguments}}}};
   if (streamed) j["index"] = k;
@@ -299,7 +305,7 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
     }
     if (config_.parse_tool_calls) {
       ToolCallParser::Piece piece = c.tool_parser.feed(content);
-      if (final_chunk) piece.content += c.tool_parser.finish().content;
+      if (final_chunk) piece.append(c.tool_parser.finish(c.finish_reason == "stop"));
       content = std::move(piece.content);
       for (const auto& call : piece.calls)
         d["tool_calls"].push_back(tool_call_json(index, c.num_tool_calls++, call, true));
@@ -401,13 +407,17 @@ void CompletionRun::complete() {
       if (config_.parse_tool_calls) {
         ToolCallParser parser(config_.tool_call_format, config_.tools);
         ToolCallParser::Piece piece = parser.feed(content);
-        content = piece.content + parser.finish().content;
+        piece.append(parser.finish(c.finish_reason == "stop"));
+        content = std::move(piece.content);
         for (const auto& call : piece.calls)
           message["tool_calls"].push_back(tool_call_json(i, c.num_tool_calls++, call, false));
       }
-      // Only whitespace around the calls (the newlines between blocks): no content.
+      // Only whitespace around the calls (the newlines between blocks), or
+      // nothing after the reasoning: no content (null, as vLLM).
       const bool blank = content.find_first_not_of(" \t\r\n") == std::string::npos;
-      message["content"] = blank && c.num_tool_calls > 0 ? json(nullptr) : json(content);
+      const bool after_reasoning = !message.value("reasoning_content", json()).is_null();
+      message["content"] = (blank && c.num_tool_calls > 0) || (content.empty() && after_reasoning) ? json(nullptr)
+                                                                                                 : json(content);
       choice["message"] = message;
     } else {
       choice["text"] = config_.prompts[c.prompt].echo_text + c.text;

@@ -24,9 +24,14 @@
 namespace moe::server {
 
 // Splits Qwen3 output into reasoning ("<think>...</think>") and content, fed
-// piece by piece; holds back text that may be the start of a tag.
+// piece by piece; holds back text that may be the start of a tag. Qwen3's
+// first templates leave <think> to the model; Qwen3-*-Thinking-2507's and
+// Qwen3.5's end the prompt with it, so the output opens inside the reasoning
+// and only closes it (`in_reasoning`). Reasoning that never closes (cut by
+// max_tokens) is all reasoning.
 class ReasoningSplitter {
  public:
+  explicit ReasoningSplitter(bool in_reasoning = false) : mode_(in_reasoning ? Mode::kReasoning : Mode::kStart) {}
   // Appends `text`; returns the (reasoning, content) text that is now final.
   std::pair<std::string, std::string> feed(const std::string& text);
   std::pair<std::string, std::string> finish();
@@ -42,6 +47,7 @@ struct RunPrompt {
   std::vector<int32_t> ids;
   std::string echo_text;  // completions with echo: prepended to each of its choices
   int max_tokens = 0;     // each of its choices' budget
+  bool opens_reasoning = false;  // chat: the prompt ends with <think> (the output starts as reasoning)
 };
 
 struct RunConfig {
@@ -101,7 +107,8 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
     ToolCallParser tool_parser;      // streaming chat with parse_tool_calls
     size_t num_tool_calls = 0;       // sent so far
   };
-  // One call of choice `index` as OpenAI writes it (streamed: with its index).
+  // One call of choice `index` as OpenAI writes it (streamed: with its index);
+  // its id is "call_" and 24 hex digits: the run's random salt, the choice, k.
   nlohmann::json tool_call_json(size_t index, size_t k, const ToolCall& call, bool streamed) const;
   // "tool_calls" where the model stopped after calling tools.
   static std::string finish_reason(const Choice& c) {
@@ -132,6 +139,7 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
   bool failed_ = false;   // an error was sent: ignore further outputs
   bool started_ = false;  // submission finished
   size_t max_stop_len_ = 0;
+  uint64_t call_id_salt_ = 0;  // random per run: tool-call ids are unique across requests
 };
 
 }  // namespace moe::server

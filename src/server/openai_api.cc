@@ -132,6 +132,9 @@ std::optional<ApiError> OpenAiApi::prepare_chat(const ChatRequest& chat, RunProm
   auto text = chat_template_->render(context);
   if (!text) return bad_request("the chat template failed on these messages: " + text.status().message(), "messages");
   out.ids = tokenizer_->encode(*text, /*parse_special=*/true);
+  // Qwen3-*-Thinking-2507's and Qwen3.5's templates open the reasoning in the prompt.
+  const size_t end = text->find_last_not_of(" \t\r\n");
+  out.opens_reasoning = end != std::string::npos && std::string_view(*text).substr(0, end + 1).ends_with("<think>");
   return std::nullopt;
 }
 

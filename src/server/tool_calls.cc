@@ -75,7 +75,8 @@ Json typed_value(std::string_view text, const std::string& type) {
   return fits ? parsed : Json(std::string(text));
 }
 
-// qwen3_coder: <function=NAME> (<parameter=KEY>VALUE</parameter>)* </function>.
+// qwen3_coder: <function=NAME> (<parameter=KEY>VALUE</parameter>)* </function>,
+// either end tag may be missing (as vLLM's parser reads it).
 std::optional<ToolCall> parse_xml_call(std::string_view body, const Json& tools) {
   constexpr std::string_view kFunction = "<function=", kFunctionEnd = "</function>";
   constexpr std::string_view kParameter = "<parameter=", kParameterEnd = "</parameter>";
@@ -93,19 +94,27 @@ std::optional<ToolCall> parse_xml_call(std::string_view body, const Json& tools)
   Json args = Json::object();
   while (true) {
     skip_space(body);
-    if (body.starts_with(kFunctionEnd)) break;
+    if (body.starts_with(kFunctionEnd) || body.empty()) break;
     if (!body.starts_with(kParameter)) return std::nullopt;
     body.remove_prefix(kParameter.size());
     const size_t key_end = body.find('>');
-    const size_t value_end = body.find(kParameterEnd);
-    if (key_end == std::string_view::npos || value_end == std::string_view::npos || key_end > value_end)
-      return std::nullopt;
+    if (key_end == std::string_view::npos || key_end == 0) return std::nullopt;
+    // The value ends at its "</parameter>"; where that is missing, at the next
+    // parameter, else at the function's end, else at the block's.
+    const size_t close = body.find(kParameterEnd, key_end);
+    const size_t next = body.find(kParameter, key_end);
+    size_t value_end = close, skip = kParameterEnd.size();
+    if (close == std::string_view::npos || next < close) {
+      value_end = std::min({next, body.rfind(kFunctionEnd), body.size()});
+      if (value_end < key_end) value_end = body.size();
+      skip = 0;
+    }
     const std::string key(body.substr(0, key_end));
     args[key] = typed_value(trim_newlines(body.substr(key_end + 1, value_end - key_end - 1)),
                             schema_type(tools, name, key));
-    body.remove_prefix(value_end + kParameterEnd.size());
+    body.remove_prefix(value_end + skip);
   }
-  body.remove_prefix(kFunctionEnd.size());
+  if (body.starts_with(kFunctionEnd)) body.remove_prefix(kFunctionEnd.size());
   skip_space(body);
   if (!body.empty()) return std::nullopt;  // text after the function: not a call as the format has it
   return ToolCall{name, args.dump()};
@@ -132,8 +141,7 @@ ToolCallParser::Piece ToolCallParser::feed(const std::string& text) {
     const size_t close = pending_.find(kClose, kOpen.size());
     if (close == std::string::npos) return out;  // the block is still open
     const std::string_view body = std::string_view(pending_).substr(kOpen.size(), close - kOpen.size());
-    if (auto call =
-            format_ == ToolCallFormat::kHermes ? parse_json_call(body) : parse_xml_call(body, tools_)) {
+    if (auto call = parse(body)) {
       out.calls.push_back(std::move(*call));
     } else {
       out.content += pending_.substr(0, close + kClose.size());
@@ -143,9 +151,16 @@ ToolCallParser::Piece ToolCallParser::feed(const std::string& text) {
   }
 }
 
-ToolCallParser::Piece ToolCallParser::finish() {
+std::optional<ToolCall> ToolCallParser::parse(std::string_view body) const {
+  return format_ == ToolCallFormat::kHermes ? parse_json_call(body) : parse_xml_call(body, tools_);
+}
+
+ToolCallParser::Piece ToolCallParser::finish(bool stopped) {
   Piece out;
-  out.content = std::move(pending_);
+  std::optional<ToolCall> call;
+  if (in_call_ && stopped) call = parse(std::string_view(pending_).substr(kOpen.size()));
+  if (call) out.calls.push_back(std::move(*call));
+  else out.content = std::move(pending_);
   pending_.clear();
   in_call_ = false;
   return out;

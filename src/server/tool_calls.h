@@ -21,12 +21,17 @@
 // ToolCallParser takes the assistant's content text piece by piece (as it is
 // generated) and separates the calls from the rest. Text that only may be the
 // start of a tag is held back until it is decided. A block that does not parse
-// as a call (or names no function) stays in the content as written, as does an
-// unterminated block at the end.
+// as a call (or names no function) stays in the content as written. A last
+// block left open is a call when the model stopped there on its own (a stop
+// string or token such as "</tool_call>") and its body parses; cut by
+// max_tokens, it stays content. As vLLM's parser, qwen3_coder takes a
+// parameter without "</parameter>" up to the next "<parameter=" or
+// "</function>", and a function without "</function>" up to the block's end.
 #pragma once
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -58,12 +63,21 @@ class ToolCallParser {
   struct Piece {
     std::string content;          // final content text
     std::vector<ToolCall> calls;  // calls completed by this piece
+
+    void append(Piece&& next) {
+      content += next.content;
+      for (auto& call : next.calls) calls.push_back(std::move(call));
+    }
   };
   Piece feed(const std::string& text);
-  // The end of the text: whatever is held back goes out as content.
-  Piece finish();
+  // The end of the text: an open last block becomes a call if `stopped` (the
+  // model ended the text, not max_tokens) and it parses; whatever else is held
+  // back goes out as content.
+  Piece finish(bool stopped);
 
  private:
+  std::optional<ToolCall> parse(std::string_view body) const;  // a block's body as a call
+
   ToolCallFormat format_;
   nlohmann::ordered_json tools_;
   std::string pending_;  // undecided text: a partial tag, or an open block

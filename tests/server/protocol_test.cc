@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <limits>
+#include <regex>
+#include <set>
 
 #include "server/completion_run.h"
 #include "server/disagg_protocol.h"
@@ -210,6 +212,28 @@ TEST(Reasoning, SplitsThinkBlocksFedInAnyPieces) {
   EXPECT_EQ(c1 + c2, "");
 }
 
+// Qwen3-*-Thinking-2507 and Qwen3.5 put <think> in the prompt: the output
+// only closes the reasoning.
+TEST(Reasoning, APromptThatOpensTheReasoningStartsInIt) {
+  const std::string text = "\nstep one</think>\n\nThe answer.";
+  for (size_t piece = 1; piece <= text.size(); ++piece) {
+    ReasoningSplitter s(/*in_reasoning=*/true);
+    std::string reasoning, content;
+    for (size_t i = 0; i < text.size(); i += piece) {
+      auto [r, c] = s.feed(text.substr(i, piece));
+      reasoning += r, content += c;
+    }
+    auto [r, c] = s.finish();
+    EXPECT_EQ(reasoning + r, "\nstep one") << piece;
+    EXPECT_EQ(content + c, "\n\nThe answer.") << piece;
+  }
+  ReasoningSplitter cut(true);  // never closed (max_tokens): all reasoning
+  auto [r1, c1] = cut.feed("thinking about <tool_call> and more");
+  auto [r2, c2] = cut.finish();
+  EXPECT_EQ(r1 + r2, "thinking about <tool_call> and more");
+  EXPECT_EQ(c1 + c2, "");
+}
+
 // `text` fed to `parser` in pieces of `piece` bytes: all its content and calls.
 std::pair<std::string, std::vector<ToolCall>> parse_in_pieces(ToolCallParser parser, const std::string& text,
                                                               size_t piece) {
@@ -220,7 +244,9 @@ std::pair<std::string, std::vector<ToolCall>> parse_in_pieces(ToolCallParser par
     content += out.content;
     calls.insert(calls.end(), out.calls.begin(), out.calls.end());
   }
-  content += parser.finish().content;
+  auto rest = parser.finish(/*stopped=*/true);
+  content += rest.content;
+  calls.insert(calls.end(), rest.calls.begin(), rest.calls.end());
   return {content, calls};
 }
 
@@ -243,7 +269,23 @@ TEST(ToolCalls, HermesBlocksBecomeCallsFedInAnyPieces) {
   }
   ToolCallParser open;
   EXPECT_EQ(open.feed("<tool_call>{\"name\": \"f\"").content, "");
-  EXPECT_EQ(open.finish().content, "<tool_call>{\"name\": \"f\"");  // unterminated: content
+  EXPECT_EQ(open.finish(true).content, "<tool_call>{\"name\": \"f\"");  // unterminated JSON: content
+  // A last block the model left open by stopping (at a stop string "</tool_call>", say) is a call;
+  // cut by max_tokens it stays content.
+  const std::string unclosed = "Sure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n";
+  for (bool stopped : {true, false}) {
+    ToolCallParser p;
+    auto out = p.feed(unclosed);
+    out.append(p.finish(stopped));
+    if (stopped) {
+      ASSERT_EQ(out.calls.size(), 1u);
+      EXPECT_EQ(out.calls[0].arguments, R"({"a":1})");
+      EXPECT_EQ(out.content, "Sure.\n");
+    } else {
+      EXPECT_TRUE(out.calls.empty());
+      EXPECT_EQ(out.content, unclosed);
+    }
+  }
   ToolCallParser bare;
   auto out = bare.feed("<tool_call>{\"name\": \"f\"}</tool_call>");
   ASSERT_EQ(out.calls.size(), 1u);
@@ -273,19 +315,37 @@ TEST(ToolCalls, Qwen3CoderBlocksTakeTheirArgumentTypesFromTheToolSchema) {
       "</tool_call><tool_call>\n<function=book>\n<parameter=city>\nRome\n</function>\n</tool_call> done";
   for (size_t piece = 1; piece <= text.size(); piece += (piece < 16 ? 1 : 7)) {
     auto [content, calls] = parse_in_pieces(ToolCallParser(ToolCallFormat::kQwen3Coder, tools), text, piece);
-    ASSERT_EQ(calls.size(), 1u) << piece;
+    ASSERT_EQ(calls.size(), 2u) << piece;
     EXPECT_EQ(calls[0].name, "book");
     // city is a string even though "1984" parses as a number; budget's text is
     // no number, so it stays a string; note has no schema and no JSON: a string.
     EXPECT_EQ(nlohmann::ordered_json::parse(calls[0].arguments),
               nlohmann::ordered_json::parse(R"({"city": "1984", "nights": 3, "breakfast": true,
                   "guests": ["Ann", "Bo"], "budget": "about 200", "note": "line one\nline two"})"));
-    // The second block's parameter is never closed: it stays content.
-    EXPECT_EQ(content,
-              "I will book "
-              "it.\n<tool_call>\n<function=book>\n<parameter=city>\nRome\n</function>\n</tool_call> done")
-        << piece;
+    // The second block's parameter is never closed: as vLLM's parser, it ends at </function>.
+    EXPECT_EQ(calls[1].arguments, R"({"city":"Rome"})");
+    EXPECT_EQ(content, "I will book it.\n done") << piece;
   }
+  // A parameter left open ends at the next one; an open last block (the model stopped at
+  // "</tool_call>") is a call, its </function> missing too.
+  const std::string open_text = "<tool_call>\n<function=book>\n<parameter=city>\nRome\n<parameter=nights>\n2\n"
+                                "</parameter>\n<parameter=note>\nlate\n";
+  auto [open_content, open_calls] =
+      parse_in_pieces(ToolCallParser(ToolCallFormat::kQwen3Coder, tools), open_text, 3);
+  ASSERT_EQ(open_calls.size(), 1u);
+  EXPECT_EQ(open_content, "");
+  EXPECT_EQ(nlohmann::ordered_json::parse(open_calls[0].arguments),
+            nlohmann::ordered_json::parse(R"({"city": "Rome", "nights": 2, "note": "late"})"));
+  ToolCallParser cut(ToolCallFormat::kQwen3Coder, tools);  // cut by max_tokens: content
+  auto cut_out = cut.feed(open_text);
+  cut_out.append(cut.finish(/*stopped=*/false));
+  EXPECT_TRUE(cut_out.calls.empty());
+  EXPECT_EQ(cut_out.content, open_text);
+  ToolCallParser no_function_end(ToolCallFormat::kQwen3Coder);  // as vLLM: </function> may be missing
+  auto closed = no_function_end.feed("<tool_call>\n<function=f>\n<parameter=a>\n1\n</tool_call>");
+  ASSERT_EQ(closed.calls.size(), 1u);
+  EXPECT_EQ(closed.calls[0].arguments, R"({"a":1})");
+  EXPECT_TRUE(no_function_end.feed("<tool_call>\n<function=f>\ntext\n</tool_call>").calls.empty());
   ToolCallParser hermes_text(ToolCallFormat::kQwen3Coder);
   EXPECT_TRUE(hermes_text.feed("<tool_call>{\"name\": \"f\"}</tool_call>").calls.empty());  // not this format
   ToolCallParser no_params(ToolCallFormat::kQwen3Coder);
@@ -335,10 +395,12 @@ class CapturedExchange final : public HttpExchange {
 // A chat turn parsed for hermes tool calls: `ids` played by a scripted
 // backend through a CompletionRun; the exchange holds what it sent.
 std::shared_ptr<CapturedExchange> run_tool_call_chat(const tokenizer::Tokenizer& tok, const std::vector<int32_t>& ids,
-                                                     bool stream, const std::string& request_id) {
+                                                     bool stream, const std::string& request_id,
+                                                     std::vector<std::string> stop = {}) {
   RunConfig config;
   config.chat = true, config.id = "chatcmpl-x", config.model = "m", config.request_id = request_id;
   config.params.stream = stream;
+  config.params.stop = std::move(stop);
   config.prompts = {RunPrompt{{1, 2, 3}, "", 64}};
   config.tokenizer = &tok;
   config.parse_tool_calls = true;
@@ -363,15 +425,49 @@ TEST(ToolCalls, OnlyWhitespaceBesideTheCallsIsNoContent) {
   EXPECT_TRUE(message["content"].is_null()) << message.dump();
 }
 
+// A client that stops at "</tool_call>" (one call per turn): the open block is the call.
+TEST(ToolCalls, AStopStringAtTheBlocksEndLeavesTheCall) {
+  auto tok = tokenizer::Tokenizer::load(std::string(MOE_SOURCE_DIR) + "/models/moeserve-demo");
+  ASSERT_TRUE(tok.has_value()) << tok.status().to_string();
+  const std::string turn = "Sure.\n<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": 1}}\n</tool_call>\n"
+                           "<tool_call>\n{\"name\": \"b\", \"arguments\": {}}\n</tool_call>";
+  for (bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streaming" : "one response");
+    const auto exchange = run_tool_call_chat(*tok, tok->encode(turn, false), stream, "r3", {"</tool_call>"});
+    nlohmann::json calls = nlohmann::json::array(), finish;
+    std::string content;
+    if (!stream) {
+      const auto choice = nlohmann::json::parse(exchange->body)["choices"][0];
+      calls = choice["message"]["tool_calls"];
+      content = choice["message"]["content"].get<std::string>();
+      finish = choice["finish_reason"];
+    } else {
+      for (const auto& e : exchange->events) {
+        if (e == "[DONE]") continue;
+        const auto choice = nlohmann::json::parse(e)["choices"][0];
+        if (choice["delta"].contains("content")) content += choice["delta"]["content"].get<std::string>();
+        for (const auto& call : choice["delta"].value("tool_calls", nlohmann::json::array())) calls.push_back(call);
+        if (!choice["finish_reason"].is_null()) finish = choice["finish_reason"];
+      }
+    }
+    ASSERT_EQ(calls.size(), 1u);
+    EXPECT_EQ(calls[0]["function"]["name"], "a");
+    EXPECT_EQ(calls[0]["function"]["arguments"], R"({"x":1})");
+    EXPECT_EQ(content, "Sure.\n");
+    EXPECT_EQ(finish, "tool_calls");
+  }
+}
+
 TEST(ToolCalls, ChatResponsesCarryThemStreamingOrNot) {
   auto tok = tokenizer::Tokenizer::load(std::string(MOE_SOURCE_DIR) + "/models/moeserve-demo");
   ASSERT_TRUE(tok.has_value()) << tok.status().to_string();
   const std::string turn =
       "Sure.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
-  const std::vector<int32_t> ids = tok->encode(turn, false);
+  const std::vector<int32_t> turn_ids = tok->encode(turn, false);
+  std::set<std::string> ids;
   for (bool stream : {false, true}) {
     SCOPED_TRACE(stream ? "streaming" : "one response");
-    const auto exchange = run_tool_call_chat(*tok, ids, stream, "r1");
+    const auto exchange = run_tool_call_chat(*tok, turn_ids, stream, "r1");
     nlohmann::json message, call, finish;
     if (!stream) {
       const auto body = nlohmann::json::parse(exchange->body);
@@ -399,7 +495,9 @@ TEST(ToolCalls, ChatResponsesCarryThemStreamingOrNot) {
     EXPECT_EQ(message["content"], "Sure.");
     EXPECT_EQ(finish, "tool_calls");
     EXPECT_EQ(call["type"], "function");
-    EXPECT_EQ(call["id"], "call_r1_0_0");
+    // Random ids: a client that sends the same X-Request-Id twice still gets distinct call ids.
+    EXPECT_TRUE(std::regex_match(call["id"].get<std::string>(), std::regex("call_[0-9a-f]{24}"))) << call["id"];
+    EXPECT_TRUE(ids.insert(call["id"].get<std::string>()).second) << call["id"];
     EXPECT_EQ(call["function"]["name"], "get_weather");
     EXPECT_EQ(nlohmann::json::parse(call["function"]["arguments"].get<std::string>()),
               nlohmann::json::parse(R"({"city": "Paris"})"));
