@@ -240,7 +240,8 @@ HttpResponse DecodeService::handle_abort(const HttpRequest& request) {
   }
   auto it = streams_.find(id);
   if (it == streams_.end()) return ++num_rejected_, error_reply(not_found("no reservation {}", id));
-  if (it->second.engine_id != 0) engine_.cancel(it->second.engine_id);
+  if (it->second.engine_id != 0)
+    engine_.cancel(it->second.engine_id, abort->stop ? engine::FinishReason::kStop : engine::FinishReason::kAbort);
   return json_reply(200, {{"state", "cancelled"}});
 }
 

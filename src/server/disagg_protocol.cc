@@ -384,16 +384,19 @@ Expected<CommitRequest> parse_commit_request(const std::string& body) {
 }
 
 json to_json(const AbortRequest& r) {
-  return {{"reservation", r.reservation}, {"decode_endpoint", r.decode_endpoint}, {"reason", r.reason}};
+  json j = {{"reservation", r.reservation}, {"decode_endpoint", r.decode_endpoint}, {"reason", r.reason}};
+  if (r.stop) j["stop"] = true;
+  return j;
 }
 
 Expected<AbortRequest> parse_abort_request(const std::string& body) {
   MOE_ASSIGN_OR_RETURN(json j, parse_body(body, "abort"));
-  Reader r(j, "abort", {"reservation", "decode_endpoint", "reason"});
+  Reader r(j, "abort", {"reservation", "decode_endpoint", "reason", "stop"});
   AbortRequest a;
   a.reservation = static_cast<uint32_t>(r.integer("reservation", 1, UINT32_MAX));
   a.decode_endpoint = r.string("decode_endpoint", 256, false);
   a.reason = r.string("reason", 256, false);
+  a.stop = r.boolean("stop");
   MOE_RETURN_IF_ERROR(r.status());
   return a;
 }

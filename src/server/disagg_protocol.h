@@ -96,6 +96,9 @@ struct AbortRequest {
   uint32_t reservation = 0;
   std::string decode_endpoint;  // writer side: which decode instance's imm (its TransferEngine endpoint)
   std::string reason;
+  // Decode side, a running sequence: the router's stop string ended it, so it
+  // finishes as "stop", not "abort" (the instance's request_success_total).
+  bool stop = false;
 };
 
 // One event of the decode stream after the reservation.

@@ -62,7 +62,14 @@ class Router::Job {
         arrival_s_(engine::monotonic_seconds()) {}
 
   void run();
-  void cancel() {
+  void cancel(engine::FinishReason finish = engine::FinishReason::kAbort) {
+    // A stop string cut by the CompletionRun while this job's thread emits a
+    // decode token: once emit() returns, the job has the decode instance end
+    // the sequence as stopped (stream_decode), then closes the stream.
+    if (finish == engine::FinishReason::kStop && std::this_thread::get_id() == runner_ && streaming_) {
+      stop_requested_ = true;
+      return;
+    }
     cancelled_ = true;
     std::lock_guard lock(mutex_);
     for (auto* call : {decode_call_.get(), prefill_call_.get()})
@@ -73,7 +80,7 @@ class Router::Job {
  private:
   enum class Outcome { kDone, kRetry };
   Outcome attempt(const disagg::GenerationSpec& spec, std::set<std::string>& excluded, int attempt_index);
-  Outcome stream_decode(HttpCall& decode);
+  Outcome stream_decode(HttpCall& decode, const std::string& decode_url, uint32_t reservation);
   std::shared_ptr<HttpCall> new_call(std::shared_ptr<HttpCall>& slot) {
     auto call = std::make_shared<HttpCall>();
     std::lock_guard lock(mutex_);
@@ -86,7 +93,9 @@ class Router::Job {
   void fail(const Status& error);
   void emit(int32_t token, std::optional<engine::TokenLogprobs> logprobs, engine::FinishReason finish,
             Status error = {}, std::vector<engine::TokenLogprobs> prompt_logprobs = {});
-  void abort_reservation(const std::string& decode_url, uint32_t reservation);
+  // Tells the decode instance to drop `reservation` (or, `stop`, to end its
+  // running sequence as stopped).
+  void abort_reservation(const std::string& decode_url, uint32_t reservation, bool stop = false);
 
   Router& router_;
   const uint64_t id_;
@@ -99,6 +108,9 @@ class Router::Job {
   int num_draft_tokens_ = 0, num_accepted_draft_tokens_ = 0;  // the decode instance's, so far
   bool finished_ = false;
   std::atomic<bool> cancelled_{false};
+  std::atomic<std::thread::id> runner_{};  // the thread in run()
+  bool streaming_ = false;                 // in stream_decode (runner only)
+  bool stop_requested_ = false;            // cancel(kStop) from within emit() (runner only)
   std::mutex mutex_;  // guards the call slots
   std::shared_ptr<HttpCall> decode_call_, prefill_call_;
 };
@@ -139,10 +151,10 @@ void Router::Job::fail(const Status& error) {
   emit(-1, {}, engine::FinishReason::kAbort, error);
 }
 
-void Router::Job::abort_reservation(const std::string& decode_url, uint32_t reservation) {
+void Router::Job::abort_reservation(const std::string& decode_url, uint32_t reservation, bool stop) {
   auto url = HttpUrl::parse(decode_url);
   if (!url) return;
-  disagg::AbortRequest msg{reservation, "", "the prefill failed"};
+  disagg::AbortRequest msg{reservation, "", stop ? "a stop string" : "the prefill failed", stop};
   auto reply = http_call(*url, "POST", "/internal/abort", disagg::to_json(msg).dump(), 2.0,
                          {{"X-Request-Id", request_id_}});
   if (!reply || reply->status != 200)
@@ -151,6 +163,7 @@ void Router::Job::abort_reservation(const std::string& decode_url, uint32_t rese
 }
 
 void Router::Job::run() {
+  runner_ = std::this_thread::get_id();
   if (request_.timeout_s > 0) deadline_s_ = arrival_s_ + request_.timeout_s;
   if (!request_.sampling.seed)
     request_.sampling.seed = std::random_device{}();  // prefill and decode draw alike
@@ -246,10 +259,12 @@ Router::Job::Outcome Router::Job::attempt(const disagg::GenerationSpec& spec, st
     return Outcome::kDone;
   }
   // (3) the rest comes from the decode instance.
-  return stream_decode(*d_call);
+  return stream_decode(*d_call, d_url, target->reservation);
 }
 
-Router::Job::Outcome Router::Job::stream_decode(HttpCall& decode) {
+Router::Job::Outcome Router::Job::stream_decode(HttpCall& decode, const std::string& decode_url,
+                                                uint32_t reservation) {
+  streaming_ = true;
   while (!finished_) {
     auto event = decode.next_event(remaining_s());
     if (!event || !*event) {
@@ -271,6 +286,13 @@ Router::Job::Outcome Router::Job::stream_decode(HttpCall& decode) {
     num_draft_tokens_ = std::max(num_draft_tokens_, token->num_draft_tokens);
     num_accepted_draft_tokens_ = std::max(num_accepted_draft_tokens_, token->num_accepted_draft_tokens);
     emit(token->token, token->logprobs, token->finish);
+    if (stop_requested_ && !finished_) {
+      // The sequence is counted as stopped on the decode instance, then the stream closes
+      // (the decode instance's cancel for the close comes second and changes nothing).
+      abort_reservation(decode_url, reservation, /*stop=*/true);
+      finished_ = true;
+      decode.abort();
+    }
   }
   return Outcome::kDone;
 }
@@ -335,7 +357,7 @@ Expected<uint64_t> Router::submit(engine::EngineRequest request, engine::OutputC
   return id;
 }
 
-void Router::cancel(uint64_t id, engine::FinishReason) {
+void Router::cancel(uint64_t id, engine::FinishReason finish) {
   std::shared_ptr<Job> job;
   {
     std::lock_guard lock(mutex_);
@@ -343,7 +365,7 @@ void Router::cancel(uint64_t id, engine::FinishReason) {
     if (it == jobs_.end()) return;
     job = it->second;
   }
-  job->cancel();
+  job->cancel(finish);
 }
 
 bool Router::healthy() const {

@@ -12,7 +12,7 @@ import fs from 'node:fs';
 import path from 'node:path';
 import OpenAI from 'openai';
 import { repoRoot } from './server_harness.mjs';
-import { startProcess, routerInstances, atBaseline, waitFor, runPool, rng } from './disagg_harness.mjs';
+import { startProcess, routerInstances, atBaseline, waitFor, runPool, rng, scrape } from './disagg_harness.mjs';
 
 const engineFlags = ['--kv-cache-gb', '0.05', '--threads', '1', '--max-num-batched-tokens', '64', '--max-num-seqs', '32'];
 const words = ('the a fortune cookie says you will find great love and wisdom in unexpected places today ' +
@@ -98,6 +98,12 @@ async function checkCluster(numPrefill, numDecode, extraFlags = []) {
     assert.equal(inst.prefill.length, numPrefill);
     assert.equal(inst.decode.length, numDecode);
     assert.ok(await waitFor(() => atBaseline([...inst.prefill, ...inst.decode]), 10000), 'KV usage back at baseline');
+    // No request was cancelled: the stop strings' cuts end on the decode instances as stop, not abort.
+    for (const url of inst.decode) {
+      const m = await scrape(url);
+      assert.equal(m['moeserve:request_success_total{finished_reason="abort"}'], 0, `${url} counted aborts`);
+      assert.ok(m['moeserve:request_success_total{finished_reason="stop"}'] > 0, `${url} counted no stop`);
+    }
   } finally {
     assert.equal(await cluster.stop(), 0);
   }

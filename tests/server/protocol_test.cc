@@ -586,6 +586,18 @@ TEST(DisaggProtocol, CommitCarriesTheHiddenStateExactly) {
 }
 
 // A target with the MTP layer lists its regions after the model's layers.
+TEST(DisaggProtocol, AbortCarriesAStopStringsStop) {
+  for (bool stop : {false, true}) {
+    disagg::AbortRequest a{7, "127.0.0.1:2", "a stop string", stop};
+    auto back = disagg::parse_abort_request(disagg::to_json(a).dump());
+    ASSERT_TRUE(back.has_value()) << back.status().to_string();
+    EXPECT_EQ(back->reservation, 7u);
+    EXPECT_EQ(back->reason, "a stop string");
+    EXPECT_EQ(back->stop, stop);
+  }
+  EXPECT_FALSE(disagg::parse_abort_request(R"({"reservation": 7, "stop": "yes"})").has_value());
+}
+
 TEST(DisaggProtocol, TargetCountsTheMtpLayersRegions) {
   disagg::KvTarget t;
   t.decode_url = "http://127.0.0.1:1";
