@@ -127,7 +127,10 @@ class Session : public std::enable_shared_from_this<Session>, public HttpExchang
     if (ec) return close();  // end of stream, timeout, reset
     auto& msg = parser_->get();
     HttpRequest request;
-    request.method = std::string(msg.method_string());
+    // HEAD is GET without the body (RFC 9110): the handler sees a GET, the
+    // reply keeps its headers (Content-Length included) and drops the body.
+    head_ = msg.method() == http::verb::head;
+    request.method = head_ ? std::string("GET") : std::string(msg.method_string());
     request.target = std::string(msg.target());
     request.path = request.target.substr(0, request.target.find('?'));
     for (const auto& field : msg) {
@@ -150,6 +153,7 @@ class Session : public std::enable_shared_from_this<Session>, public HttpExchang
 
   void reject(int status, const std::string& message, const std::string& code) {
     keep_alive_ = false;
+    head_ = false;
     set_in_request(true);
     write_response({status, "application/json", error_json(message, "invalid_request_error", "", code)});
   }
@@ -198,7 +202,7 @@ class Session : public std::enable_shared_from_this<Session>, public HttpExchang
                        fmt::format("Content-Length: {}\r\n", r.body.size());
     for (const auto& [k, v] : r.headers) head += k + ": " + v + "\r\n";
     if (!keep_alive_) head += "Connection: close\r\n";
-    queue(head + "\r\n" + r.body, true);
+    queue(head + "\r\n" + (head_ ? std::string() : r.body), true);
   }
 
   void queue(std::string bytes, bool last) {
@@ -291,7 +295,7 @@ class Session : public std::enable_shared_from_this<Session>, public HttpExchang
   std::deque<Pending> out_;
   std::vector<std::function<void()>> on_close_;
   char probe_[512];
-  bool writing_ = false, keep_alive_ = true, in_request_ = false, closed_ = false;
+  bool writing_ = false, keep_alive_ = true, in_request_ = false, closed_ = false, head_ = false;
   bool probe_pending_ = false, want_read_ = false, peer_gone_ = false, lingering_ = false;
 };
 

@@ -121,6 +121,18 @@ test(`${cases.length} hostile requests get their documented status`, async () =>
   }
 });
 
+test('HEAD answers as GET without the body (load balancers probe /health so)', async () => {
+  for (const [target, status] of [['/health', 200], ['/v1/models', 200], ['/v1/completions', 405]]) {
+    const r = await rawRequest(server.port, [Buffer.from(`HEAD ${target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n`)]);
+    const get = await fetch(`${server.url}${target}`);
+    const body = await get.text();
+    assert.equal(r.status, status, target);
+    assert.equal(get.status, status, target);
+    assert.equal(r.body, '', `${target}: no body`);
+    assert.equal(Number(r.headers['content-length']), Buffer.byteLength(body), `${target}: GET's Content-Length`);
+  }
+});
+
 test('context overflow uses OpenAI\'s wording', async () => {
   const r = await rawRequest(server.port, completion({ ...ok, prompt: Array(200).fill(5), max_tokens: 100 }));
   const e = JSON.parse(r.body).error;
