@@ -50,6 +50,7 @@ Status run_router(ServeArgs args, const std::vector<std::string>& prefill,
                   const std::vector<std::string>& decode, const sigset_t& signals,
                   const std::function<void()>& on_listening = {}) {
   if (args.model.empty()) args.model = find_default_model();
+  MOE_RETURN_IF_ERROR(check_api_args(args));
   MOE_ASSIGN_OR_RETURN(model::ModelConfig config, load_config(args.model));
   if (args.served_model_name.empty())
     args.served_model_name = std::filesystem::path(args.model).filename().string();
@@ -438,11 +439,7 @@ void add_disagg_commands(CLI::App& app) {
   cmd->add_option("--max-connections", args->max_connections, "Open connections before 503 + close");
   cmd->add_option("--max-n", args->max_n, "Largest n")->check(CLI::Range(1, 1024));
   cmd->add_option("--max-logprobs", args->max_logprobs, "Largest logprobs")->check(CLI::Range(0, 1000));
-  cmd->add_option("--reasoning-parser", args->reasoning_parser, "qwen3: split <think> into reasoning_content")
-      ->check(CLI::IsMember({"qwen3"}));
-  cmd->add_option("--tool-call-parser", args->tool_call_parser,
-                  "hermes or qwen3_coder: <tool_call> blocks of chat requests with tools become tool_calls")
-      ->check(CLI::IsMember({"hermes", "qwen3_coder"}));
+  add_api_options(cmd, *args);
   add_cluster_options(cmd, *args);
   cmd->callback([args, prefill, decode] {
     sigset_t signals;

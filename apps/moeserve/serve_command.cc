@@ -28,6 +28,7 @@
 #endif
 #include "server/http_server.h"
 #include "server/openai_api.h"
+#include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
 namespace moe::apps {
@@ -106,6 +107,7 @@ server::ApiOptions api_options(const ServeArgs& args, const engine::SchedulerOpt
   if (args.tool_call_parser == "hermes") o.tool_call_parser = server::ToolCallFormat::kHermes;
   if (args.tool_call_parser == "qwen3_coder") o.tool_call_parser = server::ToolCallFormat::kQwen3Coder;
   o.request_timeout_s = args.request_timeout_s;
+  o.chat_template = args.chat_template_text;
   return o;
 }
 
@@ -320,8 +322,34 @@ namespace {
 // Validates the flags that need no files and fills the defaults that depend on others.
 Status check_serve_args(ServeArgs& args) {
   MOE_RETURN_IF_ERROR(check_device(args.device));
+  if (!args.model_positional.empty()) {  // vLLM's `serve MODEL`
+    if (!args.model.empty() && args.model != args.model_positional)
+      return invalid_argument("the model is given twice: '{}' and --model '{}'", args.model_positional, args.model);
+    args.model = args.model_positional;
+  }
   if (args.model.empty()) args.model = find_default_model();
   if (args.page_size < 1 || args.page_size > 1024) return invalid_argument("--page-size must be in [1, 1024]");
+  MOE_RETURN_IF_ERROR(check_api_args(args));
+  if (args.dtype != "auto" && args.dtype != "bfloat16" && args.dtype != "bf16")
+    return invalid_argument("--dtype: auto or bfloat16 (moeserve runs bf16 weights and activations on GPUs, f32 on "
+                            "the CPU), got '{}'",
+                            args.dtype);
+  if (args.enable_expert_parallel) {  // vLLM: the experts split over every rank
+    ParallelArgs& p = args.parallel;
+    if (p.ep != 1 && p.ep != p.tp * p.dp)
+      return invalid_argument("--enable-expert-parallel splits the experts over --tp x --dp = {} ranks, but --ep is {}",
+                              p.tp * p.dp, p.ep);
+    p.ep = p.tp * p.dp;
+  }
+  if (args.device.cuda()) args.kv_dtype = "bf16";  // the GPU's KV pages are bf16
+  if (args.kv_dtype != "f32" && args.kv_dtype != "bf16") return invalid_argument("--kv-dtype must be f32 or bf16");
+  if (args.served_model_name.empty()) args.served_model_name = std::filesystem::path(args.model).filename().string();
+  return check_parallel_args(args);
+}
+
+}  // namespace
+
+Status check_api_args(ServeArgs& args) {
   if (!args.reasoning_parser.empty() && args.reasoning_parser != "qwen3")
     return invalid_argument("--reasoning-parser: only qwen3 is supported, got '{}'", args.reasoning_parser);
   if (!args.tool_call_parser.empty() && args.tool_call_parser != "hermes" &&
@@ -329,11 +357,28 @@ Status check_serve_args(ServeArgs& args) {
     return invalid_argument(
         "--tool-call-parser: hermes (Qwen2.5, Qwen3) or qwen3_coder (Qwen3-Coder, Qwen3.5), got '{}'",
         args.tool_call_parser);
-  if (args.device.cuda()) args.kv_dtype = "bf16";  // the GPU's KV pages are bf16
-  if (args.kv_dtype != "f32" && args.kv_dtype != "bf16") return invalid_argument("--kv-dtype must be f32 or bf16");
-  if (args.served_model_name.empty()) args.served_model_name = std::filesystem::path(args.model).filename().string();
-  return check_parallel_args(args);
+  if (args.enable_auto_tool_choice && args.tool_call_parser.empty())
+    return invalid_argument("--enable-auto-tool-choice needs --tool-call-parser (hermes or qwen3_coder)");
+  if (!args.chat_template.empty()) {  // a file, or the template itself (as vLLM)
+    const std::string& t = args.chat_template;
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(t, ec)) {
+      std::ifstream in(t, std::ios::binary);
+      if (!in) return invalid_argument("--chat-template: cannot read {}", t);
+      args.chat_template_text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      if (args.chat_template_text.empty()) return invalid_argument("--chat-template: {} is empty", t);
+    } else if (t.find("{{") != std::string::npos || t.find("{%") != std::string::npos) {
+      args.chat_template_text = t;
+    } else {
+      return invalid_argument("--chat-template: no file '{}' (and no Jinja template in the text)", t);
+    }
+    auto compiled = tokenizer::ChatTemplate::create(args.chat_template_text);
+    if (!compiled) return invalid_argument("--chat-template does not parse: {}", compiled.status().message());
+  }
+  return Status::ok();
 }
+
+namespace {
 
 // This process's view of a multi-rank instance (docs/parallel.md).
 struct RankGroup {
@@ -634,8 +679,19 @@ Status run_serve(ServeArgs args) {
 
 std::string default_model_dir() { return find_default_model(); }
 
+void add_api_options(CLI::App* cmd, ServeArgs& args) {
+  cmd->add_option("--reasoning-parser", args.reasoning_parser, "qwen3: split <think> into reasoning_content");
+  cmd->add_option("--tool-call-parser", args.tool_call_parser,
+                  "hermes or qwen3_coder: <tool_call> blocks of chat requests with tools become tool_calls");
+  cmd->add_flag("--enable-auto-tool-choice", args.enable_auto_tool_choice,
+                "Accepted for vLLM's command lines (needs --tool-call-parser, which alone enables tool calls)");
+  cmd->add_option("--chat-template", args.chat_template,
+                  "A Jinja chat template (a file, or the template itself) in place of the model's");
+}
+
 void add_engine_options(CLI::App* cmd, ServeArgs& a) {
   ServeArgs* args = &a;
+  cmd->add_option("model", args->model_positional, "Model directory, as --model (vLLM's `serve MODEL`)");
   cmd->add_option("--model", args->model, "Model directory (default: the bundled demo model)");
   cmd->add_option("--served-model-name", args->served_model_name, "Model name in the API (default: the directory name)");
   cmd->add_option("--host", args->host, "Address to bind (default 127.0.0.1)");
@@ -659,9 +715,12 @@ void add_engine_options(CLI::App* cmd, ServeArgs& a) {
   add_parallel_options(cmd, args->parallel);
   cmd->add_option("--threads", args->threads, "CPU threads for the model (0 = all cores)");
   cmd->add_option("--http-threads", args->http_threads, "HTTP I/O threads")->check(CLI::Range(1, 64));
-  cmd->add_option("--reasoning-parser", args->reasoning_parser, "qwen3: split <think> into reasoning_content");
-  cmd->add_option("--tool-call-parser", args->tool_call_parser,
-                  "hermes or qwen3_coder: <tool_call> blocks of chat requests with tools become tool_calls");
+  add_api_options(cmd, *args);
+  cmd->add_flag("--enable-expert-parallel", args->enable_expert_parallel,
+                "vLLM's: split the experts over every rank (--ep = --tp x --dp)");
+  cmd->add_flag("--trust-remote-code", args->trust_remote_code,
+                "Accepted for vLLM's command lines; no effect (moeserve runs no code from the model)");
+  cmd->add_option("--dtype", args->dtype, "auto or bfloat16 (accepted for vLLM's command lines)");
   cmd->add_option("--max-body-bytes", args->max_body_bytes, "Largest request body (413 above)");
   cmd->add_option("--read-timeout", args->read_timeout_s, "Seconds to receive a request (idle, headers and body)");
   cmd->add_option("--request-timeout", args->request_timeout_s, "Deadline of each generation in seconds (0 = none)");

@@ -61,6 +61,14 @@ struct ServeArgs {
   int http_threads = 2;
   std::string reasoning_parser;
   std::string tool_call_parser;
+  // vLLM's launch flags, so that its command lines run unchanged (docs/server.md):
+  std::string model_positional;      // `serve MODEL`
+  std::string chat_template;         // --chat-template FILE or Jinja text; replaces the model's
+  std::string chat_template_text;    // its text (check_api_args)
+  bool enable_auto_tool_choice = false;  // needs --tool-call-parser (as vLLM); tools parse with the parser alone
+  bool enable_expert_parallel = false;   // --ep = --tp x --dp
+  bool trust_remote_code = false;        // no effect: moeserve runs no code from the model
+  std::string dtype = "auto";            // auto or bfloat16 (what the engine runs)
   size_t max_body_bytes = size_t{1} << 20;
   double read_timeout_s = 15;
   double request_timeout_s = 600;
@@ -84,6 +92,10 @@ struct ServeArgs {
 void add_serve_command(CLI::App& app);
 // The flags of the engine (serve, prefill, decode).
 void add_engine_options(CLI::App* cmd, ServeArgs& args);
+// The API flags the router shares with serve: --chat-template, --enable-auto-tool-choice.
+void add_api_options(CLI::App* cmd, ServeArgs& args);
+// Checks the parser flags and reads --chat-template into chat_template_text.
+Status check_api_args(ServeArgs& args);
 Status run_serve(ServeArgs args);
 // The bundled demo model's directory (models/moeserve-demo in the source tree,
 // or next to the installed binary).

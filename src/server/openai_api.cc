@@ -34,8 +34,10 @@ OpenAiApi::OpenAiApi(GenerationBackend& engine, const tokenizer::Tokenizer* toke
     : engine_(engine), tokenizer_(tokenizer), options_(std::move(options)) {
   created_s_ = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   next_request_ = (static_cast<uint64_t>(std::random_device{}()) << 20) | 1;  // ids differ across restarts
-  if (tokenizer_ && !tokenizer_->chat_template().empty()) {
-    auto t = tokenizer::ChatTemplate::create(tokenizer_->chat_template());
+  const std::string& source =
+      !options_.chat_template.empty() || !tokenizer_ ? options_.chat_template : tokenizer_->chat_template();
+  if (tokenizer_ && !source.empty()) {
+    auto t = tokenizer::ChatTemplate::create(source);
     if (t) chat_template_.emplace(std::move(t).value());
     else chat_template_error_ = t.status().message();
   }

@@ -36,6 +36,7 @@ struct ApiOptions {
   bool reasoning_parser_qwen3 = false;
   std::optional<ToolCallFormat> tool_call_parser;  // tool_calls out of chat content (server/tool_calls.h)
   double request_timeout_s = 600;  // engine deadline of each request; 0: none
+  std::string chat_template;       // --chat-template: replaces the tokenizer's (Jinja text)
 };
 
 class OpenAiApi {

@@ -4,7 +4,10 @@
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
-import { startServer, moeserveBin, metrics, waitFor } from './server_harness.mjs';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { startServer, moeserveBin, metrics, waitFor, repoRoot } from './server_harness.mjs';
 
 function serve(args) {
   return spawnSync(moeserveBin, ['serve', ...args], { encoding: 'utf8', timeout: 60000 });
@@ -21,6 +24,12 @@ test('bad flags fail before serving, saying why', () => {
     [['--host', 'not-an-ip', '--port', '0'], 1, /not an IP address/],
     [['--port', '70000'], 2, /port/],
     [['--no-such-flag'], 2, /no-such-flag/],
+    [['--enable-auto-tool-choice'], 1, /needs --tool-call-parser/],
+    [['--dtype', 'float16'], 1, /--dtype: auto or bfloat16/],
+    [['--chat-template', '/nonexistent/template.jinja'], 1, /--chat-template: no file/],
+    [['--chat-template', '{{ messages'], 1, /--chat-template does not parse/],
+    [['models/moeserve-demo', '--model', '/elsewhere'], 1, /the model is given twice/],
+    [['--tp', '2', '--ep', '4', '--enable-expert-parallel'], 1, /--tp x --dp = 2 ranks, but --ep is 4/],
   ];
   for (const [args, code, message] of cases) {
     const r = serve(args);
@@ -38,6 +47,32 @@ test('the batch limits: the CPU defaults (64 sequences, 512 tokens a step) and t
     } finally {
       assert.equal(await server.stop(), 0);
     }
+  }
+});
+
+// A vLLM launch line, unchanged but for the binary: `serve MODEL` and the flags
+// vLLM users pass for Qwen3 (--chat-template replaces the model's template).
+test('a vLLM command line runs: serve MODEL, --enable-auto-tool-choice, --chat-template, --enable-expert-parallel',
+     async () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'moeserve-cli-'));
+  const template = path.join(dir, 'template.jinja');
+  fs.writeFileSync(template, "{%- for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]");
+  const server = await startServer([path.join(repoRoot, 'models/moeserve-demo'), '--served-model-name', 'qwen3',
+                                    '--enable-auto-tool-choice', '--tool-call-parser', 'hermes',
+                                    '--reasoning-parser', 'qwen3', '--trust-remote-code', '--dtype', 'auto',
+                                    '--chat-template', template, '--tp', '2', '--enable-expert-parallel']);
+  try {
+    assert.match(server.stderr(), /2 ranks ready \(tp 2, ep 2, dp 1\)/);
+    assert.match(server.stderr(), /tool_call_parser=hermes/);
+    const models = await (await fetch(`${server.url}/v1/models`)).json();
+    assert.deepEqual(models.data.map((m) => m.id), ['qwen3']);
+    const tokenize = async (body) => (await (await fetch(`${server.url}/tokenize`, {
+      method: 'POST', body: JSON.stringify(body) })).json()).tokens;
+    const chat = await tokenize({ messages: [{ role: 'user', content: 'Hi there' }] });
+    assert.deepEqual(chat, await tokenize({ prompt: '[user] Hi there\n[assistant]', add_special_tokens: false }));
+  } finally {
+    assert.equal(await server.stop(), 0);
+    fs.rmSync(dir, { recursive: true, force: true });
   }
 });
 
