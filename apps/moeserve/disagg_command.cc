@@ -135,6 +135,7 @@ std::vector<std::string> child_argv(const ServeArgs& a, const std::string& role,
   add("--page-size", std::to_string(a.page_size));
   add("--kv-dtype", a.kv_dtype);
   if (a.no_prefix_caching) v.push_back("--no-enable-prefix-caching");
+  if (a.disable_log_stats) v.push_back("--disable-log-stats");
   add("--threads", std::to_string(a.threads));
   add("--request-timeout", fmt::format("{}", a.request_timeout_s));
   add("--max-waiting", std::to_string(a.max_waiting));

@@ -514,6 +514,7 @@ engine::EngineOptions engine_options(const model::ModelConfig& config, const eng
   engine::EngineOptions o;
   o.scheduler = sched;
   o.max_waiting = args.max_waiting;
+  o.log_stats = !args.disable_log_stats;
   if (tok) o.eos_token_ids.assign(tok->special_tokens().eos_ids.begin(), tok->special_tokens().eos_ids.end());
   if (o.eos_token_ids.empty()) o.eos_token_ids.assign(config.eos_token_ids.begin(), config.eos_token_ids.end());
   return o;
@@ -721,6 +722,10 @@ void add_engine_options(CLI::App* cmd, ServeArgs& a) {
   cmd->add_flag("--trust-remote-code", args->trust_remote_code,
                 "Accepted for vLLM's command lines; no effect (moeserve runs no code from the model)");
   cmd->add_option("--dtype", args->dtype, "auto or bfloat16 (accepted for vLLM's command lines)");
+  cmd->add_flag("--disable-log-stats", args->disable_log_stats, "No throughput line every 10 s");
+  cmd->add_flag("--enable-prefix-caching,--enable-chunked-prefill,--disable-log-requests", args->no_effect_flag,
+                "Accepted for vLLM's command lines; no effect (prefix caching and chunked prefill are on by "
+                "default, requests are not logged)");
   cmd->add_option("--max-body-bytes", args->max_body_bytes, "Largest request body (413 above)");
   cmd->add_option("--read-timeout", args->read_timeout_s, "Seconds to receive a request (idle, headers and body)");
   cmd->add_option("--request-timeout", args->request_timeout_s, "Deadline of each generation in seconds (0 = none)");

@@ -332,6 +332,7 @@ void Engine::take_prompt_logprobs(const StepPlan& plan, const float* rows, int64
 // At most every 10 s while steps run, one line as vLLM logs: throughputs
 // (averaged since the previous line, idle time included), batch, KV usage.
 void Engine::log_throughput(double now) {
+  if (!options_.log_stats) return;
   if (last_log_s_ == 0) last_log_s_ = now;
   if (now - last_log_s_ < 10) return;
   int64_t prompt = 0, generated = 0;

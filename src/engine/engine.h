@@ -117,6 +117,7 @@ struct EngineOptions {
   SchedulerOptions scheduler;
   std::vector<int32_t> eos_token_ids;
   int max_waiting = 1024;  // submit() refuses more queued requests (kResourceExhausted)
+  bool log_stats = true;   // the throughput line every 10 s (log_throughput)
 #ifdef NDEBUG
   bool check_invariants = false;
 #else

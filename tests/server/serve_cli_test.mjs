@@ -60,7 +60,9 @@ test('a vLLM command line runs: serve MODEL, --enable-auto-tool-choice, --chat-t
   const server = await startServer([path.join(repoRoot, 'models/moeserve-demo'), '--served-model-name', 'qwen3',
                                     '--enable-auto-tool-choice', '--tool-call-parser', 'hermes',
                                     '--reasoning-parser', 'qwen3', '--trust-remote-code', '--dtype', 'auto',
-                                    '--chat-template', template, '--tp', '2', '--enable-expert-parallel']);
+                                    '--chat-template', template, '--tp', '2', '--enable-expert-parallel',
+                                    '--enable-prefix-caching', '--enable-chunked-prefill', '--disable-log-requests',
+                                    '--disable-log-stats']);
   try {
     assert.match(server.stderr(), /2 ranks ready \(tp 2, ep 2, dp 1\)/);
     assert.match(server.stderr(), /tool_call_parser=hermes/);
