@@ -14,6 +14,7 @@ namespace {
 
 constexpr std::string_view kThinkOpen = "<think>";
 constexpr std::string_view kThinkClose = "</think>";
+constexpr std::string_view kToolCallOpen = "<tool_call>";
 
 int http_status_of(const Status& s) {
   switch (s.code()) {
@@ -41,14 +42,16 @@ std::pair<std::string, std::string> ReasoningSplitter::feed(const std::string& t
   }
   if (mode_ == Mode::kReasoning) {
     const size_t end = pending_.find(kThinkClose);
-    if (end == std::string::npos) {
-      const size_t keep = partial_tag(pending_, kThinkClose);
+    const size_t call = tool_calls_ ? pending_.find(kToolCallOpen) : std::string::npos;
+    if (end == std::string::npos && call == std::string::npos) {
+      size_t keep = partial_tag(pending_, kThinkClose);
+      if (tool_calls_) keep = std::max(keep, partial_tag(pending_, kToolCallOpen));
       reasoning = pending_.substr(0, pending_.size() - keep);
       pending_.erase(0, pending_.size() - keep);
       return {reasoning, content};
     }
-    reasoning = pending_.substr(0, end);
-    pending_.erase(0, end + kThinkClose.size());
+    reasoning = pending_.substr(0, std::min(end, call));
+    pending_.erase(0, call < end ? call : end + kThinkClose.size());  // the call stays, for the content
     mode_ = Mode::kContent;
   }
   content = std::move(pending_);
@@ -69,7 +72,7 @@ CompletionRun::CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exc
   choices_.resize(config_.prompts.size() * n);
   for (size_t i = 0; i < choices_.size(); ++i) {
     choices_[i].prompt = i / n;
-    choices_[i].splitter = ReasoningSplitter(config_.prompts[i / n].opens_reasoning);
+    choices_[i].splitter = ReasoningSplitter(config_.prompts[i / n].opens_reasoning, config_.parse_tool_calls);
     if (config_.parse_tool_calls)
       choices_[i].tool_parser = ToolCallParser(config_.tool_call_format, config_.tools);
     if (config_.tokenizer)

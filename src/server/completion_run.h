@@ -28,10 +28,14 @@ namespace moe::server {
 // first templates leave <think> to the model; Qwen3-*-Thinking-2507's and
 // Qwen3.5's end the prompt with it, so the output opens inside the reasoning
 // and only closes it (`in_reasoning`). Reasoning that never closes (cut by
-// max_tokens) is all reasoning.
+// max_tokens) is all reasoning. With `tool_calls` (the request's tools are
+// parsed), a <tool_call> inside the reasoning ends it too: the call goes to
+// the content, where the tool-call parser finds it (Qwen3.5 sometimes calls
+// before </think>; vLLM's parser does the same).
 class ReasoningSplitter {
  public:
-  explicit ReasoningSplitter(bool in_reasoning = false) : mode_(in_reasoning ? Mode::kReasoning : Mode::kStart) {}
+  explicit ReasoningSplitter(bool in_reasoning = false, bool tool_calls = false)
+      : mode_(in_reasoning ? Mode::kReasoning : Mode::kStart), tool_calls_(tool_calls) {}
   // Appends `text`; returns the (reasoning, content) text that is now final.
   std::pair<std::string, std::string> feed(const std::string& text);
   std::pair<std::string, std::string> finish();
@@ -39,6 +43,7 @@ class ReasoningSplitter {
  private:
   enum class Mode { kStart, kReasoning, kContent };
   Mode mode_ = Mode::kStart;
+  bool tool_calls_ = false;
   std::string pending_;
 };
 

@@ -227,6 +227,19 @@ TEST(Reasoning, APromptThatOpensTheReasoningStartsInIt) {
     EXPECT_EQ(reasoning + r, "\nstep one") << piece;
     EXPECT_EQ(content + c, "\n\nThe answer.") << piece;
   }
+  // With tools, a call before </think> ends the reasoning; without, it is reasoning text.
+  const std::string early = "let me look it up<tool_call>\n{\"name\": \"f\"}\n</tool_call>";
+  for (size_t piece = 1; piece <= early.size(); ++piece) {
+    ReasoningSplitter s(/*in_reasoning=*/true, /*tool_calls=*/true);
+    std::string reasoning, content;
+    for (size_t i = 0; i < early.size(); i += piece) {
+      auto [r, c] = s.feed(early.substr(i, piece));
+      reasoning += r, content += c;
+    }
+    auto [r, c] = s.finish();
+    EXPECT_EQ(reasoning + r, "let me look it up") << piece;
+    EXPECT_EQ(content + c, "<tool_call>\n{\"name\": \"f\"}\n</tool_call>") << piece;
+  }
   ReasoningSplitter cut(true);  // never closed (max_tokens): all reasoning
   auto [r1, c1] = cut.feed("thinking about <tool_call> and more");
   auto [r2, c2] = cut.finish();
