@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <random>
@@ -39,7 +42,11 @@ struct BenchArgs {
   int64_t seed = 0;
   int vocab_lo = 10, vocab_hi = 1000;
   std::string save_result;
+  std::string api_key;  // sent as "Authorization: Bearer KEY" (default: $OPENAI_API_KEY)
 };
+
+// Threads, one per request in flight: "no limit" means this many at most.
+constexpr int kMaxInFlight = 1024;
 
 struct Outcome {
   bool ok = false;
@@ -64,8 +71,9 @@ Expected<Endpoint> parse_url(const std::string& url) {
 }
 
 // One HTTP exchange; `on_body` sees the body as it arrives.
-Status http_exchange(const Endpoint& ep, const std::string& method, const std::string& target, const std::string& body,
-                     int& status, const std::function<void(std::string_view)>& on_body) {
+Status http_exchange(const Endpoint& ep, const std::string& api_key, const std::string& method,
+                     const std::string& target, const std::string& body, int& status,
+                     const std::function<void(std::string_view)>& on_body) {
   try {
     net::io_context ioc;
     tcp::resolver resolver(ioc);
@@ -74,6 +82,7 @@ Status http_exchange(const Endpoint& ep, const std::string& method, const std::s
     http::request<http::string_body> req{method == "POST" ? http::verb::post : http::verb::get, target, 11};
     req.set(http::field::host, ep.host);
     req.set(http::field::content_type, "application/json");
+    if (!api_key.empty()) req.set(http::field::authorization, "Bearer " + api_key);
     req.body() = body;
     req.prepare_payload();
     http::write(stream, req);
@@ -99,18 +108,29 @@ Status http_exchange(const Endpoint& ep, const std::string& method, const std::s
   }
 }
 
-Outcome run_one(const Endpoint& ep, const std::string& model, const std::vector<int32_t>& prompt, int max_tokens) {
+// The message of an OpenAI error body, else the body's first bytes.
+std::string error_message(const std::string& body) {
+  const json j = json::parse(body, nullptr, false);
+  if (j.is_object() && j.contains("error") && j["error"].is_object() && j["error"].contains("message") &&
+      j["error"]["message"].is_string())
+    return j["error"]["message"].get<std::string>();
+  return body.substr(0, 500);
+}
+
+Outcome run_one(const Endpoint& ep, const std::string& api_key, const std::string& model,
+                const std::vector<int32_t>& prompt, int max_tokens) {
   Outcome o;
   o.prompt_len = static_cast<int>(prompt.size());
   const json body = {{"model", model},       {"prompt", prompt},       {"max_tokens", max_tokens},
                      {"temperature", 0},     {"ignore_eos", true},     {"stream", true},
                      {"stream_options", {{"include_usage", true}}}};
   const auto start = Clock::now();
-  auto last = start;
+  auto last = start, last_event = start;
   bool first = true;
   std::string pending, error_body;
   int status = 0;
   auto on_event = [&](const std::string& data) {
+    last_event = Clock::now();  // E2EL ends at the last event, as vLLM's
     if (data == "[DONE]") return;
     const json j = json::parse(data, nullptr, false);
     if (j.is_discarded()) return;
@@ -122,7 +142,7 @@ Outcome run_one(const Endpoint& ep, const std::string& model, const std::vector<
     else o.itl_s.push_back(std::chrono::duration<double>(now - last).count());
     last = now;
   };
-  Status s = http_exchange(ep, "POST", "/v1/completions", body.dump(), status, [&](std::string_view bytes) {
+  Status s = http_exchange(ep, api_key, "POST", "/v1/completions", body.dump(), status, [&](std::string_view bytes) {
     if (status != 200) {
       error_body.append(bytes);
       return;
@@ -135,9 +155,9 @@ Outcome run_one(const Endpoint& ep, const std::string& model, const std::vector<
       if (event.rfind("data: ", 0) == 0) on_event(event.substr(6));
     }
   });
-  o.e2e_s = std::chrono::duration<double>(Clock::now() - start).count();
+  o.e2e_s = std::chrono::duration<double>(last_event - start).count();
   if (!s.is_ok()) o.error = s.message();
-  else if (status != 200) o.error = fmt::format("HTTP {}: {}", status, error_body.substr(0, 200));
+  else if (status != 200) o.error = fmt::format("HTTP {}: {}", status, error_message(error_body));
   o.ok = o.error.empty() && !first;
   return o;
 }
@@ -162,21 +182,24 @@ Stat stats_ms(std::vector<double> v) {
   return s;
 }
 
-std::string find_model(const Endpoint& ep) {
+Expected<std::string> find_model(const Endpoint& ep, const BenchArgs& args) {
   int status = 0;
   std::string body;
-  Status s = http_exchange(ep, "GET", "/v1/models", "", status, [&](std::string_view b) { body.append(b); });
-  if (!s.is_ok()) {
-    log_error("bench: GET /v1/models: {}", s.message());
-    return {};
-  }
+  Status s = http_exchange(ep, args.api_key, "GET", "/v1/models", "", status,
+                           [&](std::string_view b) { body.append(b); });
+  if (!s.is_ok()) return unavailable("GET {}/v1/models: {} (is the server up?)", args.url, s.message());
+  if (status != 200)
+    return unavailable("GET {}/v1/models: HTTP {}: {}{}", args.url, status, error_message(body),
+                       status == 401 ? " (--api-key, or $OPENAI_API_KEY)" : "");
   const json j = json::parse(body, nullptr, false);
-  if (j.is_discarded() || !j.contains("data") || j["data"].empty()) return {};
+  if (j.is_discarded() || !j.contains("data") || !j["data"].is_array() || j["data"].empty() ||
+      !j["data"][0].is_object())
+    return unavailable("GET {}/v1/models lists no model", args.url);
   return j["data"][0].value("id", "");
 }
 
-void print_and_save(const BenchArgs& args, const std::string& model, const std::vector<Outcome>& outcomes,
-                    double duration_s) {
+Status print_and_save(const BenchArgs& args, const std::string& model, const std::vector<Outcome>& outcomes,
+                      double duration_s) {
   int completed = 0;
   int64_t input_tokens = 0, output_tokens = 0;
   std::vector<double> ttft, tpot, itl, e2el;
@@ -198,6 +221,7 @@ void print_and_save(const BenchArgs& args, const std::string& model, const std::
   auto line = [](const char* k, double v) { std::printf("%-40s%-10.2f\n", k, v); };
   std::printf("============ Serving Benchmark Result ============\n");
   std::printf("%-40s%-10d\n", "Successful requests:", completed);
+  if (!errors.empty()) std::printf("%-40s%-10zu\n", "Failed requests:", errors.size());
   if (args.max_concurrency > 0) std::printf("%-40s%-10d\n", "Maximum request concurrency:", args.max_concurrency);
   line("Benchmark duration (s):", duration_s);
   std::printf("%-40s%-10ld\n%-40s%-10ld\n", "Total input tokens:", static_cast<long>(input_tokens),
@@ -217,15 +241,16 @@ void print_and_save(const BenchArgs& args, const std::string& model, const std::
     line(fmt::format("P99 {} (ms):", names[s]).c_str(), sections[s].second.p99);
   }
   std::printf("==================================================\n");
-  if (!errors.empty()) std::printf("%zu requests failed; first error: %s\n", errors.size(), errors[0].get<std::string>().c_str());
   std::fflush(stdout);
-  if (args.save_result.empty()) return;
+  if (!errors.empty())
+    log_warn("bench: {} of {} requests failed; first error: {}", errors.size(), outcomes.size(),
+             errors[0].get<std::string>());
   json r = {{"backend", "moeserve"}, {"model_id", model}, {"url", args.url}, {"dataset", args.dataset},
             {"random_input_len", args.input_len}, {"random_output_len", args.output_len},
             {"num_prompts", args.num_prompts},
             {"request_rate", args.request_rate > 0 ? json(args.request_rate) : json("inf")},
             {"max_concurrency", args.max_concurrency > 0 ? json(args.max_concurrency) : json(nullptr)},
-            {"seed", args.seed}, {"duration", duration_s}, {"completed", completed},
+            {"seed", args.seed}, {"duration", duration_s}, {"completed", completed}, {"failed", errors.size()},
             {"total_input_tokens", input_tokens}, {"total_output_tokens", output_tokens},
             {"request_throughput", completed / duration_s},
             {"output_throughput", static_cast<double>(output_tokens) / duration_s},
@@ -239,15 +264,35 @@ void print_and_save(const BenchArgs& args, const std::string& model, const std::
   }
   r["ttfts"] = ttft;
   r["e2els"] = e2el;
-  std::ofstream(args.save_result) << r.dump(2) << "\n";
+  if (!args.save_result.empty()) {
+    std::ofstream out(args.save_result);
+    out << r.dump(2) << "\n";
+    out.close();
+    if (!out) return unavailable("--save-result: cannot write {}", args.save_result);
+  }
+  if (completed == 0)
+    return unavailable("all {} requests failed; first error: {}", outcomes.size(), errors[0].get<std::string>());
+  return Status::ok();
 }
 
-Status run_bench(const BenchArgs& args) {
+Status run_bench(BenchArgs args) {
   if (args.dataset != "random") return invalid_argument("--dataset: only 'random' is supported");
   if (args.vocab_lo < 0 || args.vocab_hi <= args.vocab_lo) return invalid_argument("--random-vocab-lo must be >= 0 and below --random-vocab-hi");
+  if (!(args.request_rate >= 0)) return invalid_argument("--request-rate must be >= 0 (0 or inf: all at once)");
+  if (std::isinf(args.request_rate)) args.request_rate = 0;
+  if (args.max_concurrency < 0) return invalid_argument("--max-concurrency must be >= 0 (0: no limit)");
+  if (!args.save_result.empty()) {  // fail now, not after the run
+    const auto dir = std::filesystem::absolute(args.save_result).parent_path();
+    if (!std::filesystem::is_directory(dir))
+      return invalid_argument("--save-result: no directory {}", dir.string());
+  }
+  if (args.api_key.empty())
+    if (const char* key = std::getenv("OPENAI_API_KEY")) args.api_key = key;
   MOE_ASSIGN_OR_RETURN(Endpoint ep, parse_url(args.url));
-  std::string model = args.model.empty() ? find_model(ep) : args.model;
-  if (model.empty()) return unavailable("no model from {}/v1/models (is the server up?)", args.url);
+  std::string model = args.model;
+  if (model.empty()) {
+    MOE_ASSIGN_OR_RETURN(model, find_model(ep, args));
+  }
   std::mt19937_64 rng(static_cast<uint64_t>(args.seed));
   std::uniform_int_distribution<int32_t> token(args.vocab_lo, args.vocab_hi - 1);
   std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(args.num_prompts));
@@ -262,22 +307,42 @@ Status run_bench(const BenchArgs& args) {
   log_info("bench: {} prompts of {} tokens, {} output tokens, rate {}, concurrency {}, model '{}'", args.num_prompts,
            args.input_len, args.output_len, args.request_rate > 0 ? fmt::format("{}", args.request_rate) : "inf",
            args.max_concurrency > 0 ? std::to_string(args.max_concurrency) : "unlimited", model);
-  const int workers = args.max_concurrency > 0 ? std::min(args.max_concurrency, args.num_prompts) : args.num_prompts;
+  // As vLLM's: one request first, so that a server that refuses them all
+  // (a wrong model, prompts over its context) fails the run at once.
+  {
+    const Outcome test = run_one(ep, args.api_key, model, prompts[0], args.output_len);
+    if (!test.ok)
+      return unavailable("the initial test request failed: {}", test.error.empty() ? "no tokens" : test.error);
+  }
+  int workers = args.max_concurrency > 0 ? std::min(args.max_concurrency, args.num_prompts) : args.num_prompts;
+  if (workers > kMaxInFlight) {
+    log_warn("bench: at most {} requests in flight (one thread each), not {}", kMaxInFlight, workers);
+    workers = kMaxInFlight;
+  }
   std::vector<Outcome> outcomes(prompts.size());
-  std::atomic<size_t> next{0};
+  std::atomic<size_t> next{0}, done{0}, failed{0};
+  std::mutex progress_mutex;
   const auto start = Clock::now();
+  auto last_progress = start;
   std::vector<std::thread> threads;
   for (int w = 0; w < workers; ++w) {
     threads.emplace_back([&] {
       for (size_t i; (i = next.fetch_add(1)) < prompts.size();) {
         std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(arrival[i])));
-        outcomes[i] = run_one(ep, model, prompts[i], args.output_len);
+        outcomes[i] = run_one(ep, args.api_key, model, prompts[i], args.output_len);
+        if (!outcomes[i].ok) ++failed;
+        const size_t n = ++done;
+        std::lock_guard lock(progress_mutex);  // a line every 10 s on long runs
+        if (Clock::now() - last_progress >= std::chrono::seconds(10) && n < prompts.size()) {
+          last_progress = Clock::now();
+          log_info("bench: {} of {} requests done ({} failed), {:.0f} s", n, prompts.size(), failed.load(),
+                   std::chrono::duration<double>(last_progress - start).count());
+        }
       }
     });
   }
   for (auto& t : threads) t.join();
-  print_and_save(args, model, outcomes, std::chrono::duration<double>(Clock::now() - start).count());
-  return Status::ok();
+  return print_and_save(args, model, outcomes, std::chrono::duration<double>(Clock::now() - start).count());
 }
 
 }  // namespace
@@ -293,12 +358,14 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--random-input-len", args->input_len, "Prompt tokens")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--random-output-len", args->output_len, "Generated tokens (ignore_eos)")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--num-prompts", args->num_prompts, "Requests to send")->check(CLI::Range(1, 1 << 20));
-  cmd->add_option("--request-rate", args->request_rate, "Poisson arrivals per second (0 = all at once)");
-  cmd->add_option("--max-concurrency", args->max_concurrency, "Requests in flight at most (0 = no limit)");
+  cmd->add_option("--request-rate", args->request_rate, "Poisson arrivals per second (0 or inf = all at once)");
+  cmd->add_option("--max-concurrency", args->max_concurrency,
+                  "Requests in flight at most (0 = no limit: at most 1024, one thread each)");
   cmd->add_option("--seed", args->seed, "Dataset and arrival seed");
   cmd->add_option("--random-vocab-lo", args->vocab_lo, "Lowest random token id");
   cmd->add_option("--random-vocab-hi", args->vocab_hi, "One past the highest random token id");
   cmd->add_option("--save-result", args->save_result, "Write the results as JSON to this file");
+  cmd->add_option("--api-key", args->api_key, "Sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)");
   cmd->callback([args] {
     Status status = run_bench(*args);
     if (!status.is_ok()) {

@@ -145,10 +145,33 @@ test('bench serve prints vLLM\'s result block and saves JSON that adds up', asyn
     assert.equal(j.max_concurrency, 3);
     assert.ok(j.mean_ttft_ms > 0 && j.mean_e2el_ms >= j.mean_ttft_ms && j.p99_ttft_ms >= j.median_ttft_ms);
     assert.deepEqual(j.errors, []);
-    const down = spawnSync(moeserveBin, ['bench', 'serve', '--url', 'http://127.0.0.1:1', '--num-prompts', '1'],
-                           { encoding: 'utf8', timeout: 60000 });
+    assert.equal(j.failed, 0);
+    const bench = (args, env = {}) => spawnSync(moeserveBin, ['bench', 'serve', ...args],
+                                                { encoding: 'utf8', timeout: 60000, env: { ...process.env, ...env } });
+    const down = bench(['--url', 'http://127.0.0.1:1', '--num-prompts', '1']);
     assert.equal(down.status, 1);
+    // Runs that cannot measure anything fail at once (exit 1), saying why, as vLLM's initial test request does.
+    const tooLong = bench(['--url', s.url, '--random-input-len', '300', '--num-prompts', '2']);
+    assert.equal(tooLong.status, 1);
+    assert.match(tooLong.stderr, /initial test request failed: HTTP 400: This model's maximum context length is 256/);
+    const noDir = bench(['--url', s.url, '--num-prompts', '1', '--save-result', '/nonexistent/dir/r.json']);
+    assert.equal(noDir.status, 1);
+    assert.match(noDir.stderr, /--save-result: no directory/);
   } finally {
     assert.equal(await s.stop(), 0);
+  }
+  // A server with --api-key: the key from --api-key or $OPENAI_API_KEY, a 401 named as such without it.
+  const keyed = await startServer(['--api-key', 'sekrit']);
+  try {
+    const run = (args, env) => spawnSync(moeserveBin, ['bench', 'serve', '--url', keyed.url, '--num-prompts', '2',
+                                                       '--random-output-len', '2', ...args],
+                                         { encoding: 'utf8', timeout: 60000, env: { ...process.env, OPENAI_API_KEY: '', ...env } });
+    const without = run([], {});
+    assert.equal(without.status, 1);
+    assert.match(without.stderr, /HTTP 401.*--api-key, or \$OPENAI_API_KEY/);
+    assert.equal(run(['--api-key', 'sekrit'], {}).status, 0);
+    assert.equal(run([], { OPENAI_API_KEY: 'sekrit' }).status, 0);
+  } finally {
+    assert.equal(await keyed.stop(), 0);
   }
 });
