@@ -216,6 +216,12 @@ TEST(TransferFault, KilledWriterFailsItsArmedImm) {
     std::lock_guard lock(mutex);
     EXPECT_NE(std::find(lost_peers.begin(), lost_peers.end(), writer), lost_peers.end());
   }
+  // The failed wait is no fence: the first of the writer's connections to see
+  // EOF reports the loss while another may still be storing what the writer
+  // sent before it died. disarm() is the fence (TCP), as on the decode side
+  // before it reuses pages; without it that store could still run after dst is
+  // freed below (a use-after-free, seen as a segfault under load).
+  ASSERT_TRUE(receiver->disarm(31).is_ok());
   // Whatever the child managed to send before stalling is at most 64 KB.
   EXPECT_TRUE(std::all_of(dst.bytes.begin() + (64 << 10), dst.bytes.end(), [](uint8_t b) { return b == 0; }));
   close(to_child[1]);
