@@ -100,6 +100,15 @@ Status run_generate(const GenerateArgs& args) {
     prompt_tokens.push_back(tok->encode(text, /*parse_special=*/true));
     if (prompt_tokens.back().empty()) return invalid_argument("--prompt '{}' encodes to no tokens", text);
   }
+  // As the server's context check (a position past the model's rotary range is not the model any more).
+  if (config.max_position_embeddings > 0)
+    for (size_t p = 0; p < prompt_tokens.size(); ++p) {
+      const int64_t needed = static_cast<int64_t>(prompt_tokens[p].size()) + args.max_tokens;
+      if (needed > config.max_position_embeddings)
+        return invalid_argument("prompt {}: {} tokens + --max-tokens {} = {} is over the model's context of {} tokens "
+                                "(max_position_embeddings)",
+                                p, prompt_tokens[p].size(), args.max_tokens, needed, config.max_position_embeddings);
+    }
   std::vector<engine::GenerationRequest> requests;
   for (auto& ids : prompt_tokens) {
     engine::GenerationRequest r;
@@ -237,7 +246,8 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all cores)");
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_option("--page-size", args->page_size, "Tokens per KV page");
-  cmd->add_option("--max-tokens-per-step", args->max_tokens_per_step, "Prefill chunk budget per step (0 = unlimited)");
+  cmd->add_option("--max-tokens-per-step", args->max_tokens_per_step, "Prefill chunk budget per step (0 = unlimited)")
+      ->check(CLI::Range(0, 1 << 24));
   add_device_options(cmd, args->device);
   add_speculative_options(cmd, args->speculative);
   cmd->callback([args] {

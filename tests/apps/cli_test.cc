@@ -71,6 +71,10 @@ TEST(Cli, GenerateTextPromptsMatchTheDemoGoldens) {
   CliRun both = run("generate --model " + demo + " --prompt Hi --prompt-ids 1,2");
   EXPECT_EQ(both.exit_code, 1);
   EXPECT_NE(both.output.find("one of them"), std::string::npos) << both.output;
+  // The demo model's context is max_position_embeddings = 1024 (config.json): past it, a clear error.
+  CliRun too_long = run("generate --model " + demo + " --prompt Hi --max-tokens 5000");
+  EXPECT_EQ(too_long.exit_code, 1);
+  EXPECT_NE(too_long.output.find("over the model's context of 1024 tokens"), std::string::npos) << too_long.output;
   CliRun no_tokenizer = run("generate --model " + kGolden + " --prompt Hi");
   EXPECT_EQ(no_tokenizer.exit_code, 1);
   EXPECT_NE(no_tokenizer.output.find("--prompt needs the model's tokenizer.json"), std::string::npos)
