@@ -6,8 +6,8 @@
 // tile_offsets with that tile_rows) and that gate_up too reads its rows
 // contiguous, in permuted order (sorted_token null, a_rows set).
 //
-// Algorithm: a persistent grid of clusters of one or two CTAs (cluster_ctas:
-// two for bf16, and for FP8 from 512 rows per expert on average) walks items
+// Algorithm: a persistent grid of clusters of two CTAs (one with
+// MOE_PREFILL_GEMM_CLUSTER=1; cluster_ctas) walks items
 // of (128 permuted rows of one expert) x (a column tile of 256 weight rows
 // per CTA; gate_up takes 128 gate and the 128 matching up rows, so
 // SiLU-multiply runs on the accumulators). The CTAs of a pair share half
@@ -585,14 +585,15 @@ std::string_view env_value(const char* name) {
   return v == nullptr ? std::string_view() : std::string_view(v);
 }
 
-// CTAs per cluster: pairs for bf16, and for FP8 from four row tiles per
-// expert on average (below that one CTA per item measured ahead timed
-// interleaved; docs/prefill_gemm.md). MOE_PREFILL_GEMM_CLUSTER=1 or 2
-// overrides, for measuring and for the tests.
-int cluster_ctas(bool fp8, int a_rows, int num_experts) {
+// CTAs per cluster: pairs. FP8 took one CTA per item below four row tiles
+// per expert until 2026-12-05, when, with the promotion FFMAs' reuse bits,
+// pairs served 1.3-2.7% more prefill tokens/s end to end at 128-384 rows per
+// expert and as many at 64 (docs/prefill_gemm.md). MOE_PREFILL_GEMM_CLUSTER=1
+// or 2 overrides, for measuring and for the tests.
+int cluster_ctas() {
   const std::string_view v = env_value("MOE_PREFILL_GEMM_CLUSTER");
   if (v == "1" || v == "2") return v[0] - '0';
-  return !fp8 || a_rows >= 4 * kM * num_experts ? 2 : 1;
+  return 2;
 }
 
 // MOE_PREFILL_GEMM_UNROLL=0: the kernels' runtime K loop even where an
@@ -621,7 +622,7 @@ cudaError_t launch_prefill_gemm(const PrefillArgs& args, const void* a, int a_ro
   if (!hopper_kernels_available()) return cudaErrorNotSupported;
   if (args.K <= 0 || args.K % (kFp8 ? 16 : 8) != 0 || a_rows <= 0) return cudaErrorInvalidValue;
   if (max_tiles == 0) return cudaSuccess;
-  const int element_bytes = kFp8 ? 1 : 2, ctas = cluster_ctas(kFp8, a_rows, args.num_experts);
+  const int element_bytes = kFp8 ? 1 : 2, ctas = cluster_ctas();
   const uint64_t row_bytes = static_cast<uint64_t>(args.K) * element_bytes;
   const uint64_t weight_rows = static_cast<uint64_t>(args.num_experts) * (gate_up ? 2 * args.N : args.N);
   CUtensorMap weight_map, row_map, quarter_map;
