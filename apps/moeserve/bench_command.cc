@@ -1,5 +1,10 @@
 #include "apps/moeserve/bench_command.h"
 
+#include <poll.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -43,6 +48,7 @@ struct BenchArgs {
   int vocab_lo = 10, vocab_hi = 1000;
   std::string save_result;
   std::string api_key;  // sent as "Authorization: Bearer KEY" (default: $OPENAI_API_KEY)
+  double timeout_s = 300;  // a request fails after this long without a byte from the server (0: never)
 };
 
 // Threads, one per request in flight: "no limit" means this many at most.
@@ -71,7 +77,7 @@ Expected<Endpoint> parse_url(const std::string& url) {
 }
 
 // One HTTP exchange; `on_body` sees the body as it arrives.
-Status http_exchange(const Endpoint& ep, const std::string& api_key, const std::string& method,
+Status http_exchange(const Endpoint& ep, const std::string& api_key, double timeout_s, const std::string& method,
                      const std::string& target, const std::string& body, int& status,
                      const std::function<void(std::string_view)>& on_body) {
   try {
@@ -86,10 +92,25 @@ Status http_exchange(const Endpoint& ep, const std::string& api_key, const std::
     req.body() = body;
     req.prepare_payload();
     http::write(stream, req);
+    // The reads: non-blocking, waiting in poll() for at most timeout_s between bytes.
+    stream.socket().non_blocking(true);
+    const int timeout_ms = timeout_s > 0 ? static_cast<int>(std::min(timeout_s * 1e3, 2e9)) : -1;
+    auto wait_readable = [&](const beast::error_code& ec) -> Status {
+      if (ec != net::error::would_block && ec != net::error::try_again) return unavailable("{}", ec.message());
+      pollfd p{stream.socket().native_handle(), POLLIN, 0};
+      const int ready = ::poll(&p, 1, timeout_ms);
+      if (ready == 0) return deadline_exceeded("no answer for {} s (--timeout)", timeout_s);
+      if (ready < 0 && errno != EINTR) return unavailable("poll: {}", std::strerror(errno));
+      return Status::ok();
+    };
     beast::flat_buffer buffer;
     http::response_parser<http::buffer_body> parser;
     parser.body_limit(std::uint64_t{1} << 40);
-    http::read_header(stream, buffer, parser);
+    while (!parser.is_header_done()) {
+      beast::error_code ec;
+      http::read_header(stream, buffer, parser, ec);
+      if (ec) MOE_RETURN_IF_ERROR(wait_readable(ec));
+    }
     status = static_cast<int>(parser.get().result_int());
     char chunk[16384];
     while (!parser.is_done()) {
@@ -97,7 +118,7 @@ Status http_exchange(const Endpoint& ep, const std::string& api_key, const std::
       parser.get().body().size = sizeof chunk;
       beast::error_code ec;
       http::read_some(stream, buffer, parser, ec);
-      if (ec && ec != http::error::need_buffer) return unavailable("{}", ec.message());
+      if (ec && ec != http::error::need_buffer) MOE_RETURN_IF_ERROR(wait_readable(ec));
       on_body(std::string_view(chunk, sizeof chunk - parser.get().body().size));
     }
     beast::error_code ignored;
@@ -117,7 +138,7 @@ std::string error_message(const std::string& body) {
   return body.substr(0, 500);
 }
 
-Outcome run_one(const Endpoint& ep, const std::string& api_key, const std::string& model,
+Outcome run_one(const Endpoint& ep, const BenchArgs& args, const std::string& model,
                 const std::vector<int32_t>& prompt, int max_tokens) {
   Outcome o;
   o.prompt_len = static_cast<int>(prompt.size());
@@ -142,7 +163,8 @@ Outcome run_one(const Endpoint& ep, const std::string& api_key, const std::strin
     else o.itl_s.push_back(std::chrono::duration<double>(now - last).count());
     last = now;
   };
-  Status s = http_exchange(ep, api_key, "POST", "/v1/completions", body.dump(), status, [&](std::string_view bytes) {
+  Status s = http_exchange(ep, args.api_key, args.timeout_s, "POST", "/v1/completions", body.dump(), status,
+                           [&](std::string_view bytes) {
     if (status != 200) {
       error_body.append(bytes);
       return;
@@ -185,7 +207,7 @@ Stat stats_ms(std::vector<double> v) {
 Expected<std::string> find_model(const Endpoint& ep, const BenchArgs& args) {
   int status = 0;
   std::string body;
-  Status s = http_exchange(ep, args.api_key, "GET", "/v1/models", "", status,
+  Status s = http_exchange(ep, args.api_key, args.timeout_s, "GET", "/v1/models", "", status,
                            [&](std::string_view b) { body.append(b); });
   if (!s.is_ok()) return unavailable("GET {}/v1/models: {} (is the server up?)", args.url, s.message());
   if (status != 200)
@@ -281,6 +303,7 @@ Status run_bench(BenchArgs args) {
   if (!(args.request_rate >= 0)) return invalid_argument("--request-rate must be >= 0 (0 or inf: all at once)");
   if (std::isinf(args.request_rate)) args.request_rate = 0;
   if (args.max_concurrency < 0) return invalid_argument("--max-concurrency must be >= 0 (0: no limit)");
+  if (!(args.timeout_s >= 0)) return invalid_argument("--timeout must be >= 0 (0: wait forever)");
   if (!args.save_result.empty()) {  // fail now, not after the run
     const auto dir = std::filesystem::absolute(args.save_result).parent_path();
     if (!std::filesystem::is_directory(dir))
@@ -310,7 +333,7 @@ Status run_bench(BenchArgs args) {
   // As vLLM's: one request first, so that a server that refuses them all
   // (a wrong model, prompts over its context) fails the run at once.
   {
-    const Outcome test = run_one(ep, args.api_key, model, prompts[0], args.output_len);
+    const Outcome test = run_one(ep, args, model, prompts[0], args.output_len);
     if (!test.ok)
       return unavailable("the initial test request failed: {}", test.error.empty() ? "no tokens" : test.error);
   }
@@ -329,7 +352,7 @@ Status run_bench(BenchArgs args) {
     threads.emplace_back([&] {
       for (size_t i; (i = next.fetch_add(1)) < prompts.size();) {
         std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(arrival[i])));
-        outcomes[i] = run_one(ep, args.api_key, model, prompts[i], args.output_len);
+        outcomes[i] = run_one(ep, args, model, prompts[i], args.output_len);
         if (!outcomes[i].ok) ++failed;
         const size_t n = ++done;
         std::lock_guard lock(progress_mutex);  // a line every 10 s on long runs
@@ -366,6 +389,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--random-vocab-hi", args->vocab_hi, "One past the highest random token id");
   cmd->add_option("--save-result", args->save_result, "Write the results as JSON to this file");
   cmd->add_option("--api-key", args->api_key, "Sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)");
+  cmd->add_option("--timeout", args->timeout_s,
+                  "Seconds without a byte from the server before a request fails (default 300; 0: never)");
   cmd->callback([args] {
     Status status = run_bench(*args);
     if (!status.is_ok()) {

@@ -3,7 +3,7 @@
 // SIGTERM stop it cleanly (exit 0), ending the requests in flight with errors.
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
-import { spawnSync } from 'node:child_process';
+import { spawn, spawnSync } from 'node:child_process';
 import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
@@ -157,6 +157,20 @@ test('bench serve prints vLLM\'s result block and saves JSON that adds up', asyn
     const noDir = bench(['--url', s.url, '--num-prompts', '1', '--save-result', '/nonexistent/dir/r.json']);
     assert.equal(noDir.status, 1);
     assert.match(noDir.stderr, /--save-result: no directory/);
+    // A server that accepts and never answers: --timeout ends the wait.
+    const net = await import('node:net');
+    const mute = net.createServer(() => {});
+    await new Promise((resolve) => mute.listen(0, '127.0.0.1', resolve));
+    const hung = await new Promise((resolve) => {
+      const child = spawn(moeserveBin, ['bench', 'serve', '--url', `http://127.0.0.1:${mute.address().port}`,
+                                        '--model', 'm', '--num-prompts', '1', '--timeout', '1']);
+      let stderr = '';
+      child.stderr.on('data', (d) => { stderr += d; });
+      child.on('exit', (code) => resolve({ code, stderr }));
+    });
+    mute.close();
+    assert.equal(hung.code, 1);
+    assert.match(hung.stderr, /no answer for 1 s \(--timeout\)/);
   } finally {
     assert.equal(await s.stop(), 0);
   }
