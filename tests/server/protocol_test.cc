@@ -187,17 +187,22 @@ TEST(Protocol, ErrorsNameTheParameter) {
             "20 in the completion). Please reduce the length of the messages or completion.");
 }
 
+// `text` fed to `splitter` in pieces of `piece` bytes: all its (reasoning, content).
+std::pair<std::string, std::string> split_in_pieces(ReasoningSplitter splitter, const std::string& text,
+                                                    size_t piece) {
+  std::string reasoning, content;
+  for (size_t i = 0; i < text.size(); i += piece) {
+    auto [r, c] = splitter.feed(text.substr(i, piece));
+    reasoning += r, content += c;
+  }
+  auto [r, c] = splitter.finish();
+  return {reasoning + r, content + c};
+}
+
 TEST(Reasoning, SplitsThinkBlocksFedInAnyPieces) {
   const std::string text = "<think>\nstep one</think>\n\nThe answer.";
   for (size_t piece = 1; piece <= text.size(); ++piece) {
-    ReasoningSplitter s;
-    std::string reasoning, content;
-    for (size_t i = 0; i < text.size(); i += piece) {
-      auto [r, c] = s.feed(text.substr(i, piece));
-      reasoning += r, content += c;
-    }
-    auto [r, c] = s.finish();
-    reasoning += r, content += c;
+    auto [reasoning, content] = split_in_pieces(ReasoningSplitter(), text, piece);
     EXPECT_EQ(reasoning, "\nstep one") << piece;
     EXPECT_EQ(content, "\n\nThe answer.") << piece;
   }
@@ -217,28 +222,17 @@ TEST(Reasoning, SplitsThinkBlocksFedInAnyPieces) {
 TEST(Reasoning, APromptThatOpensTheReasoningStartsInIt) {
   const std::string text = "\nstep one</think>\n\nThe answer.";
   for (size_t piece = 1; piece <= text.size(); ++piece) {
-    ReasoningSplitter s(/*in_reasoning=*/true);
-    std::string reasoning, content;
-    for (size_t i = 0; i < text.size(); i += piece) {
-      auto [r, c] = s.feed(text.substr(i, piece));
-      reasoning += r, content += c;
-    }
-    auto [r, c] = s.finish();
-    EXPECT_EQ(reasoning + r, "\nstep one") << piece;
-    EXPECT_EQ(content + c, "\n\nThe answer.") << piece;
+    auto [reasoning, content] = split_in_pieces(ReasoningSplitter(/*in_reasoning=*/true), text, piece);
+    EXPECT_EQ(reasoning, "\nstep one") << piece;
+    EXPECT_EQ(content, "\n\nThe answer.") << piece;
   }
   // With tools, a call before </think> ends the reasoning; without, it is reasoning text.
   const std::string early = "let me look it up<tool_call>\n{\"name\": \"f\"}\n</tool_call>";
   for (size_t piece = 1; piece <= early.size(); ++piece) {
-    ReasoningSplitter s(/*in_reasoning=*/true, /*tool_calls=*/true);
-    std::string reasoning, content;
-    for (size_t i = 0; i < early.size(); i += piece) {
-      auto [r, c] = s.feed(early.substr(i, piece));
-      reasoning += r, content += c;
-    }
-    auto [r, c] = s.finish();
-    EXPECT_EQ(reasoning + r, "let me look it up") << piece;
-    EXPECT_EQ(content + c, "<tool_call>\n{\"name\": \"f\"}\n</tool_call>") << piece;
+    auto [reasoning, content] =
+        split_in_pieces(ReasoningSplitter(/*in_reasoning=*/true, /*tool_calls=*/true), early, piece);
+    EXPECT_EQ(reasoning, "let me look it up") << piece;
+    EXPECT_EQ(content, "<tool_call>\n{\"name\": \"f\"}\n</tool_call>") << piece;
   }
   ReasoningSplitter cut(true);  // never closed (max_tokens): all reasoning
   auto [r1, c1] = cut.feed("thinking about <tool_call> and more");
