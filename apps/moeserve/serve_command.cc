@@ -719,7 +719,7 @@ void add_engine_options(CLI::App* cmd, ServeArgs& a) {
   add_api_options(cmd, *args);
   cmd->add_flag("--enable-expert-parallel", args->enable_expert_parallel,
                 "vLLM's: split the experts over every rank (--ep = --tp x --dp)");
-  cmd->add_flag("--trust-remote-code", args->trust_remote_code,
+  cmd->add_flag("--trust-remote-code", args->no_effect_flag,
                 "Accepted for vLLM's command lines; no effect (moeserve runs no code from the model)");
   cmd->add_option("--dtype", args->dtype, "auto or bfloat16 (accepted for vLLM's command lines)");
   cmd->add_flag("--disable-log-stats", args->disable_log_stats, "No throughput line every 10 s");

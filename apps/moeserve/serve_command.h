@@ -67,10 +67,9 @@ struct ServeArgs {
   std::string chat_template_text;    // its text (check_api_args)
   bool enable_auto_tool_choice = false;  // needs --tool-call-parser (as vLLM); tools parse with the parser alone
   bool enable_expert_parallel = false;   // --ep = --tp x --dp
-  bool trust_remote_code = false;        // no effect: moeserve runs no code from the model
   std::string dtype = "auto";            // auto or bfloat16 (what the engine runs)
   bool disable_log_stats = false;        // no throughput line every 10 s
-  bool no_effect_flag = false;           // --enable-prefix-caching, --enable-chunked-prefill, --disable-log-requests
+  bool no_effect_flag = false;           // --trust-remote-code and the others accepted with no effect
   size_t max_body_bytes = size_t{1} << 20;
   double read_timeout_s = 15;
   double request_timeout_s = 600;

@@ -14,7 +14,6 @@ namespace {
 
 constexpr std::string_view kThinkOpen = "<think>";
 constexpr std::string_view kThinkClose = "</think>";
-constexpr std::string_view kToolCallOpen = "<tool_call>";
 
 int http_status_of(const Status& s) {
   switch (s.code()) {

@@ -8,7 +8,6 @@
 namespace moe::server {
 namespace {
 
-constexpr std::string_view kOpen = "<tool_call>";
 constexpr std::string_view kClose = "</tool_call>";
 
 using Json = nlohmann::ordered_json;
@@ -127,9 +126,9 @@ ToolCallParser::Piece ToolCallParser::feed(const std::string& text) {
   Piece out;
   while (true) {
     if (!in_call_) {
-      const size_t open = pending_.find(kOpen);
+      const size_t open = pending_.find(kToolCallOpen);
       if (open == std::string::npos) {
-        const size_t keep = partial_tag(pending_, kOpen);
+        const size_t keep = partial_tag(pending_, kToolCallOpen);
         out.content += pending_.substr(0, pending_.size() - keep);
         pending_.erase(0, pending_.size() - keep);
         return out;
@@ -138,9 +137,10 @@ ToolCallParser::Piece ToolCallParser::feed(const std::string& text) {
       pending_.erase(0, open);  // pending_ starts with the open tag
       in_call_ = true;
     }
-    const size_t close = pending_.find(kClose, kOpen.size());
+    const size_t close = pending_.find(kClose, kToolCallOpen.size());
     if (close == std::string::npos) return out;  // the block is still open
-    const std::string_view body = std::string_view(pending_).substr(kOpen.size(), close - kOpen.size());
+    const std::string_view body =
+        std::string_view(pending_).substr(kToolCallOpen.size(), close - kToolCallOpen.size());
     if (auto call = parse(body)) {
       out.calls.push_back(std::move(*call));
     } else {
@@ -158,7 +158,7 @@ std::optional<ToolCall> ToolCallParser::parse(std::string_view body) const {
 ToolCallParser::Piece ToolCallParser::finish(bool stopped) {
   Piece out;
   std::optional<ToolCall> call;
-  if (in_call_ && stopped) call = parse(std::string_view(pending_).substr(kOpen.size()));
+  if (in_call_ && stopped) call = parse(std::string_view(pending_).substr(kToolCallOpen.size()));
   if (call) out.calls.push_back(std::move(*call));
   else out.content = std::move(pending_);
   pending_.clear();

@@ -38,6 +38,9 @@
 
 namespace moe::server {
 
+// The tag that opens a call block (the reasoning split ends at it too).
+inline constexpr std::string_view kToolCallOpen = "<tool_call>";
+
 // Length of the longest suffix of `text` that is a proper prefix of `tag`
 // (text to hold back while it may still become the tag).
 inline size_t partial_tag(std::string_view text, std::string_view tag) {
