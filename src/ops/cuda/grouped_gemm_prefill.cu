@@ -70,8 +70,9 @@
 // After the build, tools/ffma_reuse rewrites the control bits of the
 // consumers' promotion FFMAs in the library (CMake option MOE_FFMA_REUSE, on by
 // default): each keeps its scale operand in the reuse cache for the next and
-// none yields, where ptxas alternates (2.7-3.0% faster, the bytes unchanged;
-// bench/results/2026-12-04_gpu_fp8_prefill_epilogue_warps, call 6).
+// none yields, where ptxas alternates (2.7-3.0% faster as a patch,
+// bench/results/2026-12-04_gpu_fp8_prefill_epilogue_warps, call 6; 1.3-2.2%
+// timed interleaved as the build step, bench/results/2026-12-05_gpu_ffma_reuse_ab).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
