@@ -1,0 +1,305 @@
+#include "structured/grammar.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+namespace moe::structured {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr size_t kMaxNodes = 1 << 14;
+constexpr int kMaxDepth = 64;
+constexpr size_t kMaxChoices = 1024;
+
+}  // namespace
+
+void LiteralTrie::add(std::string_view bytes, int32_t value) {
+  int32_t node = 0;
+  nodes_[0].values_below.push_back(value);
+  for (const char ch : bytes) {
+    const auto byte = static_cast<uint8_t>(ch);
+    int32_t next = step(node, byte);
+    if (next < 0) {
+      next = static_cast<int32_t>(nodes_.size());
+      nodes_[static_cast<size_t>(node)].next.emplace_back(byte, next);
+      nodes_.emplace_back();
+    }
+    node = next;
+    nodes_[static_cast<size_t>(node)].values_below.push_back(value);
+  }
+  nodes_[static_cast<size_t>(node)].value = value;
+  for (Node& n : nodes_) {
+    std::sort(n.values_below.begin(), n.values_below.end());
+    n.values_below.erase(std::unique(n.values_below.begin(), n.values_below.end()), n.values_below.end());
+  }
+}
+
+int32_t LiteralTrie::step(int32_t node, uint8_t byte) const {
+  for (const auto& [b, next] : nodes_[static_cast<size_t>(node)].next)
+    if (b == byte) return next;
+  return -1;
+}
+
+bool LiteralTrie::reaches(int32_t node, int32_t lo, int32_t hi) const {
+  const auto& v = nodes_[static_cast<size_t>(node)].values_below;
+  auto it = std::lower_bound(v.begin(), v.end(), lo);
+  return it != v.end() && *it <= hi;
+}
+
+int32_t Grammar::add(Node node) {
+  nodes_.push_back(std::move(node));
+  return static_cast<int32_t>(nodes_.size() - 1);
+}
+
+// Compiles one JSON Schema document into a Grammar's nodes.
+class SchemaCompiler {
+ public:
+  SchemaCompiler(Grammar& g, const Json& document) : g_(g), document_(document) {}
+
+  Expected<int32_t> compile(const Json& schema, int depth) {
+    if (depth > kMaxDepth) return invalid_argument("the JSON schema nests deeper than {} levels", kMaxDepth);
+    if (g_.nodes_.size() > kMaxNodes) return invalid_argument("the JSON schema is too large (over {} nodes)", kMaxNodes);
+    if (schema.is_boolean()) {
+      if (schema.get<bool>()) return g_.any_;
+      return invalid_argument("the JSON schema 'false' accepts no value");
+    }
+    if (!schema.is_object()) return invalid_argument("a JSON schema must be an object or a boolean");
+    MOE_RETURN_IF_ERROR(check_keywords(schema));
+    if (auto it = schema.find("$ref"); it != schema.end()) return compile_ref(*it, depth);
+    if (auto it = schema.find("allOf"); it != schema.end()) {
+      if (!it->is_array() || it->size() != 1)
+        return invalid_argument("JSON schema 'allOf' is served with exactly one schema");
+      return compile((*it)[0], depth + 1);
+    }
+    for (const char* key : {"anyOf", "oneOf"}) {
+      if (auto it = schema.find(key); it != schema.end()) {
+        if (!it->is_array() || it->empty())
+          return invalid_argument("JSON schema '{}' must be a non-empty array of schemas", key);
+        Node any_of{.kind = NodeKind::kAnyOf};
+        for (const Json& alternative : *it) {
+          MOE_ASSIGN_OR_RETURN(const int32_t n, compile(alternative, depth + 1));
+          any_of.alternatives.push_back(n);
+        }
+        return g_.add(std::move(any_of));
+      }
+    }
+    if (auto it = schema.find("const"); it != schema.end()) return literals(Json::array({*it}));
+    if (auto it = schema.find("enum"); it != schema.end()) {
+      if (!it->is_array() || it->empty()) return invalid_argument("JSON schema 'enum' must be a non-empty array");
+      return literals(*it);
+    }
+    auto type = schema.find("type");
+    if (type == schema.end()) {  // the type the keywords imply, else any value
+      if (schema.contains("properties") || schema.contains("required") || schema.contains("additionalProperties"))
+        return compile_type(schema, "object", depth);
+      if (schema.contains("items") || schema.contains("minItems") || schema.contains("maxItems"))
+        return compile_type(schema, "array", depth);
+      if (schema.contains("minLength") || schema.contains("maxLength")) return compile_type(schema, "string", depth);
+      return g_.any_;
+    }
+    if (type->is_string()) return compile_type(schema, type->get<std::string>(), depth);
+    if (!type->is_array() || type->empty())
+      return invalid_argument("JSON schema 'type' must be a type name or a non-empty array of them");
+    Node any_of{.kind = NodeKind::kAnyOf};
+    for (const Json& t : *type) {
+      if (!t.is_string()) return invalid_argument("JSON schema 'type' must be a type name or an array of them");
+      MOE_ASSIGN_OR_RETURN(const int32_t n, compile_type(schema, t.get<std::string>(), depth));
+      any_of.alternatives.push_back(n);
+    }
+    return g_.add(std::move(any_of));
+  }
+
+ private:
+  static Status check_keywords(const Json& schema) {
+    static const std::set<std::string> served = {
+        "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "minLength",
+        "maxLength", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
+        // annotations: no effect on what is valid
+        "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
+        "writeOnly", "strict"};
+    for (const auto& [key, value] : schema.items()) {
+      (void)value;
+      if (!served.contains(key))
+        return invalid_argument("JSON schema keyword '{}' is not supported by this server", key);
+    }
+    return Status::ok();
+  }
+
+  Expected<int32_t> compile_ref(const Json& ref, int depth) {
+    if (!ref.is_string()) return invalid_argument("JSON schema '$ref' must be a string");
+    const std::string path = ref.get<std::string>();
+    if (auto it = refs_.find(path); it != refs_.end()) return it->second;
+    std::string name;
+    const Json* defs = nullptr;
+    for (const char* prefix : {"#/$defs/", "#/definitions/"}) {
+      if (path.starts_with(prefix)) {
+        name = path.substr(std::string_view(prefix).size());
+        const std::string key = std::string(prefix).substr(2, std::string_view(prefix).size() - 3);
+        if (auto it = document_.find(key); it != document_.end() && it->is_object()) defs = &*it;
+      }
+    }
+    if (path == "#") return invalid_argument("JSON schema '$ref' \"#\" (the whole schema) is not supported; use $defs");
+    if (!defs || !defs->contains(name))
+      return invalid_argument("JSON schema '$ref' \"{}\" names no entry of $defs or definitions", path);
+    // A placeholder first, so that a recursive reference finds it.
+    const int32_t slot = g_.add(Node{.kind = NodeKind::kAnyOf});
+    refs_[path] = slot;
+    MOE_ASSIGN_OR_RETURN(const int32_t target, compile((*defs)[name], depth + 1));
+    g_.nodes_[static_cast<size_t>(slot)].alternatives = {target};
+    return slot;
+  }
+
+  Expected<int32_t> literals(const Json& values) {
+    Node n{.kind = NodeKind::kLiterals};
+    int32_t i = 0;
+    for (const Json& v : values) n.literals.add(v.dump(), i++);
+    return g_.add(std::move(n));
+  }
+
+  static Expected<int32_t> count(const Json& schema, const char* key, int32_t fallback) {
+    auto it = schema.find(key);
+    if (it == schema.end()) return fallback;
+    if (!it->is_number_integer() || it->get<int64_t>() < 0 || it->get<int64_t>() > (1 << 20))
+      return invalid_argument("JSON schema '{}' must be an integer in [0, {}]", key, 1 << 20);
+    return static_cast<int32_t>(it->get<int64_t>());
+  }
+
+  Expected<int32_t> compile_type(const Json& schema, const std::string& type, int depth) {
+    if (type == "null") return literals(Json::array({nullptr}));
+    if (type == "boolean") return literals(Json::array({true, false}));
+    if (type == "integer") return g_.add(Node{.kind = NodeKind::kInteger});
+    if (type == "number") return g_.add(Node{.kind = NodeKind::kNumber});
+    if (type == "string") {
+      Node n{.kind = NodeKind::kString};
+      MOE_ASSIGN_OR_RETURN(n.min_length, count(schema, "minLength", 0));
+      MOE_ASSIGN_OR_RETURN(n.max_length, count(schema, "maxLength", -1));
+      if (n.max_length >= 0 && n.max_length < n.min_length)
+        return invalid_argument("JSON schema 'maxLength' is below 'minLength'");
+      return g_.add(std::move(n));
+    }
+    if (type == "array") {
+      Node n{.kind = NodeKind::kArray, .items = g_.any_};
+      MOE_ASSIGN_OR_RETURN(n.min_items, count(schema, "minItems", 0));
+      MOE_ASSIGN_OR_RETURN(n.max_items, count(schema, "maxItems", -1));
+      if (n.max_items >= 0 && n.max_items < n.min_items)
+        return invalid_argument("JSON schema 'maxItems' is below 'minItems'");
+      if (auto it = schema.find("items"); it != schema.end()) {
+        if (it->is_array()) return invalid_argument("JSON schema 'items' as an array (tuples) is not supported");
+        MOE_ASSIGN_OR_RETURN(n.items, compile(*it, depth + 1));
+      }
+      return g_.add(std::move(n));
+    }
+    if (type == "object") return compile_object(schema, depth);
+    return invalid_argument("JSON schema type '{}' is not a JSON type", type);
+  }
+
+  Expected<int32_t> compile_object(const Json& schema, int depth) {
+    Node n{.kind = NodeKind::kObject};
+    std::set<std::string> required;
+    if (auto it = schema.find("required"); it != schema.end()) {
+      if (!it->is_array()) return invalid_argument("JSON schema 'required' must be an array of names");
+      for (const Json& name : *it) {
+        if (!name.is_string()) return invalid_argument("JSON schema 'required' must be an array of names");
+        required.insert(name.get<std::string>());
+      }
+    }
+    if (auto it = schema.find("properties"); it != schema.end()) {
+      if (!it->is_object()) return invalid_argument("JSON schema 'properties' must be an object");
+      for (const auto& [name, sub] : it->items()) {
+        MOE_ASSIGN_OR_RETURN(const int32_t node, compile(sub, depth + 1));
+        n.keys.add(Json(name).dump(), static_cast<int32_t>(n.properties.size()));
+        n.properties.push_back({name, node, required.contains(name)});
+      }
+    }
+    for (const std::string& name : required) {
+      if (std::none_of(n.properties.begin(), n.properties.end(), [&](const Property& p) { return p.name == name; }))
+        return invalid_argument("JSON schema 'required' names \"{}\", which is not in 'properties'", name);
+    }
+    if (auto it = schema.find("additionalProperties"); it != schema.end() && *it != false) {
+      MOE_ASSIGN_OR_RETURN(n.additional, compile(*it, depth + 1));
+    } else if (!schema.contains("properties") && !schema.contains("additionalProperties")) {
+      n.additional = g_.any_;  // {"type": "object"} alone: any object
+    }
+    return g_.add(std::move(n));
+  }
+
+  Grammar& g_;
+  const Json& document_;
+  std::map<std::string, int32_t> refs_;
+};
+
+// The well-known nodes every grammar starts with: any value (an anyOf of the
+// JSON kinds), then any object, whose values are any.
+static void add_any_nodes(std::vector<Node>& nodes, int32_t& any) {
+  // any = anyOf(object of any, array of any, string, number, true/false/null)
+  any = static_cast<int32_t>(nodes.size());
+  nodes.push_back(Node{.kind = NodeKind::kAnyOf});
+  const auto object = static_cast<int32_t>(nodes.size());
+  nodes.push_back(Node{.kind = NodeKind::kObject, .additional = any});
+  const auto array = static_cast<int32_t>(nodes.size());
+  nodes.push_back(Node{.kind = NodeKind::kArray, .items = any});
+  const auto string = static_cast<int32_t>(nodes.size());
+  nodes.push_back(Node{.kind = NodeKind::kString});
+  const auto number = static_cast<int32_t>(nodes.size());
+  nodes.push_back(Node{.kind = NodeKind::kNumber});
+  const auto words = static_cast<int32_t>(nodes.size());
+  Node w{.kind = NodeKind::kLiterals};
+  w.literals.add("true", 0);
+  w.literals.add("false", 1);
+  w.literals.add("null", 2);
+  nodes.push_back(std::move(w));
+  nodes[static_cast<size_t>(any)].alternatives = {object, array, string, number, words};
+}
+
+std::shared_ptr<const Grammar> Grammar::json_object() {
+  auto g = std::make_shared<Grammar>();
+  add_any_nodes(g->nodes_, g->any_);
+  g->root_ = g->any_ + 1;  // the any-object node
+  g->source_ = {{"type", "json_object"}};
+  return g;
+}
+
+Expected<std::shared_ptr<const Grammar>> Grammar::from_json_schema(const nlohmann::ordered_json& schema) {
+  auto g = std::make_shared<Grammar>();
+  add_any_nodes(g->nodes_, g->any_);
+  SchemaCompiler compiler(*g, schema);
+  MOE_ASSIGN_OR_RETURN(g->root_, compiler.compile(schema, 0));
+  g->source_ = {{"type", "json_schema"}, {"schema", schema}};
+  return std::shared_ptr<const Grammar>(std::move(g));
+}
+
+Expected<std::shared_ptr<const Grammar>> Grammar::from_choices(const std::vector<std::string>& choices) {
+  if (choices.empty() || choices.size() > kMaxChoices)
+    return invalid_argument("a choice must list 1 to {} strings", kMaxChoices);
+  auto g = std::make_shared<Grammar>();
+  add_any_nodes(g->nodes_, g->any_);
+  Node n{.kind = NodeKind::kChoice};
+  for (size_t i = 0; i < choices.size(); ++i) {
+    if (choices[i].empty()) return invalid_argument("a choice may not be the empty string");
+    n.literals.add(choices[i], static_cast<int32_t>(i));
+  }
+  g->root_ = g->add(std::move(n));
+  g->source_ = {{"type", "choice"}, {"choices", choices}};
+  return std::shared_ptr<const Grammar>(std::move(g));
+}
+
+Expected<std::shared_ptr<const Grammar>> Grammar::from_source(const nlohmann::ordered_json& source) {
+  if (!source.is_object() || !source.contains("type") || !source["type"].is_string())
+    return invalid_argument("a structured-output grammar must be an object with a 'type'");
+  const std::string type = source["type"].get<std::string>();
+  if (type == "json_object") return json_object();
+  if (type == "json_schema" && source.contains("schema")) return from_json_schema(source["schema"]);
+  if (type == "choice" && source.contains("choices") && source["choices"].is_array()) {
+    std::vector<std::string> choices;
+    for (const Json& c : source["choices"]) {
+      if (!c.is_string()) return invalid_argument("every choice must be a string");
+      choices.push_back(c.get<std::string>());
+    }
+    return from_choices(choices);
+  }
+  return invalid_argument("unknown structured-output grammar type '{}'", type);
+}
+
+}  // namespace moe::structured

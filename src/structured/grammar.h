@@ -1,0 +1,117 @@
+// Structured outputs' grammars: what a constrained request's output must be
+// (OpenAI's response_format json_object / json_schema, vLLM's guided_json and
+// guided_choice), compiled once per request into a table of nodes that the
+// byte-level matcher (structured/matcher.h) walks.
+//
+// JSON Schema, the subset served (docs/server.md, "Structured outputs"):
+// type (one name or a list), properties / required / additionalProperties
+// (absent means false, as OpenAI's strict mode and xgrammar's default), items
+// / minItems / maxItems, minLength / maxLength, enum, const, anyOf / oneOf
+// (oneOf served as anyOf), allOf of one schema, $ref into #/$defs or
+// #/definitions (recursion allowed), true / {} (any value). Annotations
+// (title, description, default, examples, $schema, $id, $comment, strict) are
+// ignored; every other keyword is refused with an error naming it, so a
+// request is never served as if a constraint had been applied when it was
+// not. Properties are written in the schema's order; an optional one may be
+// left out.
+//
+// Pure data after compilation: any thread may read a Grammar.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/status.h"
+
+namespace moe::structured {
+
+// A set of byte strings as a trie: node 0 is the root; a string's last node
+// carries its index.
+class LiteralTrie {
+ public:
+  void add(std::string_view bytes, int32_t value);
+  // The child of `node` by `byte`, or -1.
+  int32_t step(int32_t node, uint8_t byte) const;
+  int32_t value(int32_t node) const { return nodes_[static_cast<size_t>(node)].value; }
+  bool has_children(int32_t node) const { return !nodes_[static_cast<size_t>(node)].next.empty(); }
+  // Whether a string ending at or below `node` has a value in [lo, hi].
+  bool reaches(int32_t node, int32_t lo, int32_t hi) const;
+  bool empty() const { return nodes_.size() == 1; }
+
+ private:
+  struct Node {
+    std::vector<std::pair<uint8_t, int32_t>> next;
+    int32_t value = -1;
+    std::vector<int32_t> values_below;  // sorted; the node's own value included
+  };
+  std::vector<Node> nodes_{Node{}};
+};
+
+enum class NodeKind : uint8_t {
+  kInteger,   // -?(0|[1-9][0-9]*), at most kMaxIntegerDigits digits
+  kNumber,    // JSON number
+  kString,    // min_length / max_length in code points
+  kArray,     // items (a node), min_items / max_items
+  kObject,    // properties in order, then additional ones
+  kLiterals,  // one of `literals` (JSON texts: enum, const, true/false/null)
+  kAnyOf,     // one of `alternatives` (also a $ref's slot, and "any value": Grammar::any_node)
+  kChoice,    // raw text, one of `literals` (guided_choice): not JSON
+};
+
+inline constexpr int kMaxIntegerDigits = 19;
+inline constexpr int kMaxFractionDigits = 20;
+inline constexpr int kMaxExponentDigits = 3;
+
+struct Property {
+  std::string name;
+  int32_t node = -1;
+  bool required = false;
+};
+
+struct Node {
+  NodeKind kind = NodeKind::kAnyOf;
+  int32_t min_length = 0, max_length = -1;  // kString (-1: unbounded)
+  int32_t items = -1;                       // kArray
+  int32_t min_items = 0, max_items = -1;    // kArray
+  std::vector<Property> properties;         // kObject
+  LiteralTrie keys;                         // kObject: each property's key as JSON ("name") -> its index
+  int32_t additional = -1;                  // kObject: the node of other keys' values, -1: none allowed
+  LiteralTrie literals;                     // kLiterals, kChoice
+  std::vector<int32_t> alternatives;        // kAnyOf
+};
+
+class Grammar {
+ public:
+  // OpenAI's response_format {"type": "json_object"}: any JSON object.
+  static std::shared_ptr<const Grammar> json_object();
+  // A JSON Schema; the error names the keyword that is not served.
+  static Expected<std::shared_ptr<const Grammar>> from_json_schema(const nlohmann::ordered_json& schema);
+  // vLLM's guided_choice: exactly one of these strings (1 to 1024 of them, none empty).
+  static Expected<std::shared_ptr<const Grammar>> from_choices(const std::vector<std::string>& choices);
+  // The serialised form from_source() compiles again (disaggregated serving
+  // sends it to the prefill and decode instances): {"type": "json_object"},
+  // {"type": "json_schema", "schema": ...} or {"type": "choice", "choices": [...]}.
+  static Expected<std::shared_ptr<const Grammar>> from_source(const nlohmann::ordered_json& source);
+  const nlohmann::ordered_json& source() const { return source_; }
+
+  int32_t root() const { return root_; }
+  const Node& node(int32_t i) const { return nodes_[static_cast<size_t>(i)]; }
+  // Any JSON value.
+  int32_t any_node() const { return any_; }
+
+ private:
+  friend class SchemaCompiler;
+  int32_t add(Node node);
+
+  std::vector<Node> nodes_;
+  int32_t root_ = -1;
+  int32_t any_ = -1;
+  nlohmann::ordered_json source_;
+};
+
+}  // namespace moe::structured

@@ -1,0 +1,450 @@
+#include "structured/matcher.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+namespace moe::structured {
+namespace {
+
+// Frame kinds and their counters:
+//   kValue    a value of `node` not begun yet (whitespace may come first)
+//   kObject   a: the next declared property a key may name (earlier ones are
+//             done or skipped); b: the node of the value after the key read
+//   kArray    a: items begun
+//   kString   node: a kString node, or -1 (a key); a: code points so far;
+//             b: the next continuation byte's range (lo | hi << 8); c: how
+//             many continuation bytes (UTF-8) or hex digits (\u) remain
+//   kNumber   flags: 1 for integers; a: digits in the current part
+//   kLiteral  a: the node in the literals' trie
+//   kKey      a: the node in the object's keys' trie; [b, c]: the properties
+//             it may name (the object's next one up to its first required one)
+enum Kind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey };
+
+// Phases of an object or an array.
+enum ContainerPhase : uint8_t { kOpen, kStart, kAfterKey, kInValue, kAfterValue, kAfterComma, kInKey, kInExtraKey };
+// Phases of a string.
+enum StringPhase : uint8_t { kQuote, kChars, kEscape, kHex, kUtf8 };
+// Phases of a number: the accepting ones are kIntDigits, kZero, kFracDigits, kExpDigits.
+enum NumberPhase : uint8_t { kNumStart, kMinus, kIntDigits, kZero, kDot, kFracDigits, kExp, kExpSign, kExpDigits };
+
+bool is_whitespace(uint8_t c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
+bool is_digit(uint8_t c) { return c >= '0' && c <= '9'; }
+bool is_hex(uint8_t c) { return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
+
+bool number_accepting(uint8_t phase) {
+  return phase == kIntDigits || phase == kZero || phase == kFracDigits || phase == kExpDigits;
+}
+
+constexpr int kMaxForkDepth = 32;  // anyOf inside anyOf inside ... for one byte
+
+}  // namespace
+
+enum class Matcher::Step : uint8_t { kConsumed, kRedispatch, kReject, kForked };
+
+Matcher::Matcher(const Grammar& grammar) : grammar_(&grammar) {
+  frames_.push_back(Frame{.kind = kValue, .node = grammar.root()});
+  ends_.push_back(1);
+}
+
+bool Matcher::advance_into(uint8_t byte, Matcher& out) const {
+  out.grammar_ = grammar_;
+  out.frames_.clear();
+  out.ends_.clear();
+  size_t begin = 0;
+  for (const uint32_t end : ends_) {
+    const size_t start = out.frames_.size();
+    out.frames_.insert(out.frames_.end(), frames_.begin() + static_cast<ptrdiff_t>(begin),
+                       frames_.begin() + static_cast<ptrdiff_t>(end));
+    feed(byte, start, out);
+    begin = end;
+  }
+  return !out.failed();
+}
+
+bool Matcher::advance(std::string_view bytes) {
+  Matcher a = *this, b = *this;
+  for (const char ch : bytes) {
+    if (!a.advance_into(static_cast<uint8_t>(ch), b)) return false;
+    std::swap(a, b);
+  }
+  *this = std::move(a);
+  return true;
+}
+
+bool Matcher::thread_accepting(size_t begin, size_t end) const {
+  if (end == begin) return true;  // the value is whole
+  if (end - begin > 1) return false;
+  const Frame& f = frames_[begin];
+  if (f.kind == kNumber) return number_accepting(f.phase);
+  if (f.kind == kLiteral) return grammar_->node(f.node).literals.value(f.a) >= 0;
+  return false;
+}
+
+int32_t Matcher::string_room() const {
+  int32_t room = -1;
+  uint32_t begin = 0;
+  for (const uint32_t end : ends_) {
+    if (end == std::exchange(begin, end)) continue;  // a whole value
+    const Frame& top = frames_[end - 1];
+    if (top.kind != kString || top.phase != kChars) continue;
+    const int32_t max_length = top.node >= 0 ? grammar_->node(top.node).max_length : -1;
+    room = std::max(room, max_length < 0 ? INT32_MAX : max_length - top.a);
+  }
+  return room;
+}
+
+bool Matcher::accepting() const {
+  size_t begin = 0;
+  for (const uint32_t end : ends_) {
+    if (thread_accepting(begin, end)) return true;
+    begin = end;
+  }
+  return false;
+}
+
+// The thread in out.frames_[start, end) is done with this byte: kept unless
+// an earlier thread is the same, or there are kMaxThreads already.
+void Matcher::commit(size_t start, Matcher& out) const {
+  const size_t size = out.frames_.size() - start;
+  bool keep = out.ends_.size() < static_cast<size_t>(kMaxThreads);
+  size_t begin = 0;
+  for (size_t i = 0; keep && i < out.ends_.size(); ++i) {
+    const size_t end = out.ends_[i];
+    if (end - begin == size && std::equal(out.frames_.begin() + static_cast<ptrdiff_t>(begin),
+                                          out.frames_.begin() + static_cast<ptrdiff_t>(end),
+                                          out.frames_.begin() + static_cast<ptrdiff_t>(start)))
+      keep = false;
+    begin = end;
+  }
+  if (keep) {
+    out.ends_.push_back(static_cast<uint32_t>(out.frames_.size()));
+  } else {
+    out.frames_.resize(start);
+  }
+}
+
+// Each variant replaces the thread's top frame (with one or more frames), and
+// the byte goes through each variant as its own thread.
+void Matcher::fork(uint8_t byte, size_t start, Matcher& out, const std::vector<Frame>& tops, bool pair) const {
+  // pair: each variant is two frames (the object in its new phase, then the key's frame)
+  const std::vector<Frame> base(out.frames_.begin() + static_cast<ptrdiff_t>(start), out.frames_.end() - 1);
+  out.frames_.resize(start);
+  const size_t per_variant = pair ? 2 : 1;
+  for (size_t v = 0; v + per_variant <= tops.size(); v += per_variant) {
+    const size_t s = out.frames_.size();
+    out.frames_.insert(out.frames_.end(), base.begin(), base.end());
+    out.frames_.insert(out.frames_.end(), tops.begin() + static_cast<ptrdiff_t>(v),
+                       tops.begin() + static_cast<ptrdiff_t>(v + per_variant));
+    feed(byte, s, out);
+  }
+}
+
+void Matcher::feed(uint8_t byte, size_t start, Matcher& out) const {
+  thread_local int fork_depth = 0;
+  if (fork_depth > kMaxForkDepth) {
+    out.frames_.resize(start);
+    return;
+  }
+  for (;;) {
+    if (out.frames_.size() == start) {  // the value is whole: nothing may follow
+      return;
+    }
+    ++fork_depth;
+    const Step step = handle(byte, start, out);
+    --fork_depth;
+    switch (step) {
+      case Step::kConsumed:
+        commit(start, out);
+        return;
+      case Step::kReject:
+        out.frames_.resize(start);
+        return;
+      case Step::kForked:
+        return;
+      case Step::kRedispatch:
+        break;
+    }
+  }
+}
+
+// One byte against the top frame of the thread at out.frames_[start, +depth).
+Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
+  std::vector<Frame>& f = out.frames_;
+  const size_t depth = f.size() - start;
+  Frame& top = f.back();
+  const Grammar& g = *grammar_;
+  // Pops the top frame, which is whole, and tells its parent.
+  auto complete = [&]() {
+    const Frame done = f.back();
+    f.pop_back();
+    if (f.size() == start) return;
+    Frame& parent = f.back();
+    if (parent.kind == kArray) {
+      parent.phase = kAfterValue;
+    } else if (parent.phase == kInValue) {
+      parent.phase = kAfterValue;
+    } else if (parent.phase == kInKey) {
+      const Node& object = g.node(parent.node);
+      const int32_t j = object.keys.value(done.a);
+      parent.a = j + 1;
+      parent.b = object.properties[static_cast<size_t>(j)].node;
+      parent.phase = kAfterKey;
+    } else {  // kInExtraKey
+      parent.b = g.node(parent.node).additional;
+      parent.phase = kAfterKey;
+    }
+  };
+  auto whitespace = [&]() {
+    if (++top.ws > kMaxWhitespace) return Step::kReject;
+    return Step::kConsumed;
+  };
+
+  switch (top.kind) {
+    case kValue: {
+      const Node& n = g.node(top.node);
+      if (n.kind != NodeKind::kChoice && is_whitespace(byte)) return whitespace();
+      switch (n.kind) {
+        case NodeKind::kAnyOf: {
+          std::vector<Frame> tops;
+          for (const int32_t alt : n.alternatives) tops.push_back(Frame{.kind = kValue, .ws = top.ws, .node = alt});
+          fork(byte, start, out, tops, false);
+          return Step::kForked;
+        }
+        case NodeKind::kInteger:
+        case NodeKind::kNumber:
+          top = Frame{.kind = kNumber, .flags = static_cast<uint8_t>(n.kind == NodeKind::kInteger), .node = top.node};
+          return Step::kRedispatch;
+        case NodeKind::kString:
+          top = Frame{.kind = kString, .node = top.node};
+          return Step::kRedispatch;
+        case NodeKind::kArray:
+          top = Frame{.kind = kArray, .node = top.node};
+          return Step::kRedispatch;
+        case NodeKind::kObject:
+          top = Frame{.kind = kObject, .node = top.node};
+          return Step::kRedispatch;
+        case NodeKind::kLiterals:
+        case NodeKind::kChoice:
+          top = Frame{.kind = kLiteral, .node = top.node};
+          return Step::kRedispatch;
+      }
+      return Step::kReject;
+    }
+
+    case kObject: {
+      const Node& n = g.node(top.node);
+      const auto num_properties = static_cast<int32_t>(n.properties.size());
+      auto closable = [&] {
+        for (int32_t i = top.a; i < num_properties; ++i)
+          if (n.properties[static_cast<size_t>(i)].required) return false;
+        return true;
+      };
+      auto key = [&]() {
+        std::vector<Frame> tops;
+        int32_t last = top.a;  // the first required property from top.a, else the last one
+        while (last < num_properties - 1 && !n.properties[static_cast<size_t>(last)].required) ++last;
+        if (top.a < num_properties) {
+          Frame object = top;
+          object.phase = kInKey;
+          object.ws = 0;
+          tops.push_back(object);
+          tops.push_back(Frame{.kind = kKey, .node = top.node, .a = 0, .b = top.a, .c = last});
+        }
+        if (n.additional >= 0) {
+          Frame object = top;
+          object.phase = kInExtraKey;
+          object.ws = 0;
+          tops.push_back(object);
+          tops.push_back(Frame{.kind = kString, .node = -1});
+        }
+        if (tops.empty()) return Step::kReject;
+        fork(byte, start, out, tops, true);
+        return Step::kForked;
+      };
+      if (top.phase != kOpen && is_whitespace(byte)) return whitespace();
+      top.ws = 0;
+      switch (top.phase) {
+        case kOpen:
+          if (byte != '{' || depth > static_cast<size_t>(kMaxNesting)) return Step::kReject;
+          top.phase = kStart;
+          return Step::kConsumed;
+        case kStart:
+          if (byte == '}' && closable()) return complete(), Step::kConsumed;
+          if (byte == '"') return key();
+          return Step::kReject;
+        case kAfterKey:
+          if (byte != ':') return Step::kReject;
+          top.phase = kInValue;
+          f.push_back(Frame{.kind = kValue, .node = top.b});
+          return Step::kConsumed;
+        case kAfterValue:
+          if (byte == '}' && closable()) return complete(), Step::kConsumed;
+          // A comma only where a key may follow (no dead end).
+          if (byte != ',' || (top.a >= num_properties && n.additional < 0)) return Step::kReject;
+          top.phase = kAfterComma;
+          return Step::kConsumed;
+        case kAfterComma:
+          if (byte == '"') return key();
+          return Step::kReject;
+        default:
+          return Step::kReject;
+      }
+    }
+
+    case kArray: {
+      const Node& n = g.node(top.node);
+      auto item = [&]() {
+        ++top.a;
+        top.phase = kInValue;
+        top.ws = 0;
+        f.push_back(Frame{.kind = kValue, .node = n.items});
+        return Step::kRedispatch;
+      };
+      if (top.phase != kOpen && is_whitespace(byte)) return whitespace();
+      switch (top.phase) {
+        case kOpen:
+          if (byte != '[' || depth > static_cast<size_t>(kMaxNesting)) return Step::kReject;
+          top.phase = kStart;
+          return Step::kConsumed;
+        case kStart:
+          if (byte == ']') return n.min_items == 0 ? (complete(), Step::kConsumed) : Step::kReject;
+          if (n.max_items == 0) return Step::kReject;
+          return item();
+        case kAfterValue:
+          top.ws = 0;
+          if (byte == ']') return top.a >= n.min_items ? (complete(), Step::kConsumed) : Step::kReject;
+          if (byte != ',' || (n.max_items >= 0 && top.a >= n.max_items)) return Step::kReject;
+          top.phase = kAfterComma;
+          return Step::kConsumed;
+        case kAfterComma:
+          return item();
+        default:
+          return Step::kReject;
+      }
+    }
+
+    case kString: {
+      const int32_t max_length = top.node >= 0 ? g.node(top.node).max_length : -1;
+      const int32_t min_length = top.node >= 0 ? g.node(top.node).min_length : 0;
+      auto one_more = [&]() { return max_length < 0 || top.a < max_length ? (++top.a, true) : false; };
+      auto utf8 = [&](int32_t count, int32_t lo, int32_t hi) {
+        if (!one_more()) return Step::kReject;
+        top.phase = kUtf8;
+        top.c = count;
+        top.b = lo | (hi << 8);
+        return Step::kConsumed;
+      };
+      switch (top.phase) {
+        case kQuote:
+          if (byte != '"') return Step::kReject;
+          top.phase = kChars;
+          return Step::kConsumed;
+        case kChars:
+          if (byte == '"') return top.a >= min_length ? (complete(), Step::kConsumed) : Step::kReject;
+          if (byte < 0x20) return Step::kReject;
+          if (byte == '\\') {
+            if (!one_more()) return Step::kReject;
+            top.phase = kEscape;
+            return Step::kConsumed;
+          }
+          if (byte < 0x80) return one_more() ? Step::kConsumed : Step::kReject;
+          if (byte >= 0xC2 && byte <= 0xDF) return utf8(1, 0x80, 0xBF);
+          if (byte == 0xE0) return utf8(2, 0xA0, 0xBF);
+          if (byte == 0xED) return utf8(2, 0x80, 0x9F);  // no surrogates
+          if (byte >= 0xE1 && byte <= 0xEF) return utf8(2, 0x80, 0xBF);
+          if (byte == 0xF0) return utf8(3, 0x90, 0xBF);
+          if (byte >= 0xF1 && byte <= 0xF3) return utf8(3, 0x80, 0xBF);
+          if (byte == 0xF4) return utf8(3, 0x80, 0x8F);
+          return Step::kReject;
+        case kUtf8:
+          if (byte < (top.b & 0xFF) || byte > (top.b >> 8)) return Step::kReject;
+          top.b = 0x80 | (0xBF << 8);
+          if (--top.c == 0) top.phase = kChars;
+          return Step::kConsumed;
+        case kEscape:
+          if (byte == 'u') {
+            top.phase = kHex;
+            top.c = 4;
+            return Step::kConsumed;
+          }
+          if (std::string_view("\"\\/bfnrt").find(static_cast<char>(byte)) == std::string_view::npos)
+            return Step::kReject;
+          top.phase = kChars;
+          return Step::kConsumed;
+        case kHex:
+          if (!is_hex(byte)) return Step::kReject;
+          if (--top.c == 0) top.phase = kChars;
+          return Step::kConsumed;
+        default:
+          return Step::kReject;
+      }
+    }
+
+    case kNumber: {
+      const bool integer = top.flags & 1;
+      auto digit = [&](uint8_t phase, int max_digits) {
+        if (top.phase != phase) top.a = 0;
+        if (++top.a > max_digits) return Step::kReject;
+        top.phase = phase;
+        return Step::kConsumed;
+      };
+      switch (top.phase) {
+        case kNumStart:
+          if (byte == '-') return top.phase = kMinus, Step::kConsumed;
+          [[fallthrough]];
+        case kMinus:
+          if (byte == '0') return top.phase = kZero, Step::kConsumed;
+          if (is_digit(byte)) return digit(kIntDigits, kMaxIntegerDigits);
+          return Step::kReject;
+        case kIntDigits:
+          if (is_digit(byte)) return digit(kIntDigits, kMaxIntegerDigits);
+          [[fallthrough]];
+        case kZero:
+          if (!integer && byte == '.') return top.phase = kDot, Step::kConsumed;
+          if (!integer && (byte == 'e' || byte == 'E')) return top.phase = kExp, Step::kConsumed;
+          return complete(), Step::kRedispatch;
+        case kDot:
+          return is_digit(byte) ? digit(kFracDigits, kMaxFractionDigits) : Step::kReject;
+        case kFracDigits:
+          if (is_digit(byte)) return digit(kFracDigits, kMaxFractionDigits);
+          if (byte == 'e' || byte == 'E') return top.phase = kExp, Step::kConsumed;
+          return complete(), Step::kRedispatch;
+        case kExp:
+          if (byte == '+' || byte == '-') return top.phase = kExpSign, Step::kConsumed;
+          [[fallthrough]];
+        case kExpSign:
+          return is_digit(byte) ? digit(kExpDigits, kMaxExponentDigits) : Step::kReject;
+        case kExpDigits:
+          if (is_digit(byte)) return digit(kExpDigits, kMaxExponentDigits);
+          return complete(), Step::kRedispatch;
+        default:
+          return Step::kReject;
+      }
+    }
+
+    case kLiteral: {
+      const LiteralTrie& trie = g.node(top.node).literals;
+      const int32_t next = trie.step(top.a, byte);
+      if (next >= 0) {
+        top.a = next;
+        if (trie.value(next) >= 0 && !trie.has_children(next)) complete();
+        return Step::kConsumed;
+      }
+      if (trie.value(top.a) >= 0) return complete(), Step::kRedispatch;  // a number literal, whole
+      return Step::kReject;
+    }
+
+    case kKey: {
+      const LiteralTrie& keys = g.node(top.node).keys;
+      const int32_t next = keys.step(top.a, byte);
+      if (next < 0 || !keys.reaches(next, top.b, top.c)) return Step::kReject;
+      top.a = next;
+      if (keys.value(next) >= 0) complete();  // keys end with their closing quote
+      return Step::kConsumed;
+    }
+  }
+  return Step::kReject;
+}
+
+}  // namespace moe::structured

@@ -1,0 +1,73 @@
+// A byte-level matcher for a Grammar (structured/grammar.h): which bytes may
+// follow the output so far.
+//
+// The state is a set of threads, each a stack of frames (a pushdown
+// automaton): a thread forks where the grammar leaves a choice (anyOf, a
+// declared or an additional key) and dies on a byte its stack cannot take,
+// so the matcher follows every reading of the output at once, as an Earley
+// parser would, without backtracking. A matcher with no thread has failed.
+// Bounds that keep a state small and every output finite in its structure:
+// at most kMaxWhitespace whitespace bytes in a row, kMaxNesting open objects
+// and arrays, kMaxThreads threads (beyond which the last are dropped: a
+// reading the output may still take is never invented, only rarely lost).
+//
+// A Matcher is a value: copy it to try bytes (the token filter does, for
+// every token). One thread at a time per object.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "structured/grammar.h"
+
+namespace moe::structured {
+
+inline constexpr int kMaxWhitespace = 24;
+inline constexpr int kMaxNesting = 48;
+inline constexpr int kMaxThreads = 64;
+
+class Matcher {
+ public:
+  // `grammar` must outlive the matcher.
+  explicit Matcher(const Grammar& grammar);
+
+  // `out` = this matcher after `byte`; false (out failed) when no thread takes it.
+  bool advance_into(uint8_t byte, Matcher& out) const;
+  // In place; all bytes or none (false: unchanged).
+  bool advance(std::string_view bytes);
+  // Whether the output may end here (a whole value, or a whole choice).
+  bool accepting() const;
+  bool failed() const { return ends_.empty(); }
+  // How many more code points some thread may read inside a string, where it
+  // is between characters (no escape or UTF-8 sequence begun): the room of
+  // the roomiest such thread, INT32_MAX if unbounded, -1 if none is there.
+  // Every run of plain characters (structured/token_filter.h) that fits is
+  // then accepted, whatever else the threads do.
+  int32_t string_room() const;
+  size_t num_threads() const { return ends_.size(); }
+  bool operator==(const Matcher& other) const { return frames_ == other.frames_ && ends_ == other.ends_; }
+
+  // One parse position: what is being read (kind), where in it (phase), and
+  // its counters (their meaning per kind in matcher.cc).
+  struct Frame {
+    uint8_t kind = 0, phase = 0, ws = 0, flags = 0;
+    int32_t node = -1;
+    int32_t a = 0, b = 0, c = 0;
+    bool operator==(const Frame&) const = default;
+  };
+
+ private:
+  enum class Step : uint8_t;
+  void feed(uint8_t byte, size_t start, Matcher& out) const;
+  Step handle(uint8_t byte, size_t start, Matcher& out) const;
+  void fork(uint8_t byte, size_t start, Matcher& out, const std::vector<Frame>& tops, bool pair) const;
+  void commit(size_t start, Matcher& out) const;
+  bool thread_accepting(size_t begin, size_t end) const;
+
+  const Grammar* grammar_;
+  std::vector<Frame> frames_;   // the threads' stacks back to back, bottom first
+  std::vector<uint32_t> ends_;  // thread i is frames_[ends_[i - 1], ends_[i]) (ends_[-1] = 0)
+};
+
+}  // namespace moe::structured

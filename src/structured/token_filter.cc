@@ -1,0 +1,164 @@
+#include "structured/token_filter.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "core/check.h"
+
+namespace moe::structured {
+
+namespace {
+
+// The code points of `bytes` when it is a run of plain string characters
+// (printable ASCII but '"' and '\\', and whole UTF-8 sequences), else 0.
+int32_t plain_code_points(std::string_view bytes) {
+  int32_t n = 0;
+  for (size_t i = 0; i < bytes.size();) {
+    const auto c = static_cast<uint8_t>(bytes[i]);
+    size_t len = 0;
+    if (c >= 0x20 && c < 0x80 && c != '"' && c != '\\') {
+      len = 1;
+    } else if (c >= 0xC2 && c <= 0xF4) {
+      len = c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
+      if (i + len > bytes.size()) return 0;
+      const auto second = static_cast<uint8_t>(bytes[i + 1]);
+      const uint8_t lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
+      const uint8_t hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
+      if (second < lo || second > hi) return 0;
+      for (size_t k = 2; k < len; ++k)
+        if ((static_cast<uint8_t>(bytes[i + k]) & 0xC0) != 0x80) return 0;
+    } else {
+      return 0;
+    }
+    i += len;
+    ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+TokenVocabulary::TokenVocabulary(std::vector<std::string> token_bytes) : token_bytes_(std::move(token_bytes)) {
+  std::vector<int32_t> ids, rest;
+  plain_mask_.assign((token_bytes_.size() + 31) / 32, 0);
+  for (int32_t id = 0; id < size(); ++id) {
+    if (bytes(id).empty()) continue;
+    ids.push_back(id);
+    if (const int32_t n = plain_code_points(bytes(id)); n > 0) {
+      plain_tokens_.emplace_back(id, n);
+      plain_mask_[static_cast<size_t>(id) / 32] |= 1u << (id % 32);
+    } else {
+      rest.push_back(id);
+    }
+  }
+  std::sort(plain_tokens_.begin(), plain_tokens_.end(), [](auto x, auto y) { return x.second < y.second; });
+  auto by_bytes = [&](int32_t x, int32_t y) { return bytes(x) < bytes(y); };
+  std::sort(ids.begin(), ids.end(), by_bytes);
+  std::sort(rest.begin(), rest.end(), by_bytes);
+  nodes_.emplace_back();
+  build(0, ids, 0);
+  rest_root_ = static_cast<int32_t>(nodes_.size());
+  nodes_.emplace_back();
+  build(rest_root_, rest, 0);
+}
+
+std::shared_ptr<const TokenVocabulary> TokenVocabulary::from_tokenizer(const tokenizer::Tokenizer& tokenizer,
+                                                                       int64_t vocab_size) {
+  std::vector<std::string> bytes(static_cast<size_t>(vocab_size));
+  for (int32_t id = 0; id < vocab_size; ++id)
+    if (tokenizer.is_valid_id(id) && !tokenizer.is_added_token(id)) bytes[static_cast<size_t>(id)] = tokenizer.token_bytes(id);
+  return std::make_shared<const TokenVocabulary>(std::move(bytes));
+}
+
+// Fills trie node `node`, the prefix of length `depth` that the `ids` (sorted
+// by bytes) share: the tokens ending there, then its children, contiguous,
+// one per next byte, each built in turn.
+void TokenVocabulary::build(int32_t node, std::span<const int32_t> ids, size_t depth) {
+  size_t i = 0;
+  const auto first_token = static_cast<int32_t>(tokens_.size());
+  while (i < ids.size() && bytes(ids[i]).size() == depth) tokens_.push_back(ids[i++]);  // shortest sort first
+  std::vector<std::pair<size_t, size_t>> groups;  // [begin, end) of ids sharing the byte at `depth`
+  while (i < ids.size()) {
+    const char byte = bytes(ids[i])[depth];
+    size_t j = i;
+    while (j < ids.size() && bytes(ids[j])[depth] == byte) ++j;
+    groups.emplace_back(i, j);
+    i = j;
+  }
+  const auto first_child = static_cast<int32_t>(nodes_.size());
+  TrieNode& n = nodes_[static_cast<size_t>(node)];
+  n.first_token = first_token;
+  n.num_tokens = static_cast<int32_t>(tokens_.size()) - first_token;
+  n.first_child = first_child;
+  n.num_children = static_cast<int32_t>(groups.size());
+  for (const auto& [b, e] : groups) {
+    (void)e;
+    nodes_.push_back(TrieNode{.byte = static_cast<uint8_t>(bytes(ids[b])[depth])});
+  }
+  for (size_t k = 0; k < groups.size(); ++k)
+    build(first_child + static_cast<int32_t>(k), ids.subspan(groups[k].first, groups[k].second - groups[k].first),
+          depth + 1);
+}
+
+void TokenVocabulary::walk(int32_t node, size_t depth, std::vector<Matcher>& level,
+                           std::vector<uint32_t>& mask) const {
+  if (level.size() < depth + 2) level.resize(depth + 2, level[0]);
+  const TrieNode& n = nodes_[static_cast<size_t>(node)];
+  for (int32_t c = n.first_child; c < n.first_child + n.num_children; ++c) {
+    const TrieNode& child = nodes_[static_cast<size_t>(c)];
+    if (!level[depth].advance_into(child.byte, level[depth + 1])) continue;
+    for (int32_t t = child.first_token; t < child.first_token + child.num_tokens; ++t) {
+      const int32_t id = tokens_[static_cast<size_t>(t)];
+      mask[static_cast<size_t>(id) / 32] |= 1u << (id % 32);
+    }
+    if (child.num_children > 0) walk(c, depth + 1, level, mask);
+  }
+}
+
+void TokenVocabulary::allowed_tokens(const Matcher& matcher, std::vector<uint32_t>& mask) const {
+  thread_local std::vector<Matcher> level;  // the matcher after each prefix on the walk's path
+  if (level.empty()) {
+    level.push_back(matcher);
+  } else {
+    level[0] = matcher;
+  }
+  const int32_t room = matcher.string_room();
+  if (room == INT32_MAX) {
+    mask = plain_mask_;
+  } else {
+    mask.assign(plain_mask_.size(), 0);
+    for (const auto& [id, n] : plain_tokens_) {
+      if (n > room) break;
+      mask[static_cast<size_t>(id) / 32] |= 1u << (id % 32);
+    }
+  }
+  // The others by the walk; the plain ones too where some may be taken
+  // otherwise than as string characters (no thread in a string, or a bounded
+  // string's thread beside others: a run too long for it may suit another).
+  const bool plain_settled = room == INT32_MAX || (room >= 0 && matcher.num_threads() == 1);
+  walk(plain_settled ? rest_root_ : 0, 0, level, mask);
+}
+
+TokenConstraint::TokenConstraint(std::shared_ptr<const Grammar> grammar,
+                                 std::shared_ptr<const TokenVocabulary> vocabulary, std::vector<int32_t> end_ids)
+    : grammar_(std::move(grammar)), vocabulary_(std::move(vocabulary)), end_ids_(std::move(end_ids)),
+      matcher_(*grammar_) {}
+
+TokenConstraint::TokenConstraint(const TokenConstraint& other)
+    : grammar_(other.grammar_), vocabulary_(other.vocabulary_), end_ids_(other.end_ids_), matcher_(other.matcher_) {}
+
+void TokenConstraint::allowed_tokens(std::vector<uint32_t>& mask) const {
+  vocabulary_->allowed_tokens(matcher_, mask);
+  const bool none = std::all_of(mask.begin(), mask.end(), [](uint32_t w) { return w == 0; });
+  if (!none && !matcher_.accepting()) return;
+  for (const int32_t id : end_ids_)
+    if (id >= 0 && id < vocabulary_->size()) mask[static_cast<size_t>(id) / 32] |= 1u << (id % 32);
+}
+
+bool TokenConstraint::accept(int32_t token) {
+  if (std::find(end_ids_.begin(), end_ids_.end(), token) != end_ids_.end()) return true;
+  if (token < 0 || token >= vocabulary_->size() || vocabulary_->bytes(token).empty()) return false;
+  return matcher_.advance(vocabulary_->bytes(token));
+}
+
+}  // namespace moe::structured

