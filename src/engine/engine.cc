@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
+#include <limits>
 #include <numeric>
 
 #include "core/check.h"
@@ -92,10 +93,20 @@ Expected<uint64_t> Engine::submit(EngineRequest request, OutputCallback on_outpu
     return invalid_argument("prompt logprobs must be at most {}", vocab_size_);
   if (request.kv_export && !runner_->supports_layer_hook())
     return invalid_argument("this model runner cannot export KV layer by layer");
+  MOE_RETURN_IF_ERROR(check_grammar(request));
   Active active;
   active.request = std::move(request);
   active.on_output = std::move(on_output);
   return enqueue(std::move(active));
+}
+
+Status Engine::check_grammar(const EngineRequest& request) const {
+  if (!request.grammar) return Status::ok();
+  if (!options_.vocabulary) return invalid_argument("structured outputs need the model's tokenizer");
+  if (options_.vocabulary->size() != vocab_size_)
+    return internal_error("the structured-output vocabulary has {} tokens, the model {}", options_.vocabulary->size(),
+                          vocab_size_);
+  return Status::ok();
 }
 
 Expected<uint64_t> Engine::enqueue(Active active) {
@@ -126,6 +137,14 @@ Expected<uint64_t> Engine::submit_prefilled(EngineRequest request, PrefilledProm
   if (request.kv_export) return invalid_argument("a prefilled request exports no KV");
   if (request.num_prompt_logprobs >= 0)
     return invalid_argument("a prefilled request has no prompt logprobs here");
+  MOE_RETURN_IF_ERROR(check_grammar(request));
+  if (request.grammar) {
+    structured::TokenConstraint constraint(request.grammar, options_.vocabulary, {});
+    if (!constraint.accept(prompt.first_token) &&
+        std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(), prompt.first_token) ==
+            options_.eos_token_ids.end())
+      return invalid_argument("the first token {} is not one the request's grammar allows", prompt.first_token);
+  }
   if (!prompt.last_hidden.empty() && static_cast<int64_t>(prompt.last_hidden.size()) != mtp_hidden_size())
     return invalid_argument("the prefilled MTP state has {} values; this engine's {}", prompt.last_hidden.size(),
                             drafter_ ? fmt::format("MTP layer takes {}", mtp_hidden_size()) : "has no MTP layer");
@@ -241,6 +260,12 @@ void Engine::admit(uint64_t id, Active active) {
   const std::vector<float> last_hidden = std::move(active.last_hidden);
   const int32_t first_token = active.first_token;
   if (prefilled) active.first_token_s = active.arrival_s;
+  if (active.request.grammar) {
+    std::vector<int32_t> end_ids = options_.eos_token_ids;
+    end_ids.insert(end_ids.end(), active.request.stop_token_ids.begin(), active.request.stop_token_ids.end());
+    active.constraint.emplace(active.request.grammar, options_.vocabulary, std::move(end_ids));
+    if (prefilled) active.constraint->accept(first_token);  // checked by submit_prefilled
+  }
   auto [it, inserted] = active_.emplace(id, std::move(active));
   CHECK(inserted, "request id {} twice", id);
   EngineOutput out;
@@ -407,17 +432,17 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
     const auto row = static_cast<int32_t>(sampling.rows.size());
     add_chunk_rows(sampling, plan, batch, c,
                    {a.request.sampling, a.seed, static_cast<uint64_t>(a.num_output_tokens)});
+    const std::span<const int32_t> drafts(batch.token_ids.data() + batch.query_start[c + 1] - chunk.num_drafts,
+                                          static_cast<size_t>(chunk.num_drafts));
+    const size_t chunk_entries = sampling.adjustments.size();
     if (a.request.sampling.adjusts_logits()) {
       std::vector<int32_t> stop_ids = a.request.stop_token_ids;
       if (!a.request.ignore_eos)
         stop_ids.insert(stop_ids.end(), options_.eos_token_ids.begin(), options_.eos_token_ids.end());
-      add_chunk_adjustments(
-          sampling, row, a.request.sampling, scheduler_.tokens_of(chunk.id),
-          static_cast<size_t>(a.num_output_tokens),
-          std::span<const int32_t>(batch.token_ids.data() + batch.query_start[c + 1] - chunk.num_drafts,
-                                   static_cast<size_t>(chunk.num_drafts)),
-          stop_ids, vocab_size_);
+      add_chunk_adjustments(sampling, row, a.request.sampling, scheduler_.tokens_of(chunk.id),
+                            static_cast<size_t>(a.num_output_tokens), drafts, stop_ids, vocab_size_);
     }
+    if (a.constraint) add_constraint_masks(sampling, row, chunk_entries, a, drafts);
     if (a.request.num_logprobs >= 0) {
       logprob_chunks.push_back({chunk.id, num_runs - 1, static_cast<int64_t>(sampling.fetch_rows.size())});
       for (int32_t j = 0; j <= chunk.num_drafts; ++j) sampling.fetch_rows.push_back(row + j);
@@ -457,6 +482,35 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
   runner_->set_layer_hook({});
   after_export(plan);
   return status;
+}
+
+// A constrained chunk's rows: every token its grammar does not allow next gets
+// -inf (merged into the row's adjustment where it has one: one entry per
+// token). Row j follows drafts [0, j); after a draft the grammar refuses,
+// the rows keep the last mask (their samples are dropped with the draft).
+void Engine::add_constraint_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
+                                  std::span<const int32_t> drafts) const {
+  structured::TokenConstraint state = *a.constraint;
+  std::vector<uint32_t> mask;
+  std::vector<int32_t> adjusted;  // per token: its entry's index in this row, or -1
+  const size_t chunk_end = sampling.adjustments.size();
+  bool follows = true;
+  for (size_t j = 0; j <= drafts.size(); ++j) {
+    const int32_t row = first_row + static_cast<int32_t>(j);
+    if (follows) state.allowed_tokens(mask);
+    adjusted.assign(static_cast<size_t>(vocab_size_), -1);
+    for (size_t e = chunk_entries; e < chunk_end; ++e)
+      if (sampling.adjustments[e].row == row) adjusted[static_cast<size_t>(sampling.adjustments[e].token)] = static_cast<int32_t>(e);
+    for (int32_t token = 0; token < vocab_size_; ++token) {
+      if (structured::mask_has(mask, token)) continue;
+      if (const int32_t e = adjusted[static_cast<size_t>(token)]; e >= 0) {
+        sampling.adjustments[static_cast<size_t>(e)].bias = -std::numeric_limits<float>::infinity();
+      } else {
+        sampling.adjustments.push_back({row, token, -std::numeric_limits<float>::infinity(), 1.0f, 0.0f});
+      }
+    }
+    if (j < drafts.size() && follows) follows = state.accept(drafts[j]);
+  }
 }
 
 // Whether a request may carry drafts. KV-exporting requests decode plainly,
@@ -571,11 +625,23 @@ void Engine::step() {
   std::unordered_map<uint64_t, size_t> logprobs_taken;  // a request's updates come in its run's order
   for (size_t i = 0; i < updates.size(); ++i) {
     const SequenceUpdate& u = updates[i];
-    Active& a = active_.at(u.id);
+    auto active = active_.find(u.id);
+    if (active == active_.end()) continue;  // ended by an earlier token of its run
+    Active& a = active->second;
     a.num_output_tokens = u.num_output_tokens;
     EngineOutput out;
     out.id = u.id;
     out.token = u.token;
+    // A token outside the grammar (min_tokens banning the only end token
+    // allowed, say) ends the request with an error, never a wrong output.
+    if (a.constraint && u.token >= 0 && !a.constraint->accept(u.token) && u.finish == FinishReason::kNone) {
+      out.token = -1;
+      out.error = invalid_argument("the request's grammar allows no token here (min_tokens or logit_bias?)");
+      out.finish = FinishReason::kAbort;
+      scheduler_.abort(u.id);
+      finish(u.id, std::move(out));
+      continue;
+    }
     if (auto it = logprobs.find(u.id); it != logprobs.end()) {
       size_t& taken = logprobs_taken[u.id];
       CHECK(taken < it->second.size(), "request {}: more tokens than logprobs", u.id);

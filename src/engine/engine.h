@@ -29,6 +29,7 @@
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
 #include "engine/speculative.h"
+#include "structured/token_filter.h"
 
 namespace moe::engine {
 
@@ -71,6 +72,10 @@ struct EngineRequest {
   // prefix-cache hit).
   int num_prompt_logprobs = -1;
   double timeout_s = 0;                 // 0: no deadline
+  // Structured output (structured/grammar.h): every token is one the grammar
+  // allows after the output so far, and eos or a stop token only where the
+  // output may end (needs EngineOptions::vocabulary).
+  std::shared_ptr<const structured::Grammar> grammar;
   // Set: every layer's KV of the prompt is handed to it as it is written
   // (needs a runner with layer hooks; the prefix-cached part included).
   std::shared_ptr<KvExportSink> kv_export;
@@ -118,6 +123,9 @@ struct EngineOptions {
   std::vector<int32_t> eos_token_ids;
   int max_waiting = 1024;  // submit() refuses more queued requests (kResourceExhausted)
   bool log_stats = true;   // the throughput line every 10 s (log_throughput)
+  // The tokens' bytes, for structured outputs (EngineRequest::grammar); null:
+  // such requests are refused.
+  std::shared_ptr<const structured::TokenVocabulary> vocabulary;
 #ifdef NDEBUG
   bool check_invariants = false;
 #else
@@ -187,6 +195,7 @@ class Engine {
     // chunks run (a recompute after preemption fills nothing twice).
     std::vector<std::optional<TokenLogprobs>> prompt_logprobs;
     bool prompt_logprobs_sent = false;
+    std::optional<structured::TokenConstraint> constraint;  // request.grammar: after the output so far
   };
   // A step's logprobs, per request that asked for them: one per token of its
   // run (accepted drafts, then the sample), in order.
@@ -201,6 +210,9 @@ class Engine {
   Status run_forward(const StepPlan& plan, const model::ForwardBatch& batch,
                      std::vector<std::vector<int32_t>>& runs, StepLogprobs& logprobs, Tensor& hidden);
   bool may_speculate(uint64_t id) const;
+  void add_constraint_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
+                            std::span<const int32_t> drafts) const;
+  Status check_grammar(const EngineRequest& request) const;
   void record_speculation(const StepPlan& plan, std::span<const std::vector<int32_t>> runs);
   void loop();
   void drain_queues();

@@ -195,9 +195,17 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
       parent.phase = kAfterKey;
     }
   };
+  // top.ws: 0 before any whitespace, 1 after a space, 2 + n after a newline and n indent bytes.
   auto whitespace = [&]() {
-    if (++top.ws > kMaxWhitespace) return Step::kReject;
-    return Step::kConsumed;
+    if (top.ws == 0 && (byte == ' ' || byte == '\n')) {
+      top.ws = byte == ' ' ? 1 : 2;
+      return Step::kConsumed;
+    }
+    if (top.ws >= 2 && top.ws < 2 + kMaxIndent && (byte == ' ' || byte == '\t')) {
+      ++top.ws;
+      return Step::kConsumed;
+    }
+    return Step::kReject;
   };
 
   switch (top.kind) {

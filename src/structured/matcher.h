@@ -6,10 +6,13 @@
 // declared or an additional key) and dies on a byte its stack cannot take,
 // so the matcher follows every reading of the output at once, as an Earley
 // parser would, without backtracking. A matcher with no thread has failed.
-// Bounds that keep a state small and every output finite in its structure:
-// at most kMaxWhitespace whitespace bytes in a row, kMaxNesting open objects
-// and arrays, kMaxThreads threads (beyond which the last are dropped: a
-// reading the output may still take is never invented, only rarely lost).
+// Whitespace between JSON tokens is none, one space, or a newline and at
+// most kMaxIndent spaces or tabs (compact and pretty-printed JSON both fit;
+// llama.cpp's JSON grammars draw the same line): with any whitespace allowed,
+// a model can fill its whole output with blank lines, and small ones do.
+// Other bounds that keep a state small: kMaxNesting open objects and arrays,
+// kMaxThreads threads (beyond which the last are dropped: a reading the
+// output may still take is never invented, only rarely lost).
 //
 // A Matcher is a value: copy it to try bytes (the token filter does, for
 // every token). One thread at a time per object.
@@ -23,7 +26,7 @@
 
 namespace moe::structured {
 
-inline constexpr int kMaxWhitespace = 24;
+inline constexpr int kMaxIndent = 20;
 inline constexpr int kMaxNesting = 48;
 inline constexpr int kMaxThreads = 64;
 

@@ -144,9 +144,6 @@ TokenConstraint::TokenConstraint(std::shared_ptr<const Grammar> grammar,
     : grammar_(std::move(grammar)), vocabulary_(std::move(vocabulary)), end_ids_(std::move(end_ids)),
       matcher_(*grammar_) {}
 
-TokenConstraint::TokenConstraint(const TokenConstraint& other)
-    : grammar_(other.grammar_), vocabulary_(other.vocabulary_), end_ids_(other.end_ids_), matcher_(other.matcher_) {}
-
 void TokenConstraint::allowed_tokens(std::vector<uint32_t>& mask) const {
   vocabulary_->allowed_tokens(matcher_, mask);
   const bool none = std::all_of(mask.begin(), mask.end(), [](uint32_t w) { return w == 0; });

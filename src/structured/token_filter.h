@@ -68,8 +68,6 @@ class TokenConstraint {
   // tokens), allowed where the output may end.
   TokenConstraint(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const TokenVocabulary> vocabulary,
                   std::vector<int32_t> end_ids);
-  TokenConstraint(const TokenConstraint& other);
-  TokenConstraint& operator=(const TokenConstraint&) = delete;
 
   // The tokens allowed next as a bitmask over the vocabulary (as
   // TokenVocabulary::allowed_tokens). Never empty: where no token can go on

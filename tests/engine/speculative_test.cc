@@ -21,7 +21,9 @@
 #include "engine/generator.h"
 #include "model/config.h"
 #include "model/weights.h"
+#include "structured/matcher.h"
 #include "tests/engine/sampling_oracle.h"
+#include "tokenizer/tokenizer.h"
 
 namespace moe::engine {
 namespace {
@@ -481,11 +483,15 @@ struct EngineRun {
 };
 
 // Runs `requests` through the serving engine all at once (k = 0: no drafter).
-EngineRun run_engine(Loaded& l, const std::vector<EngineRequest>& requests, int k) {
+// With `vocabulary`, structured outputs are served, eos being token `eos_id`.
+EngineRun run_engine(Loaded& l, const std::vector<EngineRequest>& requests, int k,
+                     std::shared_ptr<const structured::TokenVocabulary> vocabulary = nullptr, int32_t eos_id = -1) {
   EngineOptions options;
   options.scheduler = {.page_size = 4, .num_pages = 60, .max_num_seqs = 8, .max_num_batched_tokens = 12,
                        .max_model_len = 64, .enable_prefix_caching = true};
   options.check_invariants = true;
+  options.vocabulary = std::move(vocabulary);
+  if (eos_id >= 0) options.eos_token_ids = {eos_id};
   const kv::KvCacheLayout layout{l.config.num_layers, l.config.num_kv_heads, l.config.head_dim, 4, 60, DType::kF32};
   std::unique_ptr<MtpDrafter> drafter;
   if (k > 0) drafter = std::make_unique<MtpDrafter>(*l.mtp, l.pool, layout, k);
@@ -635,6 +641,111 @@ TEST(EngineSpeculation, PenalizedRequestsSpeculateAndEqualPlain) {
   }
   for (size_t i = 0; i + 1 < requests.size(); ++i)  // the adjustments change the demo's greedy output
     EXPECT_NE(plain.tokens[i], run_engine(*l, {engine_requests(demo_requests(24))[i]}, 0).tokens[0]) << i;
+}
+
+// Structured outputs through the engine on the demo model, with and without
+// drafts. Oracle: every output token is the argmax of the model's own logits
+// (all 4096 logprobs come back) over the tokens the grammar allows there,
+// found by trying each token's bytes on the byte matcher (not the token
+// filter's trie walk), eos where the output may end; finished outputs parse
+// (nlohmann) with the schema's values; greedy outputs with drafts equal plain.
+TEST(EngineSpeculation, StructuredOutputsTakeTheBestAllowedTokenWithAndWithoutDrafts) {
+  auto l = load(demo_dir(), demo_mtp_dir(), false);
+  auto tok = tokenizer::Tokenizer::load(demo_dir());
+  ASSERT_TRUE(tok.has_value());
+  constexpr int32_t kEos = 2;
+  auto vocabulary = structured::TokenVocabulary::from_tokenizer(*tok, l->config.vocab_size);
+  auto person = structured::Grammar::from_json_schema(nlohmann::ordered_json::parse(R"({
+      "type": "object",
+      "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer"},
+                     "note": {"type": "string", "maxLength": 6}},
+      "required": ["answer", "score", "note"]})"));
+  ASSERT_TRUE(person.has_value());
+  auto choice = structured::Grammar::from_choices({"The fortune", "A computer is", "no"});
+  ASSERT_TRUE(choice.has_value());
+  std::vector<std::shared_ptr<const structured::Grammar>> grammars = {*person, structured::Grammar::json_object(),
+                                                                        *choice};
+  std::vector<EngineRequest> requests = engine_requests(demo_requests(44));
+  for (size_t i = 0; i < requests.size(); ++i) {
+    requests[i].grammar = grammars[i % grammars.size()];
+    requests[i].ignore_eos = false;
+    requests[i].max_tokens = 64 - static_cast<int>(requests[i].prompt.size());
+  }
+  EngineRequest sampled = requests[0];
+  sampled.sampling.temperature = 1.0f, sampled.sampling.seed = 9;
+  requests.push_back(sampled);
+  std::vector<EngineRequest> with_logprobs = requests;
+  for (auto& r : with_logprobs) r.num_logprobs = l->config.vocab_size;
+  const EngineRun plain = run_engine(*l, with_logprobs, 0, vocabulary, kEos);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "request " << i);
+    const structured::Grammar& g = *requests[i].grammar;
+    structured::Matcher m(g);
+    std::string text;
+    ASSERT_EQ(plain.logprobs[i].size(), plain.tokens[i].size());
+    for (size_t t = 0; t < plain.tokens[i].size(); ++t) {
+      const int32_t token = plain.tokens[i][t];
+      if (i + 1 < requests.size()) {  // greedy: the best allowed token
+        int32_t best = -1;
+        float best_logprob = -std::numeric_limits<float>::infinity();
+        std::vector<std::pair<int32_t, float>> by_id = plain.logprobs[i][t].top;
+        std::sort(by_id.begin(), by_id.end());
+        for (const auto& [id, logprob] : by_id) {
+          structured::Matcher copy = m;
+          const bool allowed = id == kEos ? m.accepting()
+                                          : !vocabulary->bytes(id).empty() && copy.advance(vocabulary->bytes(id));
+          if (allowed && logprob > best_logprob) best = id, best_logprob = logprob;
+        }
+        ASSERT_EQ(token, best) << "token " << t << " after '" << text << "'";
+      }
+      if (token == kEos) break;
+      ASSERT_TRUE(m.advance(vocabulary->bytes(token))) << "token " << t << " after '" << text << "'";
+      text += vocabulary->bytes(token);
+    }
+    std::printf("structured request %zu (%s): '%s'\n", i, plain.finish[i] == FinishReason::kStop ? "stop" : "length",
+                text.c_str());
+    if (plain.finish[i] != FinishReason::kStop) continue;
+    EXPECT_TRUE(m.accepting());
+    if (i % grammars.size() == 2) {
+      EXPECT_TRUE(text == "The fortune" || text == "A computer is" || text == "no") << text;
+      continue;
+    }
+    nlohmann::json j;
+    ASSERT_NO_THROW(j = nlohmann::json::parse(text)) << text;
+    ASSERT_TRUE(j.is_object()) << text;
+    if (i % grammars.size() == 0) {
+      EXPECT_TRUE(j["answer"] == "yes" || j["answer"] == "no") << text;
+      EXPECT_TRUE(j["score"].is_number_integer()) << text;
+      EXPECT_TRUE(j["note"].is_string()) << text;
+    }
+  }
+  EXPECT_EQ(plain.finish[2], FinishReason::kStop) << "a choice ends";
+  EXPECT_EQ(plain.metrics.kv_cache_usage_perc, 0.0);
+  for (int k : {1, 3}) {
+    const EngineRun spec = run_engine(*l, requests, k, vocabulary, kEos);
+    for (size_t i = 0; i + 1 < requests.size(); ++i) {
+      EXPECT_EQ(spec.tokens[i], plain.tokens[i]) << "k " << k << " request " << i;
+      EXPECT_EQ(spec.finish[i], plain.finish[i]) << "k " << k << " request " << i;
+    }
+    EXPECT_GT(spec.metrics.spec_decode_num_draft_tokens_total, 0);
+    EXPECT_EQ(spec.metrics.kv_cache_usage_perc, 0.0) << "pages leaked, k " << k;
+  }
+}
+
+// Without a vocabulary the engine refuses a structured request at submission.
+TEST(EngineSpeculation, StructuredOutputsNeedAVocabulary) {
+  auto l = load(golden_dir("moe_basic"), "", true);
+  EngineOptions options;
+  options.scheduler = {.page_size = 4, .num_pages = 8, .max_num_seqs = 2, .max_num_batched_tokens = 8,
+                       .max_model_len = 32};
+  const kv::KvCacheLayout layout{l->config.num_layers, l->config.num_kv_heads, l->config.head_dim, 4, 8, DType::kF32};
+  Engine engine(std::make_unique<Qwen3Runner>(*l->model, l->pool, layout), options);
+  EngineRequest r;
+  r.prompt = {1, 2, 3};
+  r.grammar = structured::Grammar::json_object();
+  auto id = engine.submit(r, [](const EngineOutput&) {});
+  ASSERT_FALSE(id.has_value());
+  EXPECT_NE(id.status().message().find("tokenizer"), std::string::npos) << id.status().to_string();
 }
 
 }  // namespace

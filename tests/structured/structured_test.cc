@@ -69,8 +69,14 @@ TEST(Grammar, SchemaObjectsInOrder) {
   EXPECT_FALSE(begins(*g, "{\"name\":\"a\x01"));           // control characters must be escaped
   EXPECT_FALSE(begins(*g, "{\"name\":\"\xC0"));            // not UTF-8
   EXPECT_FALSE(begins(*g, "{\"name\":\"\xED\xA0"));        // a surrogate
-  EXPECT_FALSE(begins(*g, std::string(1 + kMaxWhitespace, ' ')));
-  EXPECT_TRUE(begins(*g, std::string(kMaxWhitespace, ' ') + "{"));
+  // Whitespace: none, a space, or a newline and an indent of at most kMaxIndent.
+  EXPECT_TRUE(begins(*g, "\n" + std::string(kMaxIndent, ' ') + "{\n\t\"name\":\n  \"x\""));
+  EXPECT_FALSE(begins(*g, "\n" + std::string(kMaxIndent + 1, ' ')));
+  EXPECT_FALSE(begins(*g, "  "));
+  EXPECT_FALSE(begins(*g, " \n"));
+  EXPECT_FALSE(begins(*g, "\n\n"));
+  EXPECT_FALSE(begins(*g, "\t"));
+  EXPECT_FALSE(begins(*g, "{\"name\" \r"));
 }
 
 TEST(Grammar, JsonObjectTakesAnyObject) {
