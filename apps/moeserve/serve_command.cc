@@ -516,6 +516,7 @@ engine::EngineOptions engine_options(const model::ModelConfig& config, const eng
   o.max_waiting = args.max_waiting;
   o.log_stats = !args.disable_log_stats;
   if (tok) o.eos_token_ids.assign(tok->special_tokens().eos_ids.begin(), tok->special_tokens().eos_ids.end());
+  if (tok) o.vocabulary = structured::TokenVocabulary::from_tokenizer(*tok, config.vocab_size);  // structured outputs
   if (o.eos_token_ids.empty()) o.eos_token_ids.assign(config.eos_token_ids.begin(), config.eos_token_ids.end());
   return o;
 }

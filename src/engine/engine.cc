@@ -103,6 +103,8 @@ Expected<uint64_t> Engine::submit(EngineRequest request, OutputCallback on_outpu
 Status Engine::check_grammar(const EngineRequest& request) const {
   if (!request.grammar) return Status::ok();
   if (!options_.vocabulary) return invalid_argument("structured outputs need the model's tokenizer");
+  if (request.grammar_after_token >= vocab_size_)
+    return invalid_argument("grammar_after_token {} is outside the vocabulary", request.grammar_after_token);
   if (options_.vocabulary->size() != vocab_size_)
     return internal_error("the structured-output vocabulary has {} tokens, the model {}", options_.vocabulary->size(),
                           vocab_size_);
@@ -138,11 +140,9 @@ Expected<uint64_t> Engine::submit_prefilled(EngineRequest request, PrefilledProm
   if (request.num_prompt_logprobs >= 0)
     return invalid_argument("a prefilled request has no prompt logprobs here");
   MOE_RETURN_IF_ERROR(check_grammar(request));
-  if (request.grammar) {
-    structured::TokenConstraint constraint(request.grammar, options_.vocabulary, {});
-    if (!constraint.accept(prompt.first_token) &&
-        std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(), prompt.first_token) ==
-            options_.eos_token_ids.end())
+  if (request.grammar && request.grammar_after_token < 0) {
+    structured::TokenConstraint constraint(request.grammar, options_.vocabulary, options_.eos_token_ids);
+    if (!constraint.accept(prompt.first_token))
       return invalid_argument("the first token {} is not one the request's grammar allows", prompt.first_token);
   }
   if (!prompt.last_hidden.empty() && static_cast<int64_t>(prompt.last_hidden.size()) != mtp_hidden_size())
@@ -264,7 +264,8 @@ void Engine::admit(uint64_t id, Active active) {
     std::vector<int32_t> end_ids = options_.eos_token_ids;
     end_ids.insert(end_ids.end(), active.request.stop_token_ids.begin(), active.request.stop_token_ids.end());
     active.constraint.emplace(active.request.grammar, options_.vocabulary, std::move(end_ids));
-    if (prefilled) active.constraint->accept(first_token);  // checked by submit_prefilled
+    active.awaiting_grammar = active.request.grammar_after_token >= 0;
+    if (prefilled) constrain_token(active, first_token);  // checked by submit_prefilled
   }
   auto [it, inserted] = active_.emplace(id, std::move(active));
   CHECK(inserted, "request id {} twice", id);
@@ -484,19 +485,35 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
   return status;
 }
 
+// Takes a generated token into the request's grammar state; false when the
+// grammar does not allow it.
+bool Engine::constrain_token(Active& a, int32_t token) {
+  if (a.awaiting_grammar) {
+    a.awaiting_grammar = token != a.request.grammar_after_token;
+    return true;
+  }
+  return a.constraint->accept(token);
+}
+
 // A constrained chunk's rows: every token its grammar does not allow next gets
 // -inf (merged into the row's adjustment where it has one: one entry per
 // token). Row j follows drafts [0, j); after a draft the grammar refuses,
 // the rows keep the last mask (their samples are dropped with the draft).
+// Rows before the grammar applies (grammar_after_token) are left alone.
 void Engine::add_constraint_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
                                   std::span<const int32_t> drafts) const {
   structured::TokenConstraint state = *a.constraint;
+  bool awaiting = a.awaiting_grammar;
   std::vector<uint32_t> mask;
   std::vector<int32_t> adjusted;  // per token: its entry's index in this row, or -1
   const size_t chunk_end = sampling.adjustments.size();
   bool follows = true;
   for (size_t j = 0; j <= drafts.size(); ++j) {
     const int32_t row = first_row + static_cast<int32_t>(j);
+    if (awaiting) {
+      if (j < drafts.size()) awaiting = drafts[j] != a.request.grammar_after_token;
+      continue;
+    }
     if (follows) state.allowed_tokens(mask);
     adjusted.assign(static_cast<size_t>(vocab_size_), -1);
     for (size_t e = chunk_entries; e < chunk_end; ++e)
@@ -634,7 +651,7 @@ void Engine::step() {
     out.token = u.token;
     // A token outside the grammar (min_tokens banning the only end token
     // allowed, say) ends the request with an error, never a wrong output.
-    if (a.constraint && u.token >= 0 && !a.constraint->accept(u.token) && u.finish == FinishReason::kNone) {
+    if (a.constraint && u.token >= 0 && !constrain_token(a, u.token) && u.finish == FinishReason::kNone) {
       out.token = -1;
       out.error = invalid_argument("the request's grammar allows no token here (min_tokens or logit_bias?)");
       out.finish = FinishReason::kAbort;

@@ -76,6 +76,10 @@ struct EngineRequest {
   // allows after the output so far, and eos or a stop token only where the
   // output may end (needs EngineOptions::vocabulary).
   std::shared_ptr<const structured::Grammar> grammar;
+  // >= 0: the grammar applies only after this token is generated (a
+  // reasoning model's </think>: the reasoning before it is free, as vLLM's
+  // reasoning parsers have it); -1: from the first token.
+  int32_t grammar_after_token = -1;
   // Set: every layer's KV of the prompt is handed to it as it is written
   // (needs a runner with layer hooks; the prefix-cached part included).
   std::shared_ptr<KvExportSink> kv_export;
@@ -196,6 +200,7 @@ class Engine {
     std::vector<std::optional<TokenLogprobs>> prompt_logprobs;
     bool prompt_logprobs_sent = false;
     std::optional<structured::TokenConstraint> constraint;  // request.grammar: after the output so far
+    bool awaiting_grammar = false;  // request.grammar_after_token not generated yet
   };
   // A step's logprobs, per request that asked for them: one per token of its
   // run (accepted drafts, then the sample), in order.
@@ -212,6 +217,7 @@ class Engine {
   bool may_speculate(uint64_t id) const;
   void add_constraint_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
                             std::span<const int32_t> drafts) const;
+  static bool constrain_token(Active& a, int32_t token);
   Status check_grammar(const EngineRequest& request) const;
   void record_speculation(const StepPlan& plan, std::span<const std::vector<int32_t>> runs);
   void loop();

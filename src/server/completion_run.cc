@@ -91,6 +91,7 @@ std::optional<ApiError> CompletionRun::start(const engine::EngineRequest& base) 
     engine::EngineRequest request = base;
     request.prompt = prompt.ids;
     request.max_tokens = prompt.max_tokens;
+    if (request.grammar) request.grammar_after_token = prompt.grammar_after_token;
     if (request.sampling.seed) request.sampling.seed = *request.sampling.seed + i % config_.params.n;
     auto self = shared_from_this();
     auto id = engine_.submit(

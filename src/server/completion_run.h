@@ -53,6 +53,7 @@ struct RunPrompt {
   std::string echo_text;  // completions with echo: prepended to each of its choices
   int max_tokens = 0;     // each of its choices' budget
   bool opens_reasoning = false;  // chat: the prompt ends with <think> (the output starts as reasoning)
+  int32_t grammar_after_token = -1;  // a structured output's grammar applies after it (EngineRequest)
 };
 
 struct RunConfig {

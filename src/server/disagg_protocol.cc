@@ -156,6 +156,19 @@ GenerationSpec read_spec(Reader& r) {
   s.num_logprobs = static_cast<int>(r.integer("num_logprobs", -1, 1 << 20, false, -1));
   s.num_prompt_logprobs = static_cast<int>(r.integer("num_prompt_logprobs", -1, 1 << 20, false, -1));
   s.timeout_s = r.number("timeout_s", 0, 1e7, false, 0);
+  // The grammar as its source's text: an ordered document (a schema's
+  // properties keep their order, which the output follows).
+  const std::string grammar = r.string("grammar", kMaxInternalBodyBytes, false);
+  if (!grammar.empty()) {
+    const auto source = nlohmann::ordered_json::parse(grammar, nullptr, /*allow_exceptions=*/false);
+    auto compiled = structured::Grammar::from_source(source);
+    if (compiled) {
+      s.grammar = *compiled;
+    } else {
+      r.fail("'grammar': {}", compiled.status().message());
+    }
+  }
+  s.grammar_after_token = static_cast<int32_t>(r.integer("grammar_after_token", -1, kMaxTokenId, false, -1));
   return s;
 }
 
@@ -177,7 +190,9 @@ const std::set<std::string> kSpecFields = {"request_id",
                                            "logit_bias_ids",
                                            "logit_bias_values",
                                            "frequency_penalty",
-                                           "repetition_penalty"};
+                                           "repetition_penalty",
+                                           "grammar",
+                                           "grammar_after_token"};
 
 std::set<std::string> with_spec(std::set<std::string> more) {
   more.insert(kSpecFields.begin(), kSpecFields.end());
@@ -232,6 +247,8 @@ json to_json(const GenerationSpec& s) {
   if (sampling.frequency_penalty != 0) j["frequency_penalty"] = sampling.frequency_penalty;
   if (sampling.repetition_penalty != 1) j["repetition_penalty"] = sampling.repetition_penalty;
   if (sampling.min_tokens != 0) j["min_tokens"] = sampling.min_tokens;
+  if (s.grammar) j["grammar"] = s.grammar->source().dump();
+  if (s.grammar_after_token >= 0) j["grammar_after_token"] = s.grammar_after_token;
   if (!sampling.logit_bias.empty()) {
     json ids = json::array(), values = json::array();
     for (const auto& [id, bias] : sampling.logit_bias) ids.push_back(id), values.push_back(bias);
@@ -516,6 +533,8 @@ engine::EngineRequest to_engine_request(const GenerationSpec& s) {
   r.num_logprobs = s.num_logprobs;
   r.num_prompt_logprobs = s.num_prompt_logprobs;
   r.timeout_s = s.timeout_s;
+  r.grammar = s.grammar;
+  r.grammar_after_token = s.grammar_after_token;
   return r;
 }
 

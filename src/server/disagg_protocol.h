@@ -43,6 +43,10 @@ struct GenerationSpec {
   int num_logprobs = -1;
   int num_prompt_logprobs = -1;  // computed by the prefill instance, sent back with the first token
   double timeout_s = 0;
+  // Structured output: the grammar (sent as its source, compiled again by
+  // the receiver) and EngineRequest::grammar_after_token.
+  std::shared_ptr<const structured::Grammar> grammar;
+  int32_t grammar_after_token = -1;
 };
 
 struct KvLayout {

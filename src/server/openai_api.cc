@@ -136,7 +136,13 @@ std::optional<ApiError> OpenAiApi::prepare_chat(const ChatRequest& chat, RunProm
   out.ids = tokenizer_->encode(*text, /*parse_special=*/true);
   // Qwen3-*-Thinking-2507's and Qwen3.5's templates open the reasoning in the prompt.
   const size_t end = text->find_last_not_of(" \t\r\n");
-  out.opens_reasoning = end != std::string::npos && std::string_view(*text).substr(0, end + 1).ends_with("<think>");
+  const std::string_view trimmed = std::string_view(*text).substr(0, end == std::string::npos ? 0 : end + 1);
+  out.opens_reasoning = trimmed.ends_with("<think>");
+  // With a reasoning parser, a structured output's grammar applies after the
+  // reasoning: from the start where the prompt closed it (Qwen3's
+  // enable_thinking false), else once the model writes </think>.
+  if (options_.reasoning_parser_qwen3 && !trimmed.ends_with("</think>"))
+    out.grammar_after_token = tokenizer_->token_to_id("</think>").value_or(-1);
   return std::nullopt;
 }
 
@@ -220,7 +226,14 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
     }
     prompts[p].max_tokens = params.max_tokens.value_or(static_cast<int>(limits.max_model_len - num_prompt));
   }
+  if (params.grammar && !tokenizer_)
+    return reply_error(bad_request("structured outputs need the model's tokenizer", "response_format"));
+  // A grammar from the first token leaves no room for reasoning: the output is content.
+  if (params.grammar)
+    for (RunPrompt& p : prompts)
+      if (p.grammar_after_token < 0) p.opens_reasoning = false;
   engine::EngineRequest base;  // the prompt and budget are each choice's (CompletionRun::start)
+  base.grammar = params.grammar;
   base.sampling = params.sampling;
   base.ignore_eos = params.ignore_eos;
   base.stop_token_ids = params.stop_token_ids;

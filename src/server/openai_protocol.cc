@@ -61,10 +61,6 @@ std::optional<ApiError> reject_unsupported(const Json& j) {
   if (auto it = j.find("suffix");
       it != j.end() && !it->is_null() && !(it->is_string() && it->get<std::string>().empty()))
     return unsupported("suffix", "\"\"");
-  if (auto it = j.find("response_format"); it != j.end() && !it->is_null()) {
-    if (!it->is_object() || !it->contains("type") || (*it)["type"] != "text")
-      return unsupported("response_format", "{\"type\": \"text\"}");
-  }
   if (auto it = j.find("tool_choice"); it != j.end() && !it->is_null()) {
     if (!it->is_string() || (*it != "none" && *it != "auto"))
       return bad_request(
@@ -72,8 +68,8 @@ std::optional<ApiError> reject_unsupported(const Json& j) {
           "the content (no tool-call parser)",
           "tool_choice");
   }
-  for (const char* key : {"guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                          "structured_outputs", "bad_words", "allowed_token_ids"}) {
+  for (const char* key : {"guided_regex", "guided_grammar", "guided_whitespace_pattern", "bad_words",
+                          "allowed_token_ids"}) {
     if (auto it = j.find(key); it != j.end() && !it->is_null()) return unsupported(key, "null");
   }
   // vLLM's beam search and chat continuation.
@@ -110,8 +106,100 @@ std::optional<ApiError> read_logit_bias(const Json& j, const RequestLimits& limi
   return std::nullopt;
 }
 
+// A JSON schema as a grammar; vLLM takes the schema as an object or as its text.
+std::optional<ApiError> compile_schema(const Json& schema, const char* param, GenerationParams& p) {
+  Json parsed = schema;
+  if (schema.is_string()) {
+    parsed = Json::parse(schema.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+    if (parsed.is_discarded()) return bad_request(fmt::format("'{}' is not valid JSON", param), param);
+  }
+  if (!parsed.is_object() && !parsed.is_boolean())
+    return bad_request(fmt::format("'{}' must be a JSON schema (an object)", param), param);
+  auto grammar = structured::Grammar::from_json_schema(parsed);
+  if (!grammar) return bad_request(fmt::format("'{}': {}", param, grammar.status().message()), param);
+  p.grammar = *grammar;
+  return std::nullopt;
+}
+
+std::optional<ApiError> compile_choices(const Json& choices, const char* param, GenerationParams& p) {
+  std::vector<std::string> strings;
+  if (choices.is_array())
+    for (const Json& c : choices)
+      if (c.is_string()) strings.push_back(c.get<std::string>());
+  if (!choices.is_array() || strings.size() != choices.size())
+    return bad_request(fmt::format("'{}' must be an array of strings", param), param);
+  auto grammar = structured::Grammar::from_choices(strings);
+  if (!grammar) return bad_request(fmt::format("'{}': {}", param, grammar.status().message()), param);
+  p.grammar = *grammar;
+  return std::nullopt;
+}
+
+// Structured outputs (docs/server.md): OpenAI's response_format (json_object,
+// json_schema), vLLM's guided_json / guided_choice and structured_outputs
+// {json, choice, json_object}; at most one of them. Regular expressions and
+// grammars are refused by name.
+std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& p) {
+  int count = 0;
+  if (auto it = j.find("response_format"); it != j.end() && !it->is_null()) {
+    const char* param = "response_format";
+    if (!it->is_object() || !it->contains("type") || !(*it)["type"].is_string())
+      return bad_request("'response_format' must be an object with a 'type'", param);
+    const std::string type = (*it)["type"].get<std::string>();
+    if (type == "json_object") {
+      p.grammar = structured::Grammar::json_object(), ++count;
+    } else if (type == "json_schema") {
+      const auto spec = it->find("json_schema");
+      if (spec == it->end() || !spec->is_object() || !spec->contains("schema"))
+        return bad_request("'response_format' of type json_schema needs 'json_schema': {\"name\", \"schema\"}", param);
+      MOE_API_TRY(compile_schema((*spec)["schema"], param, p));
+      ++count;
+    } else if (type != "text") {
+      return bad_request(fmt::format("'response_format' type '{}' is not supported by this server (text, json_object, "
+                                     "json_schema)", type),
+                         param);
+    }
+  }
+  if (auto it = j.find("guided_json"); it != j.end() && !it->is_null()) {
+    MOE_API_TRY(compile_schema(*it, "guided_json", p));
+    ++count;
+  }
+  if (auto it = j.find("guided_choice"); it != j.end() && !it->is_null()) {
+    MOE_API_TRY(compile_choices(*it, "guided_choice", p));
+    ++count;
+  }
+  if (auto it = j.find("structured_outputs"); it != j.end() && !it->is_null()) {
+    const char* param = "structured_outputs";
+    if (!it->is_object()) return bad_request("'structured_outputs' must be an object", param);
+    for (const auto& [key, value] : it->items()) {
+      if (value.is_null() || (key == "json_object" && value == false)) continue;
+      if (key == "json") {
+        MOE_API_TRY(compile_schema(value, param, p));
+      } else if (key == "choice") {
+        MOE_API_TRY(compile_choices(value, param, p));
+      } else if (key == "json_object") {
+        if (value != true) return bad_request("'structured_outputs.json_object' must be a boolean", param);
+        p.grammar = structured::Grammar::json_object();
+      } else if (key == "regex" || key == "grammar" || key == "structural_tag" || key == "whitespace_pattern") {
+        return bad_request(fmt::format("'structured_outputs.{}' is not supported by this server (json, choice and "
+                                       "json_object are)",
+                                       key),
+                           param);
+      } else {
+        continue;  // options (disable_any_whitespace, ...): nothing to apply
+      }
+      ++count;
+    }
+  }
+  if (count > 1)
+    return bad_request("one structured output at a time: response_format, guided_json, guided_choice or "
+                       "structured_outputs",
+                       "response_format");
+  return std::nullopt;
+}
+
 std::optional<ApiError> read_common(const Json& j, const RequestLimits& limits, GenerationParams& p) {
   MOE_API_TRY(reject_unsupported(j));
+  MOE_API_TRY(read_structured_output(j, p));
   p.sampling = limits.default_sampling;
   if (auto it = j.find("model"); it != j.end() && !it->is_null()) {
     if (!it->is_string()) return bad_request("'model' must be a string", "model");

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/sampler.h"
+#include "structured/grammar.h"
 #include "server/http_server.h"
 
 namespace moe::server {
@@ -64,6 +65,7 @@ struct GenerationParams {
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   bool return_token_ids = false;  // vLLM's extension: token ids in each choice
+  std::shared_ptr<const structured::Grammar> grammar;  // structured output (response_format, guided_*); null: none
   std::optional<std::string> model;
 };
 

@@ -176,6 +176,8 @@ void Router::Job::run() {
   spec.stop_token_ids = request_.stop_token_ids;
   spec.num_logprobs = request_.num_logprobs;
   spec.num_prompt_logprobs = request_.num_prompt_logprobs;
+  spec.grammar = request_.grammar;
+  spec.grammar_after_token = request_.grammar_after_token;
   std::set<std::string> excluded;
   for (int i = 0; i <= router_.options_.max_prefill_retries && !finished_; ++i) {
     if (i > 0) ++router_.num_retries_;

@@ -4,6 +4,8 @@
 #include <map>
 #include <set>
 
+#include "core/check.h"
+
 namespace moe::structured {
 namespace {
 
@@ -16,6 +18,8 @@ constexpr size_t kMaxChoices = 1024;
 }  // namespace
 
 void LiteralTrie::add(std::string_view bytes, int32_t value) {
+  // Values come in increasing order, so every node's values_below stays sorted.
+  CHECK(nodes_[0].values_below.empty() || nodes_[0].values_below.back() < value, "literal {} out of order", value);
   int32_t node = 0;
   nodes_[0].values_below.push_back(value);
   for (const char ch : bytes) {
@@ -30,10 +34,6 @@ void LiteralTrie::add(std::string_view bytes, int32_t value) {
     nodes_[static_cast<size_t>(node)].values_below.push_back(value);
   }
   nodes_[static_cast<size_t>(node)].value = value;
-  for (Node& n : nodes_) {
-    std::sort(n.values_below.begin(), n.values_below.end());
-    n.values_below.erase(std::unique(n.values_below.begin(), n.values_below.end()), n.values_below.end());
-  }
 }
 
 int32_t LiteralTrie::step(int32_t node, uint8_t byte) const {

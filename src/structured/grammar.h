@@ -34,7 +34,7 @@ namespace moe::structured {
 // carries its index.
 class LiteralTrie {
  public:
-  void add(std::string_view bytes, int32_t value);
+  void add(std::string_view bytes, int32_t value);  // values in increasing order
   // The child of `node` by `byte`, or -1.
   int32_t step(int32_t node, uint8_t byte) const;
   int32_t value(int32_t node) const { return nodes_[static_cast<size_t>(node)].value; }

@@ -81,17 +81,20 @@ bool Matcher::thread_accepting(size_t begin, size_t end) const {
   return false;
 }
 
-int32_t Matcher::string_room() const {
-  int32_t room = -1;
+Matcher::StringRoom Matcher::string_room() const {
+  StringRoom s{.room = -1, .every_thread = !ends_.empty()};
   uint32_t begin = 0;
   for (const uint32_t end : ends_) {
-    if (end == std::exchange(begin, end)) continue;  // a whole value
+    const bool whole = end == std::exchange(begin, end);
+    if (whole || frames_[end - 1].kind != kString || frames_[end - 1].phase != kChars) {
+      s.every_thread = false;
+      continue;
+    }
     const Frame& top = frames_[end - 1];
-    if (top.kind != kString || top.phase != kChars) continue;
     const int32_t max_length = top.node >= 0 ? grammar_->node(top.node).max_length : -1;
-    room = std::max(room, max_length < 0 ? INT32_MAX : max_length - top.a);
+    s.room = std::max(s.room, max_length < 0 ? INT32_MAX : max_length - top.a);
   }
-  return room;
+  return s;
 }
 
 bool Matcher::accepting() const {
@@ -211,6 +214,8 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
   switch (top.kind) {
     case kValue: {
       const Node& n = g.node(top.node);
+      if (depth == 1 && n.kind != NodeKind::kChoice && is_whitespace(byte))  // before the output's value
+        return ++top.ws <= kMaxLeadingWhitespace ? Step::kConsumed : Step::kReject;
       if (n.kind != NodeKind::kChoice && is_whitespace(byte)) return whitespace();
       switch (n.kind) {
         case NodeKind::kAnyOf: {

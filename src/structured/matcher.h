@@ -10,7 +10,9 @@
 // most kMaxIndent spaces or tabs (compact and pretty-printed JSON both fit;
 // llama.cpp's JSON grammars draw the same line): with any whitespace allowed,
 // a model can fill its whole output with blank lines, and small ones do.
-// Other bounds that keep a state small: kMaxNesting open objects and arrays,
+// Before the whole output's value, kMaxLeadingWhitespace bytes of any
+// whitespace (a reasoning model writes "\n\n" after </think>). Other bounds
+// that keep a state small: kMaxNesting open objects and arrays,
 // kMaxThreads threads (beyond which the last are dropped: a reading the
 // output may still take is never invented, only rarely lost).
 //
@@ -27,6 +29,7 @@
 namespace moe::structured {
 
 inline constexpr int kMaxIndent = 20;
+inline constexpr int kMaxLeadingWhitespace = 8;
 inline constexpr int kMaxNesting = 48;
 inline constexpr int kMaxThreads = 64;
 
@@ -42,12 +45,17 @@ class Matcher {
   // Whether the output may end here (a whole value, or a whole choice).
   bool accepting() const;
   bool failed() const { return ends_.empty(); }
-  // How many more code points some thread may read inside a string, where it
-  // is between characters (no escape or UTF-8 sequence begun): the room of
-  // the roomiest such thread, INT32_MAX if unbounded, -1 if none is there.
-  // Every run of plain characters (structured/token_filter.h) that fits is
-  // then accepted, whatever else the threads do.
-  int32_t string_room() const;
+  // Threads inside a string between characters (no escape or UTF-8 sequence
+  // begun): `room`, how many more code points the roomiest may read
+  // (INT32_MAX: unbounded; -1: no thread is there), and whether every thread
+  // is there. A run of plain characters (structured/token_filter.h) that fits
+  // `room` is accepted whatever the other threads do; with every thread in a
+  // string, no longer run is.
+  struct StringRoom {
+    int32_t room = -1;
+    bool every_thread = false;
+  };
+  StringRoom string_room() const;
   size_t num_threads() const { return ends_.size(); }
   bool operator==(const Matcher& other) const { return frames_ == other.frames_ && ends_ == other.ends_; }
 

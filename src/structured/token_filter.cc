@@ -122,7 +122,7 @@ void TokenVocabulary::allowed_tokens(const Matcher& matcher, std::vector<uint32_
   } else {
     level[0] = matcher;
   }
-  const int32_t room = matcher.string_room();
+  const auto [room, every_thread] = matcher.string_room();
   if (room == INT32_MAX) {
     mask = plain_mask_;
   } else {
@@ -134,8 +134,9 @@ void TokenVocabulary::allowed_tokens(const Matcher& matcher, std::vector<uint32_
   }
   // The others by the walk; the plain ones too where some may be taken
   // otherwise than as string characters (no thread in a string, or a bounded
-  // string's thread beside others: a run too long for it may suit another).
-  const bool plain_settled = room == INT32_MAX || (room >= 0 && matcher.num_threads() == 1);
+  // string's thread beside others not in one: a run too long for it may suit
+  // another).
+  const bool plain_settled = room == INT32_MAX || (room >= 0 && every_thread);
   walk(plain_settled ? rest_root_ : 0, 0, level, mask);
 }
 

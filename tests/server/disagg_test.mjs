@@ -1,6 +1,8 @@
 // Disaggregated serving (docs/disagg.md) against its oracle, colocated
 // `serve`: 100 greedy requests (chat and completions, streaming and not, long
-// prompts prefilled in chunks, stop strings, n = 2) at concurrency 16 through
+// prompts prefilled in chunks, stop strings, n = 2, structured outputs, one
+// schema with its properties out of alphabetical order, which the output
+// follows on both instances) at concurrency 16 through
 // the real `openai` client give the same text, token ids, finish reasons and
 // usage through `serve --disagg` with 1x1 and 2x2 instances; afterwards every
 // instance is back at its KV baseline. The golden model moe_basic through
@@ -19,6 +21,12 @@ const words = ('the a fortune cookie says you will find great love and wisdom in
                'never trust a computer you cannot throw out of a window money is the root of all evil ' +
                'life is what happens while you are busy making other plans').split(' ');
 
+const fortuneSchema = {
+  type: 'object',
+  properties: { z: { type: 'string', maxLength: 12 }, a: { enum: [1, 2, 3] }, ok: { type: 'boolean' } },
+  required: ['z', 'a'],
+};
+
 function makeRequests() {
   const next = rng(20261130);
   const out = [];
@@ -33,6 +41,11 @@ function makeRequests() {
     if (i === 17) req.max_tokens = 1;
     if (kind <= 1) req.messages = [{ role: 'user', content: text }];
     else { req.prompt = text; req.return_token_ids = true; }
+    if (i % 9 === 4) {  // structured outputs: the grammar travels to both instances
+      if (kind <= 1 && i % 2 === 0) req.response_format = { type: 'json_object' };
+      else if (kind <= 1) req.response_format = { type: 'json_schema', json_schema: { name: 'f', schema: fortuneSchema } };
+      else req.guided_choice = ['yes', 'no', 'a fortune cookie'];
+    }
     req.stream = kind % 2 === 1;
     if (req.stream) req.stream_options = { include_usage: true };
     out.push(req);

@@ -13,6 +13,7 @@
 #include "server/metrics_text.h"
 #include "server/openai_protocol.h"
 #include "server/tool_calls.h"
+#include "structured/matcher.h"
 #include "tokenizer/tokenizer.h"
 
 namespace moe::server {
@@ -116,8 +117,8 @@ TEST(Protocol, UnsupportedFieldsPassOnlyAtTheirNeutralValue) {
   EXPECT_EQ(param_of(R"(,"length_penalty":0.5)"), "length_penalty");
   EXPECT_EQ(param_of(R"(,"suffix":"end")"), "suffix");
   EXPECT_EQ(param_of(R"(,"best_of":3)"), "best_of");
-  EXPECT_EQ(param_of(R"(,"guided_choice":["a","b"])"), "guided_choice");
-  EXPECT_EQ(param_of(R"(,"response_format":{"type":"json_object"})", true), "response_format");
+  EXPECT_EQ(param_of(R"(,"guided_regex":"a+")"), "guided_regex");
+  EXPECT_EQ(param_of(R"(,"response_format":{"type":"grammar"})", true), "response_format");
   EXPECT_EQ(param_of(R"(,"tool_choice":"required")", true), "tool_choice");
   EXPECT_EQ(param_of(R"(,"tool_choice":{"type":"function","function":{"name":"f"}})", true), "tool_choice");
 }
@@ -565,6 +566,63 @@ TEST(DisaggProtocol, DecodeRequestCarriesTheLogitsAdjustments) {
   uneven["logit_bias_ids"] = {1, 2};
   uneven["logit_bias_values"] = {1.0};
   EXPECT_FALSE(disagg::parse_decode_request(uneven.dump()).has_value());
+}
+
+// Structured outputs: each spelling gives a grammar; a schema's error names
+// the keyword; the grammar crosses the disaggregated protocol as its source
+// with the schema's property order.
+TEST(Protocol, StructuredOutputsCompileOrNameWhatIsNotServed) {
+  auto grammar_of = [](const std::string& fields) -> std::shared_ptr<const structured::Grammar> {
+    auto r = parse_chat_request(R"({"messages":[{"role":"user","content":"x"}])" + fields + "}", {});
+    return std::holds_alternative<ChatRequest>(r) ? std::get<ChatRequest>(r).params.grammar : nullptr;
+  };
+  auto matches = [](const std::shared_ptr<const structured::Grammar>& g, std::string_view text) {
+    structured::Matcher m(*g);
+    return m.advance(text) && m.accepting();
+  };
+  const std::string schema = R"({"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"boolean"}},"required":["z","a"]})";
+  for (const std::string& fields :
+       {R"(,"response_format":{"type":"json_schema","json_schema":{"name":"s","schema":)" + schema + "}}",
+        R"(,"guided_json":)" + schema, R"(,"guided_json":)" + nlohmann::json(schema).dump(),
+        R"(,"structured_outputs":{"json":)" + schema + "}"}) {
+    auto g = grammar_of(fields);
+    ASSERT_TRUE(g) << fields;
+    EXPECT_TRUE(matches(g, R"({"z": 1, "a": true})")) << fields;
+    EXPECT_FALSE(matches(g, R"({"a": true, "z": 1})")) << fields;
+  }
+  EXPECT_TRUE(matches(grammar_of(R"(,"response_format":{"type":"json_object"})"), "{}"));
+  EXPECT_TRUE(matches(grammar_of(R"(,"structured_outputs":{"json_object":true})"), "{}"));
+  EXPECT_TRUE(matches(grammar_of(R"(,"guided_choice":["x","y"])"), "y"));
+  EXPECT_TRUE(matches(grammar_of(R"(,"structured_outputs":{"choice":["x","y"],"disable_any_whitespace":true})"), "x"));
+  EXPECT_FALSE(grammar_of(R"(,"response_format":{"type":"text"})"));
+  auto error_of = [](const std::string& fields) {
+    auto r = parse_chat_request(R"({"messages":[{"role":"user","content":"x"}])" + fields + "}", {});
+    return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r).message : std::string("(accepted)");
+  };
+  EXPECT_NE(error_of(R"(,"guided_json":{"type":"string","pattern":"a"})").find("'pattern'"), std::string::npos);
+  EXPECT_NE(error_of(R"(,"structured_outputs":{"regex":"a"})").find("regex"), std::string::npos);
+  EXPECT_NE(error_of(R"(,"guided_choice":["a"],"guided_json":{})").find("one structured output"), std::string::npos);
+  EXPECT_NE(error_of(R"(,"guided_choice":"a")").find("array of strings"), std::string::npos);
+
+  disagg::DecodeRequest r;
+  r.spec.request_id = "r1";
+  r.spec.prompt = {5, 6, 7};
+  r.spec.sampling.seed = 3;
+  r.spec.grammar = grammar_of(R"(,"guided_json":)" + schema);
+  r.spec.grammar_after_token = 42;
+  r.writer_url = "http://127.0.0.1:1";
+  r.writer_endpoint = "127.0.0.1:2";
+  auto back = disagg::parse_decode_request(disagg::to_json(r).dump());
+  ASSERT_TRUE(back.has_value()) << back.status().to_string();
+  ASSERT_TRUE(back->spec.grammar);
+  EXPECT_TRUE(matches(back->spec.grammar, R"({"z": 1, "a": true})"));  // z first, as sent
+  EXPECT_EQ(back->spec.grammar_after_token, 42);
+  EXPECT_EQ(disagg::to_engine_request(back->spec).grammar, back->spec.grammar);
+  nlohmann::json bad = disagg::to_json(r);
+  bad["grammar"] = R"({"type":"regex"})";
+  auto refused = disagg::parse_decode_request(bad.dump());
+  ASSERT_FALSE(refused.has_value());
+  EXPECT_NE(refused.status().message().find("grammar"), std::string::npos);
 }
 
 // The MTP state of a commit is the target's f32 hidden state: it must arrive

@@ -1,0 +1,175 @@
+// Structured outputs through the official `openai` client on the bundled demo
+// model: response_format json_schema / json_object, vLLM's guided_choice and
+// structured_outputs, streamed and not, and the 400s for what is not served.
+// Oracle: ajv (a JSON Schema validator) on every finished output, and
+// JSON.parse. With --reasoning-parser qwen3 the grammar starts after the
+// reasoning (a second server, with a template that can open it).
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import Ajv from 'ajv';
+import OpenAI from 'openai';
+import { startServer, repoRoot } from './server_harness.mjs';
+
+const model = 'moeserve-demo';
+const messages = [{ role: 'user', content: 'Tell me a fortune as JSON.' }];
+const schema = {
+  type: 'object',
+  properties: {
+    mood: { enum: ['good', 'bad', 'mixed'] },
+    luck: { type: 'integer' },
+    fortune: { type: 'string', maxLength: 24 },
+    lucky_numbers: { type: 'array', items: { type: 'integer' }, maxItems: 3 },
+    certain: { type: 'boolean' },
+    note: { anyOf: [{ type: 'string', maxLength: 8 }, { type: 'null' }] },
+  },
+  required: ['mood', 'luck', 'fortune'],
+  additionalProperties: false,
+};
+const validate = new Ajv({ strict: false }).compile(schema);
+let server;
+let client;
+
+before(async () => {
+  server = await startServer(['--model', path.join(repoRoot, 'models/moeserve-demo'), '--served-model-name', model,
+                              '--max-model-len', '512']);
+  client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: 'unused', maxRetries: 0 });
+});
+after(async () => assert.equal(await server.stop(), 0));
+
+const responseFormat = { type: 'json_schema', json_schema: { name: 'fortune', schema } };
+
+// Every finished choice parses and meets the schema; returns the finished ones.
+function checkChoices(choices, text = (c) => c.message.content) {
+  const finished = choices.filter((c) => c.finish_reason === 'stop');
+  for (const c of finished) {
+    const value = JSON.parse(text(c));
+    assert.ok(validate(value), `${text(c)}: ${JSON.stringify(validate.errors)}`);
+  }
+  return finished;
+}
+
+test('json_schema: greedy and sampled choices meet the schema', async () => {
+  const greedy = await client.chat.completions.create({ model, messages, temperature: 0, max_tokens: 160,
+                                                        response_format: responseFormat });
+  assert.equal(checkChoices(greedy.choices).length, 1, greedy.choices[0].message.content);
+  const sampled = await client.chat.completions.create({ model, messages, temperature: 1, seed: 5, n: 6,
+                                                         max_tokens: 160, response_format: responseFormat });
+  assert.ok(checkChoices(sampled.choices).length >= 3, JSON.stringify(sampled.choices.map((c) => c.finish_reason)));
+  // Properties come in the schema's order.
+  const keys = Object.keys(JSON.parse(greedy.choices[0].message.content));
+  const order = Object.keys(schema.properties);
+  assert.deepEqual(keys, order.filter((k) => keys.includes(k)));
+});
+
+test('the same grammar by vLLM spelling, streamed or not, gives the same greedy text', async () => {
+  const base = { model, messages, temperature: 0, max_tokens: 160 };
+  const openai = (await client.chat.completions.create({ ...base, response_format: responseFormat }))
+    .choices[0].message.content;
+  const guided = (await client.chat.completions.create({ ...base, guided_json: schema })).choices[0].message.content;
+  const text = (await client.chat.completions.create({ ...base, guided_json: JSON.stringify(schema) }))
+    .choices[0].message.content;
+  const outputs = (await client.chat.completions.create({ ...base, structured_outputs: { json: schema } }))
+    .choices[0].message.content;
+  let streamed = '';
+  for await (const chunk of await client.chat.completions.create({ ...base, response_format: responseFormat,
+                                                                   stream: true }))
+    streamed += chunk.choices[0]?.delta?.content ?? '';
+  assert.equal(guided, openai);
+  assert.equal(text, openai);
+  assert.equal(outputs, openai);
+  assert.equal(streamed, openai);
+  // Unconstrained, the demo model writes no JSON: the grammar made the difference.
+  const free = (await client.chat.completions.create(base)).choices[0].message.content;
+  assert.throws(() => JSON.parse(free));
+});
+
+test('json_object: an object', async () => {
+  const r = await client.chat.completions.create({ model, messages, temperature: 1, seed: 3, n: 4, max_tokens: 200,
+                                                   response_format: { type: 'json_object' } });
+  const finished = r.choices.filter((c) => c.finish_reason === 'stop');
+  assert.ok(finished.length >= 1, JSON.stringify(r.choices.map((c) => c.message.content)));
+  for (const c of finished) {
+    const value = JSON.parse(c.message.content);
+    assert.equal(typeof value, 'object');
+    assert.ok(value !== null && !Array.isArray(value));
+  }
+});
+
+test('guided_choice on /v1/completions: one of the choices, then stop', async () => {
+  const choices = ['A fortune cookie', 'Nothing at all', 'The press'];
+  const r = await client.completions.create({ model, prompt: 'The most important service is', temperature: 1,
+                                             seed: 1, n: 8, max_tokens: 20, guided_choice: choices });
+  for (const c of r.choices) {
+    assert.equal(c.finish_reason, 'stop');
+    assert.ok(choices.includes(c.text), c.text);
+  }
+  const streamed = [];
+  for await (const chunk of await client.completions.create({ model, prompt: 'The press', temperature: 0,
+                                                              max_tokens: 20, stream: true,
+                                                              structured_outputs: { choice: choices } }))
+    streamed.push(chunk.choices[0]?.text ?? '');
+  assert.ok(choices.includes(streamed.join('')), streamed.join(''));
+});
+
+test('what is not served is a 400 naming it, and the server goes on', async () => {
+  const cases = [
+    [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'string', pattern: 'a+' } } } },
+     /'pattern'/],
+    [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'object', required: ['x'] } } } },
+     /"x"/],
+    [{ response_format: { type: 'json_schema', json_schema: { name: 'x' } } }, /schema/],
+    [{ response_format: { type: 'grammar' } }, /'grammar'/],
+    [{ guided_regex: 'a+' }, /guided_regex/],
+    [{ structured_outputs: { regex: 'a+' } }, /regex/],
+    [{ guided_json: '{not json' }, /not valid JSON/],
+    [{ guided_choice: [] }, /choice/],
+    [{ guided_choice: ['a'], response_format: { type: 'json_object' } }, /one structured output/],
+  ];
+  for (const [extra, message] of cases) {
+    await assert.rejects(client.chat.completions.create({ model, messages, max_tokens: 4, ...extra }), (e) => {
+      assert.equal(e.status, 400, JSON.stringify(extra));
+      assert.match(e.message, message);
+      return true;
+    });
+  }
+  const ok = await client.chat.completions.create({ model, messages, max_tokens: 4, response_format: { type: 'text' } });
+  assert.equal(ok.choices.length, 1);
+});
+
+test('with --reasoning-parser qwen3 the grammar applies after the reasoning', async () => {
+  const demo = path.join(repoRoot, 'models/moeserve-demo');
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'moeserve-structured-'));
+  for (const f of ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json'])
+    fs.symlinkSync(path.join(demo, f), path.join(dir, f));
+  const config = JSON.parse(fs.readFileSync(path.join(demo, 'tokenizer_config.json')));
+  const header = "{{- '<|im_start|>assistant\\n' }}";
+  config.chat_template = config.chat_template.replace(header, header +
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}" +
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}");
+  fs.writeFileSync(path.join(dir, 'tokenizer_config.json'), JSON.stringify(config));
+  const thinking = await startServer(['--model', dir, '--served-model-name', model, '--max-model-len', '512',
+                                      '--reasoning-parser', 'qwen3']);
+  try {
+    const c = new OpenAI({ baseURL: `${thinking.url}/v1`, apiKey: 'unused', maxRetries: 0 });
+    const base = { model, messages, temperature: 0, max_tokens: 160, response_format: responseFormat };
+    // The prompt closed the reasoning: JSON from the first token.
+    const closed = await c.chat.completions.create({ ...base, chat_template_kwargs: { enable_thinking: false } });
+    assert.equal(checkChoices(closed.choices).length, 1, closed.choices[0].message.content);
+    // The prompt opened it. Qwen3's </think> is one token, and the grammar waits for it (the
+    // engine's test, EngineSpeculation.StructuredOutputs*, covers that); the demo's tokenizer
+    // spells it in five, so the grammar applies from the start, and the output is content.
+    const tok = await (await fetch(`${thinking.url}/tokenize`,
+                                   { method: 'POST', body: JSON.stringify({ prompt: '</think>' }) })).json();
+    assert.ok(tok.tokens.length > 1);
+    const open = await c.chat.completions.create(base);
+    const m = open.choices[0].message;
+    assert.equal(m.reasoning_content ?? null, null);
+    assert.equal(checkChoices(open.choices).length, 1, JSON.stringify(m));
+  } finally {
+    assert.equal(await thinking.stop(), 0);
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+});
