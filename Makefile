@@ -25,7 +25,7 @@ asan-test: asan
 fuzz:
 	cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DMOE_FUZZ=ON -DMOE_CUDA=OFF \
 	  -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang $(CMAKE_FLAGS)
-	cmake --build build-fuzz -j $(JOBS) --target safetensors_fuzz tokenizer_fuzz chat_template_fuzz
+	cmake --build build-fuzz -j $(JOBS) --target safetensors_fuzz tokenizer_fuzz chat_template_fuzz structured_fuzz
 
 format:
 	clang-format -i $$(git ls-files '*.h' '*.cc' '*.cu' '*.cuh')

@@ -24,7 +24,7 @@ if [[ -f fuzz/CMakeLists.txt ]]; then
   mkdir -p build-fuzz/corpus
   build-fuzz/bin/safetensors_fuzz -max_total_time="${MOE_FUZZ_SECONDS:-60}" -print_final_stats=1 \
     build-fuzz/corpus fuzz/corpus
-  for target in tokenizer_fuzz chat_template_fuzz; do
+  for target in tokenizer_fuzz chat_template_fuzz structured_fuzz; do
     echo "=== libFuzzer: ${target} (${MOE_TOKENIZER_FUZZ_SECONDS:-30} s)"
     mkdir -p "build-fuzz/corpus_${target}"
     "build-fuzz/bin/${target}" -max_total_time="${MOE_TOKENIZER_FUZZ_SECONDS:-30}" -print_final_stats=1 \
