@@ -201,6 +201,25 @@ json CompletionRun::tool_call_json(size_t index, size_t k, const ToolCall& call,
   return j;
 }
 
+std::vector<ToolCall> CompletionRun::forced_calls(const std::string& content) const {
+  std::vector<ToolCall> calls;
+  const size_t begin = content.find_first_not_of(" \t\r\n");
+  if (begin == std::string::npos) return calls;
+  const std::string text = content.substr(begin, content.find_last_not_of(" \t\r\n") + 1 - begin);
+  if (config_.forced_tools == "function") {
+    calls.push_back({config_.forced_tool, text});
+    return calls;
+  }
+  const json array = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!array.is_array()) return calls;
+  for (const json& call : array) {
+    if (!call.is_object() || !call.contains("name") || !call["name"].is_string() || !call.contains("parameters"))
+      return {};
+    calls.push_back({call["name"].get<std::string>(), call["parameters"].dump()});
+  }
+  return calls;
+}
+
 json CompletionRun::chunk_head() const {
   return {{"id", config_.id},
           {"object", config_.chat ? "chat.completion.chunk" : "text_completion"},
@@ -313,8 +332,17 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
       for (const auto& call : piece.calls)
         d["tool_calls"].push_back(tool_call_json(index, c.num_tool_calls++, call, true));
     }
-    if (!(config_.reasoning_qwen3 || config_.parse_tool_calls) || !content.empty() || d.empty())
-      d["content"] = content;
+    if (!config_.forced_tools.empty()) {
+      c.forced_text += content;
+      content.clear();
+      if (final_chunk) {
+        const std::vector<ToolCall> calls = forced_calls(c.forced_text);
+        if (calls.empty()) content = std::move(c.forced_text);
+        for (const auto& call : calls) d["tool_calls"].push_back(tool_call_json(index, c.num_tool_calls++, call, true));
+      }
+    }
+    const bool parsed = config_.reasoning_qwen3 || config_.parse_tool_calls || !config_.forced_tools.empty();
+    if (!parsed || !content.empty() || d.empty()) d["content"] = content;
     choice["delta"] = d;
   } else {
     choice["text"] = c.sent_role ? delta : echo + delta;  // the echo goes out with the first chunk
@@ -414,6 +442,11 @@ void CompletionRun::complete() {
         content = std::move(piece.content);
         for (const auto& call : piece.calls)
           message["tool_calls"].push_back(tool_call_json(i, c.num_tool_calls++, call, false));
+      }
+      if (!config_.forced_tools.empty()) {
+        for (const auto& call : forced_calls(content))
+          message["tool_calls"].push_back(tool_call_json(i, c.num_tool_calls++, call, false));
+        if (c.num_tool_calls > 0) content.clear();
       }
       // Only whitespace around the calls (the newlines between blocks), or
       // nothing after the reasoning: no content (null, as vLLM).

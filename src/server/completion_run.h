@@ -71,6 +71,11 @@ struct RunConfig {
   bool parse_tool_calls = false;
   ToolCallFormat tool_call_format = ToolCallFormat::kHermes;
   nlohmann::ordered_json tools;  // the request's, for argument types
+  // tool_choice "required" or "function" (forced_tool): the content, which a
+  // grammar made that function's arguments or an array of {"name",
+  // "parameters"} calls, comes back as tool_calls (streamed: at the end).
+  std::string forced_tools;
+  std::string forced_tool;
   const tokenizer::Tokenizer* tokenizer = nullptr;
   HeaderList headers;  // added to the response (X-Request-Id)
   std::string request_id;  // propagated to the backend
@@ -112,10 +117,13 @@ class CompletionRun : public std::enable_shared_from_this<CompletionRun> {
     std::string reasoning, content;  // non-streaming chat with the reasoning parser
     ToolCallParser tool_parser;      // streaming chat with parse_tool_calls
     size_t num_tool_calls = 0;       // sent so far
+    std::string forced_text;         // streaming chat with forced_tools: the content so far
   };
   // One call of choice `index` as OpenAI writes it (streamed: with its index);
   // its id is "call_" and 24 hex digits: the run's random salt, the choice, k.
   nlohmann::json tool_call_json(size_t index, size_t k, const ToolCall& call, bool streamed) const;
+  // forced_tools: the calls `content` holds (none when it does not parse: it stays content).
+  std::vector<ToolCall> forced_calls(const std::string& content) const;
   // "tool_calls" where the model stopped after calling tools.
   static std::string finish_reason(const Choice& c) {
     return c.num_tool_calls > 0 && c.finish_reason == "stop" ? "tool_calls" : c.finish_reason;

@@ -174,6 +174,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   GenerationParams params;
   std::vector<RunPrompt> prompts;
   bool parse_tool_calls = false, echo_logprobs = false;
+  std::string forced_tools, forced_tool;
   nlohmann::ordered_json tools;
   if (chat) {
     auto parsed = parse_chat_request(request.body, limits);
@@ -181,8 +182,9 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
     const auto& r = std::get<ChatRequest>(parsed);
     params = r.params;
     parse_tool_calls =
-        options_.tool_call_parser && r.tools.is_array() && !r.tools.empty() && r.tool_choice != "none";
+        options_.tool_call_parser && r.tools.is_array() && !r.tools.empty() && r.tool_choice == "auto";
     if (parse_tool_calls) tools = r.tools;
+    if (r.tool_choice == "required" || r.tool_choice == "function") forced_tools = r.tool_choice, forced_tool = r.forced_tool;
     if (auto e = prepare_chat(r, prompts.emplace_back())) return reply_error(*e);
   } else {
     auto parsed = parse_completion_request(request.body, limits);
@@ -251,6 +253,8 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   config.prompts = std::move(prompts);
   config.reasoning_qwen3 = chat && options_.reasoning_parser_qwen3;
   config.parse_tool_calls = parse_tool_calls;
+  config.forced_tools = forced_tools;
+  config.forced_tool = forced_tool;
   config.echo_logprobs = echo_logprobs;
   if (parse_tool_calls) config.tool_call_format = *options_.tool_call_parser, config.tools = std::move(tools);
   config.tokenizer = tokenizer_;

@@ -62,10 +62,13 @@ std::optional<ApiError> reject_unsupported(const Json& j) {
       it != j.end() && !it->is_null() && !(it->is_string() && it->get<std::string>().empty()))
     return unsupported("suffix", "\"\"");
   if (auto it = j.find("tool_choice"); it != j.end() && !it->is_null()) {
-    if (!it->is_string() || (*it != "none" && *it != "auto"))
+    const bool named = it->is_object() && it->value("type", "") == "function" && it->contains("function") &&
+                       (*it)["function"].is_object() && (*it)["function"].contains("name") &&
+                       (*it)["function"]["name"].is_string();
+    if (!named && (!it->is_string() || (*it != "none" && *it != "auto" && *it != "required")))
       return bad_request(
-          "'tool_choice' may be \"none\" or \"auto\": tool calls come back as the model writes them, in "
-          "the content (no tool-call parser)",
+          "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": "
+          "{\"name\": ...}}",
           "tool_choice");
   }
   for (const char* key : {"guided_regex", "guided_grammar", "guided_whitespace_pattern", "bad_words",
@@ -361,6 +364,61 @@ std::variant<CompletionRequest, ApiError> parse_completion_request(const std::st
   return r;
 }
 
+// A tool's parameters schema ({"type": "object", "properties": {}} when it has
+// none: arguments "{}").
+std::variant<Json, ApiError> tool_parameters(const Json& tool) {
+  if (!tool.is_object() || !tool.contains("function") || !tool["function"].is_object() ||
+      !tool["function"].contains("name") || !tool["function"]["name"].is_string())
+    return bad_request("each tool must be {\"type\": \"function\", \"function\": {\"name\", \"parameters\"}}", "tools");
+  const Json& f = tool["function"];
+  if (auto p = f.find("parameters"); p != f.end() && !p->is_null()) return *p;
+  return Json{{"type", "object"}, {"properties", Json::object()}};
+}
+
+// tool_choice "required" or a named function: the output is constrained (as
+// vLLM does it) to that function's arguments (one JSON object), or to an array
+// of one or more {"name", "parameters"} calls of the request's tools.
+std::optional<ApiError> read_tool_choice(const Json& j, ChatRequest& r) {
+  auto it = j.find("tool_choice");
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (it->is_string()) r.tool_choice = it->get<std::string>();
+  if (r.tool_choice != "required" && !it->is_object()) return std::nullopt;
+  if (!r.tools.is_array() || r.tools.empty())
+    return bad_request("'tool_choice' \"required\" or a named function needs 'tools'", "tool_choice");
+  if (r.params.grammar)
+    return bad_request("'tool_choice' \"required\" or a named function constrains the output itself: send no "
+                       "response_format or guided_* with it",
+                       "tool_choice");
+  Json schema;
+  if (it->is_object()) {
+    r.tool_choice = "function";
+    r.forced_tool = (*it)["function"]["name"].get<std::string>();
+    for (const Json& tool : r.tools) {
+      auto parameters = tool_parameters(tool);
+      if (auto* e = std::get_if<ApiError>(&parameters)) return *e;
+      if (tool["function"]["name"] == r.forced_tool) schema = std::get<Json>(parameters);
+    }
+    if (schema.is_null())
+      return bad_request(fmt::format("'tool_choice' names the function '{}', which is not in 'tools'", r.forced_tool),
+                         "tool_choice");
+  } else {
+    Json calls = Json::array();
+    for (const Json& tool : r.tools) {
+      auto parameters = tool_parameters(tool);
+      if (auto* e = std::get_if<ApiError>(&parameters)) return *e;
+      calls.push_back({{"type", "object"},
+                       {"properties", {{"name", {{"const", tool["function"]["name"]}}},
+                                       {"parameters", std::get<Json>(parameters)}}},
+                       {"required", {"name", "parameters"}}});
+    }
+    schema = {{"type", "array"}, {"minItems", 1}, {"items", {{"anyOf", calls}}}};
+  }
+  auto grammar = structured::Grammar::from_json_schema(schema);
+  if (!grammar) return bad_request(fmt::format("'tools': {}", grammar.status().message()), "tools");
+  r.params.grammar = *grammar;
+  return std::nullopt;
+}
+
 std::variant<ChatRequest, ApiError> parse_chat_request(const std::string& body, const RequestLimits& limits) {
   ApiError error;
   auto j = parse_object(body, error);
@@ -384,8 +442,7 @@ std::variant<ChatRequest, ApiError> parse_chat_request(const std::string& body, 
     if (!it->is_array()) return bad_request("'tools' must be an array", "tools");
     r.tools = *it;
   }
-  if (auto it = j->find("tool_choice"); it != j->end() && it->is_string())
-    r.tool_choice = it->get<std::string>();
+  MOE_API_TRY(read_tool_choice(*j, r));
   auto it = j->find("messages");
   if (it == j->end() || !it->is_array() || it->empty())
     return bad_request("'messages' must be a non-empty array", "messages");

@@ -87,7 +87,8 @@ struct ChatRequest {
   GenerationParams params;
   nlohmann::ordered_json messages;  // validated: [{role, content as a string}]
   nlohmann::ordered_json tools;     // null when absent
-  std::string tool_choice = "auto";  // or "none" (others are refused)
+  std::string tool_choice = "auto";  // "none", "required", or "function" (forced_tool names it)
+  std::string forced_tool;
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool add_generation_prompt = true;
 };

@@ -119,7 +119,7 @@ TEST(Protocol, UnsupportedFieldsPassOnlyAtTheirNeutralValue) {
   EXPECT_EQ(param_of(R"(,"best_of":3)"), "best_of");
   EXPECT_EQ(param_of(R"(,"guided_regex":"a+")"), "guided_regex");
   EXPECT_EQ(param_of(R"(,"response_format":{"type":"grammar"})", true), "response_format");
-  EXPECT_EQ(param_of(R"(,"tool_choice":"required")", true), "tool_choice");
+  EXPECT_EQ(param_of(R"(,"tool_choice":"required")", true), "tool_choice");  // without tools
   EXPECT_EQ(param_of(R"(,"tool_choice":{"type":"function","function":{"name":"f"}})", true), "tool_choice");
 }
 
@@ -603,6 +603,24 @@ TEST(Protocol, StructuredOutputsCompileOrNameWhatIsNotServed) {
   EXPECT_NE(error_of(R"(,"structured_outputs":{"regex":"a"})").find("regex"), std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_choice":["a"],"guided_json":{})").find("one structured output"), std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_choice":"a")").find("array of strings"), std::string::npos);
+
+  // tool_choice: the named function's arguments, or an array of calls.
+  const std::string tools =
+      R"(,"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"x":{"type":"integer"}},"required":["x"]}}},)"
+      R"({"type":"function","function":{"name":"g"}}])";
+  auto named = grammar_of(tools + R"(,"tool_choice":{"type":"function","function":{"name":"f"}})");
+  ASSERT_TRUE(named);
+  EXPECT_TRUE(matches(named, R"({"x": 3})"));
+  EXPECT_FALSE(matches(named, R"({})"));
+  auto required = grammar_of(tools + R"(,"tool_choice":"required")");
+  ASSERT_TRUE(required);
+  EXPECT_TRUE(matches(required, R"([{"name": "g", "parameters": {}}, {"name": "f", "parameters": {"x": 1}}])"));
+  EXPECT_FALSE(matches(required, R"([])"));
+  EXPECT_FALSE(matches(required, R"([{"name": "h", "parameters": {}}])"));
+  EXPECT_FALSE(grammar_of(tools + R"(,"tool_choice":"auto")"));
+  EXPECT_NE(error_of(tools + R"(,"tool_choice":{"type":"function","function":{"name":"h"}})").find("'h'"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"(,"tool_choice":"required")").find("needs 'tools'"), std::string::npos);
 
   disagg::DecodeRequest r;
   r.spec.request_id = "r1";

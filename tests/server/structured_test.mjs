@@ -1,6 +1,8 @@
 // Structured outputs through the official `openai` client on the bundled demo
 // model: response_format json_schema / json_object, vLLM's guided_choice and
-// structured_outputs, streamed and not, and the 400s for what is not served.
+// structured_outputs, tool_choice "required" / a named function (tool_calls
+// out of a grammar of the tools' parameters), streamed and not, and the 400s
+// for what is not served.
 // Oracle: ajv (a JSON Schema validator) on every finished output, and
 // JSON.parse. With --reasoning-parser qwen3 the grammar starts after the
 // reasoning (a second server, with a template that can open it).
@@ -137,6 +139,81 @@ test('what is not served is a 400 naming it, and the server goes on', async () =
   }
   const ok = await client.chat.completions.create({ model, messages, max_tokens: 4, response_format: { type: 'text' } });
   assert.equal(ok.choices.length, 1);
+});
+
+const tools = [
+  { type: 'function', function: { name: 'get_weather', description: 'Weather of a city',
+    parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 12 },
+                                                unit: { enum: ['celsius', 'fahrenheit'] } },
+                  required: ['city'] } } },
+  { type: 'function', function: { name: 'lucky_number', parameters: { type: 'object',
+    properties: { n: { type: 'integer' } }, required: ['n'] } } },
+  { type: 'function', function: { name: 'no_arguments' } },
+];
+const validators = Object.fromEntries(tools.map((t) => [t.function.name,
+  new Ajv({ strict: false }).compile(t.function.parameters ?? { type: 'object', additionalProperties: false })]));
+
+// Each call names a tool and its arguments meet that tool's parameters.
+function checkCalls(calls, only) {
+  assert.ok(calls.length >= 1);
+  for (const call of calls) {
+    assert.equal(call.type, 'function');
+    assert.match(call.id, /^call_[0-9a-f]{24}$/);
+    if (only) assert.equal(call.function.name, only);
+    const validate = validators[call.function.name];
+    assert.ok(validate, call.function.name);
+    const args = JSON.parse(call.function.arguments);
+    assert.ok(validate(args), `${call.function.arguments}: ${JSON.stringify(validate.errors)}`);
+  }
+}
+
+test('tool_choice "required" and a named function come back as tool_calls, streamed or not', async () => {
+  const base = { model, messages: [{ role: 'user', content: 'What is the weather in Paris?' }], tools,
+                 max_tokens: 120 };
+  for (const [tool_choice, only] of [[{ type: 'function', function: { name: 'get_weather' } }, 'get_weather'],
+                                     [{ type: 'function', function: { name: 'no_arguments' } }, 'no_arguments'],
+                                     ['required', null]]) {
+    const r = await client.chat.completions.create({ ...base, tool_choice, temperature: 1, seed: 4, n: 3 });
+    let called = 0;
+    for (const c of r.choices) {
+      if (c.finish_reason === 'length') continue;
+      assert.equal(c.finish_reason, 'tool_calls');
+      assert.equal(c.message.content, null);
+      checkCalls(c.message.tool_calls, only);
+      called++;
+    }
+    assert.ok(called >= 1, JSON.stringify(r.choices));
+    // Streamed: the same calls, in the last chunk.
+    const greedy = await client.chat.completions.create({ ...base, tool_choice, temperature: 0 });
+    const calls = [];
+    let content = '', finish = null;
+    for await (const chunk of await client.chat.completions.create({ ...base, tool_choice, temperature: 0,
+                                                                     stream: true })) {
+      const d = chunk.choices[0]?.delta ?? {};
+      content += d.content ?? '';
+      for (const call of d.tool_calls ?? []) calls.push(call);
+      finish = chunk.choices[0]?.finish_reason ?? finish;
+    }
+    assert.equal(finish, greedy.choices[0].finish_reason);
+    if (finish === 'tool_calls') {
+      assert.equal(content, '');
+      assert.deepEqual(calls.map((c) => [c.function.name, c.function.arguments]),
+                       greedy.choices[0].message.tool_calls.map((c) => [c.function.name, c.function.arguments]));
+    }
+  }
+  const errors = [
+    [{ tool_choice: 'required', tools: undefined }, /needs 'tools'/],
+    [{ tool_choice: { type: 'function', function: { name: 'nope' } } }, /'nope'/],
+    [{ tool_choice: 'required', response_format: { type: 'json_object' } }, /constrains the output itself/],
+    [{ tool_choice: 'sometimes' }, /tool_choice/],
+  ];
+  for (const [extra, message] of errors) {
+    await assert.rejects(client.chat.completions.create({ ...base, ...extra }), (e) => {
+      assert.equal(e.status, 400, JSON.stringify(extra));
+      assert.match(e.message, message);
+      return true;
+    });
+  }
 });
 
 test('with --reasoning-parser qwen3 the grammar applies after the reasoning', async () => {
