@@ -49,7 +49,56 @@ struct BenchArgs {
   std::string save_result;
   std::string api_key;  // sent as "Authorization: Bearer KEY" (default: $OPENAI_API_KEY)
   double timeout_s = 300;  // a request fails after this long without a byte from the server (0: never)
+  std::string host, port;  // vLLM's --host/--port: the URL http://HOST:PORT (defaults 127.0.0.1, 8000)
+  std::string percentile_metrics = "ttft,tpot,itl,e2el";
+  std::string metric_percentiles = "99";
+  std::vector<std::string> goodput;  // "ttft:MS", "tpot:MS", "e2el:MS"
 };
+
+// --percentile-metrics, --metric-percentiles and --goodput, checked.
+struct Reporting {
+  std::vector<std::string> metrics;   // of ttft, tpot, itl, e2el
+  std::vector<double> percentiles;    // in (0, 100]
+  std::vector<std::pair<std::string, double>> slo_ms;  // goodput: every one met
+};
+
+Expected<Reporting> parse_reporting(const BenchArgs& args) {
+  Reporting r;
+  auto split = [](const std::string& s) {
+    std::vector<std::string> out;
+    size_t begin = 0;
+    while (begin <= s.size()) {
+      const size_t end = std::min(s.find(',', begin), s.size());
+      if (end > begin) out.push_back(s.substr(begin, end - begin));
+      begin = end + 1;
+    }
+    return out;
+  };
+  const std::vector<std::string> known = {"ttft", "tpot", "itl", "e2el"};
+  for (const std::string& m : split(args.percentile_metrics)) {
+    if (std::find(known.begin(), known.end(), m) == known.end())
+      return invalid_argument("--percentile-metrics: '{}' is not one of ttft, tpot, itl, e2el", m);
+    r.metrics.push_back(m);
+  }
+  for (const std::string& p : split(args.metric_percentiles)) {
+    char* end = nullptr;
+    const double v = std::strtod(p.c_str(), &end);
+    if (end != p.c_str() + p.size() || !(v > 0 && v <= 100))
+      return invalid_argument("--metric-percentiles: '{}' is not a percentile in (0, 100]", p);
+    r.percentiles.push_back(v);
+  }
+  for (const std::string& g : args.goodput) {
+    const size_t colon = g.find(':');
+    const std::string name = g.substr(0, colon);
+    char* end = nullptr;
+    const double ms = colon == std::string::npos ? -1 : std::strtod(g.c_str() + colon + 1, &end);
+    if ((name != "ttft" && name != "tpot" && name != "e2el") || colon == std::string::npos ||
+        end != g.c_str() + g.size() || !(ms >= 0))
+      return invalid_argument("--goodput: '{}' is not ttft:MS, tpot:MS or e2el:MS", g);
+    r.slo_ms.emplace_back(name, ms);
+  }
+  return r;
+}
 
 // Threads, one per request in flight: "no limit" means this many at most.
 constexpr int kMaxInFlight = 1024;
@@ -185,22 +234,35 @@ Outcome run_one(const Endpoint& ep, const BenchArgs& args, const std::string& mo
 }
 
 struct Stat {
-  double mean = 0, median = 0, p99 = 0;
+  double mean = 0, median = 0, std = 0;
+  std::vector<double> percentiles;  // per Reporting::percentiles
 };
-Stat stats_ms(std::vector<double> v) {
+// In ms; std is numpy's (population), percentiles numpy's linear interpolation.
+Stat stats_ms(std::vector<double> v, const std::vector<double>& percentiles) {
   Stat s;
+  s.percentiles.assign(percentiles.size(), 0.0);
   if (v.empty()) return s;
   std::sort(v.begin(), v.end());
   for (double x : v) s.mean += x;
-  s.mean = s.mean / static_cast<double>(v.size()) * 1e3;
-  auto pct = [&](double p) {  // numpy's linear interpolation
+  s.mean /= static_cast<double>(v.size());
+  for (double x : v) s.std += (x - s.mean) * (x - s.mean);
+  s.std = std::sqrt(s.std / static_cast<double>(v.size())) * 1e3;
+  s.mean *= 1e3;
+  auto pct = [&](double p) {
     const double pos = p * static_cast<double>(v.size() - 1);
     const auto lo = static_cast<size_t>(pos);
     const size_t hi = std::min(lo + 1, v.size() - 1);
     return (v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo))) * 1e3;
   };
   s.median = pct(0.5);
-  s.p99 = pct(0.99);
+  for (size_t i = 0; i < percentiles.size(); ++i) s.percentiles[i] = pct(percentiles[i] / 100);
+  return s;
+}
+
+// "99" for 99.0, "99.9" for 99.9 (vLLM's labels and JSON keys).
+std::string percentile_label(double p) {
+  std::string s = fmt::format("{}", p);
+  if (s.size() > 2 && s.ends_with(".0")) s.resize(s.size() - 2);
   return s;
 }
 
@@ -220,9 +282,9 @@ Expected<std::string> find_model(const Endpoint& ep, const BenchArgs& args) {
   return j["data"][0].value("id", "");
 }
 
-Status print_and_save(const BenchArgs& args, const std::string& model, const std::vector<Outcome>& outcomes,
-                      double duration_s) {
-  int completed = 0;
+Status print_and_save(const BenchArgs& args, const Reporting& rep, const std::string& model,
+                      const std::vector<Outcome>& outcomes, double duration_s) {
+  int completed = 0, good = 0;
   int64_t input_tokens = 0, output_tokens = 0;
   std::vector<double> ttft, tpot, itl, e2el;
   json errors = json::array();
@@ -236,10 +298,18 @@ Status print_and_save(const BenchArgs& args, const std::string& model, const std
     output_tokens += o.output_tokens;
     ttft.push_back(o.ttft_s);
     e2el.push_back(o.e2e_s);
-    if (o.output_tokens > 1) tpot.push_back((o.e2e_s - o.ttft_s) / (o.output_tokens - 1));
+    const double request_tpot = o.output_tokens > 1 ? (o.e2e_s - o.ttft_s) / (o.output_tokens - 1) : 0;
+    if (o.output_tokens > 1) tpot.push_back(request_tpot);
     itl.insert(itl.end(), o.itl_s.begin(), o.itl_s.end());
+    bool meets = true;  // goodput: every SLO met
+    for (const auto& [name, ms] : rep.slo_ms) {
+      const double value_s = name == "ttft" ? o.ttft_s : name == "tpot" ? request_tpot : o.e2e_s;
+      meets = meets && value_s * 1e3 <= ms;
+    }
+    good += meets;
   }
-  const Stat t = stats_ms(ttft), p = stats_ms(tpot), i = stats_ms(itl), e = stats_ms(e2el);
+  const Stat t = stats_ms(ttft, rep.percentiles), p = stats_ms(tpot, rep.percentiles),
+             i = stats_ms(itl, rep.percentiles), e = stats_ms(e2el, rep.percentiles);
   auto line = [](const char* k, double v) { std::printf("%-40s%-10.2f\n", k, v); };
   std::printf("============ Serving Benchmark Result ============\n");
   std::printf("%-40s%-10d\n", "Successful requests:", completed);
@@ -249,18 +319,27 @@ Status print_and_save(const BenchArgs& args, const std::string& model, const std
   std::printf("%-40s%-10ld\n%-40s%-10ld\n", "Total input tokens:", static_cast<long>(input_tokens),
               "Total generated tokens:", static_cast<long>(output_tokens));
   line("Request throughput (req/s):", completed / duration_s);
+  if (!rep.slo_ms.empty()) line("Request goodput (req/s):", good / duration_s);
   line("Output token throughput (tok/s):", static_cast<double>(output_tokens) / duration_s);
   line("Total Token throughput (tok/s):", static_cast<double>(input_tokens + output_tokens) / duration_s);
   const std::pair<const char*, Stat> sections[] = {{"Time to First Token", t}, {"Time per Output Token (excl. 1st token)", p},
                                                    {"Inter-token Latency", i}, {"End-to-end Latency", e}};
   const char* names[] = {"TTFT", "TPOT", "ITL", "E2EL"};
+  auto selected = [&](int s) {
+    std::string n = names[s];
+    std::transform(n.begin(), n.end(), n.begin(), ::tolower);
+    return std::find(rep.metrics.begin(), rep.metrics.end(), n) != rep.metrics.end();
+  };
   for (int s = 0; s < 4; ++s) {
+    if (!selected(s)) continue;
     const std::string title = sections[s].first;
     const size_t pad = title.size() < 48 ? (50 - title.size()) / 2 : 1;
     std::printf("%s%s%s\n", std::string(pad, '-').c_str(), title.c_str(), std::string(50 - pad - title.size(), '-').c_str());
     line(fmt::format("Mean {} (ms):", names[s]).c_str(), sections[s].second.mean);
     line(fmt::format("Median {} (ms):", names[s]).c_str(), sections[s].second.median);
-    line(fmt::format("P99 {} (ms):", names[s]).c_str(), sections[s].second.p99);
+    for (size_t k = 0; k < rep.percentiles.size(); ++k)
+      line(fmt::format("P{} {} (ms):", percentile_label(rep.percentiles[k]), names[s]).c_str(),
+           sections[s].second.percentiles[k]);
   }
   std::printf("==================================================\n");
   std::fflush(stdout);
@@ -277,12 +356,16 @@ Status print_and_save(const BenchArgs& args, const std::string& model, const std
             {"request_throughput", completed / duration_s},
             {"output_throughput", static_cast<double>(output_tokens) / duration_s},
             {"total_token_throughput", static_cast<double>(input_tokens + output_tokens) / duration_s}, {"errors", errors}};
+  if (!rep.slo_ms.empty()) r["request_goodput"] = good / duration_s;
   for (int s = 0; s < 4; ++s) {
+    if (!selected(s)) continue;
     std::string n = names[s];
     std::transform(n.begin(), n.end(), n.begin(), ::tolower);
     r["mean_" + n + "_ms"] = sections[s].second.mean;
     r["median_" + n + "_ms"] = sections[s].second.median;
-    r["p99_" + n + "_ms"] = sections[s].second.p99;
+    r["std_" + n + "_ms"] = sections[s].second.std;
+    for (size_t k = 0; k < rep.percentiles.size(); ++k)
+      r["p" + percentile_label(rep.percentiles[k]) + "_" + n + "_ms"] = sections[s].second.percentiles[k];
   }
   r["ttfts"] = ttft;
   r["e2els"] = e2el;
@@ -298,7 +381,11 @@ Status print_and_save(const BenchArgs& args, const std::string& model, const std
 }
 
 Status run_bench(BenchArgs args) {
-  if (args.dataset != "random") return invalid_argument("--dataset: only 'random' is supported");
+  if (args.dataset != "random") return invalid_argument("--dataset-name: only 'random' is supported");
+  MOE_ASSIGN_OR_RETURN(const Reporting reporting, parse_reporting(args));
+  if (!args.host.empty() || !args.port.empty())  // vLLM's spelling of the URL
+    args.url = fmt::format("http://{}:{}", args.host.empty() ? "127.0.0.1" : args.host,
+                           args.port.empty() ? "8000" : args.port);
   if (args.vocab_lo < 0 || args.vocab_hi <= args.vocab_lo) return invalid_argument("--random-vocab-lo must be >= 0 and below --random-vocab-hi");
   if (!(args.request_rate >= 0)) return invalid_argument("--request-rate must be >= 0 (0 or inf: all at once)");
   if (std::isinf(args.request_rate)) args.request_rate = 0;
@@ -365,7 +452,8 @@ Status run_bench(BenchArgs args) {
     });
   }
   for (auto& t : threads) t.join();
-  return print_and_save(args, model, outcomes, std::chrono::duration<double>(Clock::now() - start).count());
+  return print_and_save(args, reporting, model, outcomes,
+                        std::chrono::duration<double>(Clock::now() - start).count());
 }
 
 }  // namespace
@@ -375,9 +463,11 @@ void add_bench_command(CLI::App& app) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
   bench->require_subcommand(1);
   CLI::App* cmd = bench->add_subcommand("serve", "Load-test an OpenAI-compatible server (like `vllm bench serve`)");
-  cmd->add_option("--url", args->url, "Server base URL (http://host:port)");
+  cmd->add_option("--url,--base-url", args->url, "Server base URL (http://host:port; default http://127.0.0.1:8000)");
+  cmd->add_option("--host", args->host, "Server host, with --port instead of --url (vLLM's; default 127.0.0.1)");
+  cmd->add_option("--port", args->port, "Server port, with --host (default 8000)");
   cmd->add_option("--model", args->model, "Model name (default: the first of /v1/models)");
-  cmd->add_option("--dataset", args->dataset, "random (random token ids)");
+  cmd->add_option("--dataset-name,--dataset", args->dataset, "random (random token ids)");
   cmd->add_option("--random-input-len", args->input_len, "Prompt tokens")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--random-output-len", args->output_len, "Generated tokens (ignore_eos)")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--num-prompts", args->num_prompts, "Requests to send")->check(CLI::Range(1, 1 << 20));
@@ -389,6 +479,12 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--random-vocab-hi", args->vocab_hi, "One past the highest random token id");
   cmd->add_option("--save-result", args->save_result, "Write the results as JSON to this file");
   cmd->add_option("--api-key", args->api_key, "Sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)");
+  cmd->add_option("--percentile-metrics", args->percentile_metrics,
+                  "Metrics with percentiles, comma-separated, of ttft,tpot,itl,e2el (default all)");
+  cmd->add_option("--metric-percentiles", args->metric_percentiles,
+                  "Percentiles to report, comma-separated (default 99)");
+  cmd->add_option("--goodput", args->goodput,
+                  "SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS");
   cmd->add_option("--timeout", args->timeout_s,
                   "Seconds without a byte from the server before a request fails (default 300; 0: never)");
   cmd->callback([args] {

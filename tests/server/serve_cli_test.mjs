@@ -148,6 +148,42 @@ test('bench serve prints vLLM\'s result block and saves JSON that adds up', asyn
     assert.equal(j.failed, 0);
     const bench = (args, env = {}) => spawnSync(moeserveBin, ['bench', 'serve', ...args],
                                                 { encoding: 'utf8', timeout: 60000, env: { ...process.env, ...env } });
+    // vLLM's spelling: --host/--port, --dataset-name, the percentiles chosen, goodput. Oracle: the
+    // saved per-request TTFTs, with numpy's linear-interpolation percentile and population std.
+    const vllmFile = path.join(path.dirname(file), 'vllm.json');
+    const port = new URL(s.url).port;
+    const v = bench(['--host', '127.0.0.1', '--port', port, '--dataset-name', 'random', '--random-input-len', '8',
+                     '--random-output-len', '4', '--num-prompts', '7', '--percentile-metrics', 'ttft,tpot',
+                     '--metric-percentiles', '50,90,99.9', '--goodput', 'ttft:1000000', 'e2el:1000000',
+                     '--save-result', vllmFile]);
+    assert.equal(v.status, 0, v.stderr);
+    for (const label of ['P90 TTFT (ms):', 'P99.9 TPOT (ms):', 'P50 TTFT (ms):', 'Request goodput (req/s):'])
+      assert.ok(v.stdout.includes(label), label);
+    assert.ok(!v.stdout.includes('ITL') && !v.stdout.includes('P99 TTFT'), v.stdout);
+    const jv = JSON.parse(fs.readFileSync(vllmFile, 'utf8'));
+    const sorted = [...jv.ttfts].sort((a, b) => a - b);
+    const pct = (q) => {
+      const pos = q * (sorted.length - 1), lo = Math.floor(pos), hi = Math.min(lo + 1, sorted.length - 1);
+      return (sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo)) * 1e3;
+    };
+    const mean = sorted.reduce((a, b) => a + b, 0) / sorted.length;
+    const std = Math.sqrt(sorted.reduce((a, b) => a + (b - mean) ** 2, 0) / sorted.length) * 1e3;
+    assert.ok(Math.abs(jv.p90_ttft_ms - pct(0.9)) < 1e-6, `${jv.p90_ttft_ms} vs ${pct(0.9)}`);
+    assert.ok(Math.abs(jv['p99.9_ttft_ms'] - pct(0.999)) < 1e-6);
+    assert.ok(Math.abs(jv.std_ttft_ms - std) < 1e-6, `${jv.std_ttft_ms} vs ${std}`);
+    assert.equal(jv.mean_itl_ms, undefined);
+    assert.equal(jv.request_goodput, jv.request_throughput);  // every request met SLOs that loose
+    const strict = bench(['--url', s.url, '--num-prompts', '2', '--random-input-len', '8', '--goodput', 'tpot:0',
+                          '--save-result', vllmFile]);
+    assert.equal(strict.status, 0, strict.stderr);
+    assert.equal(JSON.parse(fs.readFileSync(vllmFile, 'utf8')).request_goodput, 0);
+    for (const [flags, message] of [[['--goodput', 'ttft'], /--goodput: 'ttft'/],
+                                    [['--percentile-metrics', 'ttft,foo'], /'foo'/],
+                                    [['--metric-percentiles', '0'], /'0'/]]) {
+      const bad = bench(['--url', s.url, '--num-prompts', '1', ...flags]);
+      assert.equal(bad.status, 1);
+      assert.match(bad.stderr, message);
+    }
     const down = bench(['--url', 'http://127.0.0.1:1', '--num-prompts', '1']);
     assert.equal(down.status, 1);
     // Runs that cannot measure anything fail at once (exit 1), saying why, as vLLM's initial test request does.
