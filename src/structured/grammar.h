@@ -13,7 +13,8 @@
 // ignored; every other keyword is refused with an error naming it, so a
 // request is never served as if a constraint had been applied when it was
 // not. Properties are written in the schema's order; an optional one may be
-// left out.
+// left out; other keys (additionalProperties) come after the declared ones,
+// once no required one is left (xgrammar orders them so too).
 //
 // Pure data after compilation: any thread may read a Grammar.
 #pragma once

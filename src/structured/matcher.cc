@@ -10,7 +10,8 @@ namespace {
 // Frame kinds and their counters:
 //   kValue    a value of `node` not begun yet (whitespace may come first)
 //   kObject   a: the next declared property a key may name (earlier ones are
-//             done or skipped); b: the node of the value after the key read
+//             done or skipped; all once another key came); b: the node of the
+//             value after the key read
 //   kArray    a: items begun
 //   kString   node: a kString node, or -1 (a key); a: code points so far;
 //             b: the next continuation byte's range (lo | hi << 8); c: how
@@ -194,7 +195,9 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
       parent.b = object.properties[static_cast<size_t>(j)].node;
       parent.phase = kAfterKey;
     } else {  // kInExtraKey
-      parent.b = g.node(parent.node).additional;
+      const Node& object = g.node(parent.node);
+      parent.a = static_cast<int32_t>(object.properties.size());
+      parent.b = object.additional;
       parent.phase = kAfterKey;
     }
   };
@@ -264,7 +267,7 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
           tops.push_back(object);
           tops.push_back(Frame{.kind = kKey, .node = top.node, .a = 0, .b = top.a, .c = last});
         }
-        if (n.additional >= 0) {
+        if (n.additional >= 0 && closable()) {  // other keys after the required ones, declared ones no more
           Frame object = top;
           object.phase = kInExtraKey;
           object.ws = 0;

@@ -88,6 +88,39 @@ test('the same grammar by vLLM spelling, streamed or not, gives the same greedy 
   assert.throws(() => JSON.parse(free));
 });
 
+// Schemas of every construct served, sampled: every finished output is valid by ajv.
+const schemas = [
+  { type: 'array', items: { type: 'object', properties: { id: { type: 'integer' }, tag: { enum: ['x', 'y', null] } },
+                            required: ['id'] }, minItems: 1, maxItems: 3 },
+  { $defs: { node: { type: 'object', properties: { v: { type: 'number' },
+                                                   kids: { type: 'array', items: { $ref: '#/$defs/node' }, maxItems: 2 } },
+                     required: ['v'] } },
+    $ref: '#/$defs/node' },
+  { anyOf: [{ type: 'string', minLength: 2, maxLength: 5 }, { type: 'boolean' }, { const: { a: [1, 'two'] } }] },
+  { type: 'object', properties: { name: { type: ['string', 'null'], maxLength: 6 } }, required: ['name'],
+    additionalProperties: { type: 'integer' } },
+  { type: 'object', properties: { when: { oneOf: [{ type: 'integer' }, { type: 'string', maxLength: 4 }] },
+                                  nested: { allOf: [{ type: 'object', properties: { ok: { type: 'boolean' } },
+                                                      required: ['ok'] }] } },
+    required: ['when', 'nested'], title: 'annotations are ignored', description: 'x' },
+];
+
+test('every construct served: samples that finish are valid by ajv', async () => {
+  for (const [k, sch] of schemas.entries()) {
+    const check = new Ajv({ strict: false }).compile(sch);
+    const r = await client.chat.completions.create({ model, messages, temperature: 1, seed: 10 + k, n: 8,
+                                                     max_tokens: 200, guided_json: sch });
+    let finished = 0;
+    for (const c of r.choices) {
+      if (c.finish_reason !== 'stop') continue;
+      finished++;
+      const value = JSON.parse(c.message.content);
+      assert.ok(check(value), `schema ${k}: ${c.message.content}: ${JSON.stringify(check.errors)}`);
+    }
+    assert.ok(finished >= 1, `schema ${k}: ${JSON.stringify(r.choices.map((c) => c.message.content))}`);
+  }
+});
+
 test('json_object: an object', async () => {
   const r = await client.chat.completions.create({ model, messages, temperature: 1, seed: 3, n: 4, max_tokens: 200,
                                                    response_format: { type: 'json_object' } });

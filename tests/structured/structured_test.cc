@@ -122,8 +122,13 @@ TEST(Grammar, RefsAnyOfAndTypeLists) {
   auto extra = schema(R"({"type": "object", "properties": {"a": {"type": "integer"}},
                           "additionalProperties": {"type": "string"}})");
   EXPECT_TRUE(matches(*extra, R"({"a": 1, "b": "x"})"));
-  EXPECT_TRUE(matches(*extra, R"({"b": "x", "a": 1})"));
+  EXPECT_TRUE(matches(*extra, R"({"b": "x", "c": ""})"));  // a, optional, left out
+  EXPECT_FALSE(begins(*extra, R"({"b": "x", "a": 1)"));  // other keys come after the declared ones ("a" is one of them now)
   EXPECT_FALSE(begins(*extra, R"({"b": 1)"));
+  auto required_first = schema(R"({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                                   "additionalProperties": true})");
+  EXPECT_FALSE(begins(*required_first, R"({"b")"));
+  EXPECT_TRUE(matches(*required_first, R"({"a": 1, "b": [null]})"));
   auto short_text = schema(R"({"type": "string", "minLength": 2, "maxLength": 2})");
   EXPECT_TRUE(matches(*short_text, "\"\xC3\xA9\xE6\xBC\xA2\""));  // two code points, five bytes
   EXPECT_FALSE(begins(*short_text, R"("abc)"));
