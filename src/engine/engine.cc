@@ -6,6 +6,7 @@
 #include <exception>
 #include <limits>
 #include <numeric>
+#include <utility>
 
 #include "core/check.h"
 #include "core/logging.h"
@@ -443,7 +444,8 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
       add_chunk_adjustments(sampling, row, a.request.sampling, scheduler_.tokens_of(chunk.id),
                             static_cast<size_t>(a.num_output_tokens), drafts, stop_ids, vocab_size_);
     }
-    if (a.constraint) add_constraint_masks(sampling, row, chunk_entries, a, drafts);
+    if (a.constraint)
+      active_.at(chunk.id).grammar_conflict = !add_constraint_masks(sampling, row, chunk_entries, a, drafts);
     if (a.request.num_logprobs >= 0) {
       logprob_chunks.push_back({chunk.id, num_runs - 1, static_cast<int64_t>(sampling.fetch_rows.size())});
       for (int32_t j = 0; j <= chunk.num_drafts; ++j) sampling.fetch_rows.push_back(row + j);
@@ -500,8 +502,11 @@ bool Engine::constrain_token(Active& a, int32_t token) {
 // token). Row j follows drafts [0, j); after a draft the grammar refuses,
 // the rows keep the last mask (their samples are dropped with the draft).
 // Rows before the grammar applies (grammar_after_token) are left alone.
-void Engine::add_constraint_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
+// False when the grammar allows only tokens the request's own adjustments ban
+// (-inf: min_tokens before the output is whole, logit_bias) in the first row.
+bool Engine::add_constraint_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
                                   std::span<const int32_t> drafts) const {
+  bool any_allowed = true;
   structured::TokenConstraint state = *a.constraint;
   bool awaiting = a.awaiting_grammar;
   std::vector<uint32_t> mask;
@@ -518,16 +523,23 @@ void Engine::add_constraint_masks(StepSampling& sampling, int32_t first_row, siz
     adjusted.assign(static_cast<size_t>(vocab_size_), -1);
     for (size_t e = chunk_entries; e < chunk_end; ++e)
       if (sampling.adjustments[e].row == row) adjusted[static_cast<size_t>(sampling.adjustments[e].token)] = static_cast<int32_t>(e);
+    bool row_allowed = false;
     for (int32_t token = 0; token < vocab_size_; ++token) {
-      if (structured::mask_has(mask, token)) continue;
+      if (structured::mask_has(mask, token)) {
+        const int32_t e = adjusted[static_cast<size_t>(token)];
+        row_allowed = row_allowed || e < 0 || !std::isinf(sampling.adjustments[static_cast<size_t>(e)].bias);
+        continue;
+      }
       if (const int32_t e = adjusted[static_cast<size_t>(token)]; e >= 0) {
         sampling.adjustments[static_cast<size_t>(e)].bias = -std::numeric_limits<float>::infinity();
       } else {
         sampling.adjustments.push_back({row, token, -std::numeric_limits<float>::infinity(), 1.0f, 0.0f});
       }
     }
+    if (j == 0) any_allowed = row_allowed;
     if (j < drafts.size() && follows) follows = state.accept(drafts[j]);
   }
+  return any_allowed;
 }
 
 // Whether a request may carry drafts. KV-exporting requests decode plainly,
@@ -649,13 +661,17 @@ void Engine::step() {
     EngineOutput out;
     out.id = u.id;
     out.token = u.token;
-    // A token outside the grammar (min_tokens banning the only end token
-    // allowed, say) ends the request with an error, never a wrong output.
-    if (a.constraint && u.token >= 0 && !constrain_token(a, u.token) && u.finish == FinishReason::kNone) {
+    // A token outside the grammar ends the request with an error, never a
+    // wrong or cut output: an end token where the output is not whole (the
+    // grammar can go no further: a matcher limit), or any token where every
+    // allowed one was banned (min_tokens, logit_bias -inf).
+    if (a.constraint && u.token >= 0 && (std::exchange(a.grammar_conflict, false) || !constrain_token(a, u.token))) {
       out.token = -1;
-      out.error = invalid_argument("the request's grammar allows no token here (min_tokens or logit_bias?)");
+      out.error = invalid_argument(
+          "the output cannot go on within the request's grammar (a limit of docs/server.md's structured outputs, "
+          "or min_tokens / logit_bias banning every token it allows)");
       out.finish = FinishReason::kAbort;
-      scheduler_.abort(u.id);
+      if (u.finish == FinishReason::kNone) scheduler_.abort(u.id);  // else the scheduler has let it go
       finish(u.id, std::move(out));
       continue;
     }

@@ -201,6 +201,7 @@ class Engine {
     bool prompt_logprobs_sent = false;
     std::optional<structured::TokenConstraint> constraint;  // request.grammar: after the output so far
     bool awaiting_grammar = false;  // request.grammar_after_token not generated yet
+    bool grammar_conflict = false;  // this step: every token the grammar allows is banned (min_tokens, logit_bias)
   };
   // A step's logprobs, per request that asked for them: one per token of its
   // run (accepted drafts, then the sample), in order.
@@ -215,7 +216,7 @@ class Engine {
   Status run_forward(const StepPlan& plan, const model::ForwardBatch& batch,
                      std::vector<std::vector<int32_t>>& runs, StepLogprobs& logprobs, Tensor& hidden);
   bool may_speculate(uint64_t id) const;
-  void add_constraint_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
+  bool add_constraint_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
                             std::span<const int32_t> drafts) const;
   static bool constrain_token(Active& a, int32_t token);
   Status check_grammar(const EngineRequest& request) const;

@@ -78,7 +78,7 @@ CompletionRun::CompletionRun(RunConfig config, std::shared_ptr<HttpExchange> exc
       choices_[i].detokenizer.emplace(*config_.tokenizer, config_.params.skip_special_tokens);
   }
   for (const auto& s : config_.params.stop) max_stop_len_ = std::max(max_stop_len_, s.size());
-  if (config_.parse_tool_calls) {
+  if (config_.parse_tool_calls || !config_.forced_tools.empty()) {
     std::random_device random;
     call_id_salt_ = (uint64_t{random()} << 32) | random();
   }
@@ -393,7 +393,10 @@ void CompletionRun::fail(const Status& status) {
   for (const auto& c : choices_)
     if (!c.done) engine_.cancel(c.engine_id, engine::FinishReason::kAbort);
   const int http_status = http_status_of(status);
-  const std::string type = http_status == 504 ? "timeout" : http_status == 503 ? "service_unavailable" : "internal_error";
+  const std::string type = http_status == 504   ? "timeout"
+                           : http_status == 503 ? "service_unavailable"
+                           : http_status < 500  ? "invalid_request_error"
+                                                : "internal_error";
   if (config_.params.stream) {
     exchange_->send_event(error_json(status.message(), type, "", std::to_string(http_status)));
     exchange_->send_event("[DONE]");

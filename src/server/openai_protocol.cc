@@ -111,6 +111,10 @@ std::optional<ApiError> read_logit_bias(const Json& j, const RequestLimits& limi
 
 // A JSON schema as a grammar; vLLM takes the schema as an object or as its text.
 std::optional<ApiError> compile_schema(const Json& schema, const char* param, GenerationParams& p) {
+  if (structured::nesting_exceeds(schema, structured::kMaxSchemaNesting))  // before any copy (recursive)
+    return bad_request(fmt::format("'{}': the JSON schema nests deeper than {} levels", param,
+                                   structured::kMaxSchemaNesting),
+                       param);
   Json parsed = schema;
   if (schema.is_string()) {
     parsed = Json::parse(schema.get<std::string>(), nullptr, /*allow_exceptions=*/false);
@@ -296,6 +300,13 @@ std::optional<Json> parse_object(const std::string& body, ApiError& error) {
     error = bad_request("the request body must be a JSON object");
     return std::nullopt;
   }
+  // Copies of a JSON value recurse: a body nested deep enough would overflow
+  // the stack wherever a field of it is copied.
+  constexpr size_t kMaxBodyNesting = 512;
+  if (structured::nesting_exceeds(j, kMaxBodyNesting)) {
+    error = bad_request(fmt::format("the request body nests deeper than {} levels", kMaxBodyNesting));
+    return std::nullopt;
+  }
   return j;
 }
 
@@ -381,6 +392,8 @@ std::variant<Json, ApiError> tool_parameters(const Json& tool) {
 std::optional<ApiError> read_tool_choice(const Json& j, ChatRequest& r) {
   auto it = j.find("tool_choice");
   if (it == j.end() || it->is_null()) return std::nullopt;
+  if (structured::nesting_exceeds(r.tools, structured::kMaxSchemaNesting))
+    return bad_request(fmt::format("'tools' nest deeper than {} levels", structured::kMaxSchemaNesting), "tools");
   if (it->is_string()) r.tool_choice = it->get<std::string>();
   if (r.tool_choice != "required" && !it->is_object()) return std::nullopt;
   if (!r.tools.is_array() || r.tools.empty())

@@ -48,6 +48,53 @@ bool LiteralTrie::reaches(int32_t node, int32_t lo, int32_t hi) const {
   return it != v.end() && *it <= hi;
 }
 
+bool nesting_exceeds(const nlohmann::ordered_json& value, size_t max_depth) {
+  // Iterative: a hostile document deep enough to overflow the stack is the point.
+  std::vector<std::pair<const Json*, size_t>> stack = {{&value, 1}};
+  while (!stack.empty()) {
+    const auto [v, depth] = stack.back();
+    stack.pop_back();
+    if (!v->is_structured()) continue;
+    if (depth > max_depth) return true;
+    for (const Json& child : *v) stack.emplace_back(&child, depth + 1);
+  }
+  return false;
+}
+
+// Every anyOf node's alternatives become the non-anyOf nodes it reaches
+// through anyOf nodes ($ref slots included), each once: a value start then
+// forks once, whatever the nesting of anyOf and $ref, and a cycle of them
+// (a $ref to itself) adds nothing. An anyOf that reaches nothing, or more
+// alternatives than the matcher keeps threads, is refused.
+Status Grammar::flatten_any_of() {
+  std::vector<std::vector<int32_t>> leaves(nodes_.size());
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    if (nodes_[i].kind != NodeKind::kAnyOf) continue;
+    std::vector<uint8_t> seen(nodes_.size(), 0);
+    std::vector<int32_t> stack(nodes_[i].alternatives.rbegin(), nodes_[i].alternatives.rend());
+    seen[i] = 1;
+    while (!stack.empty()) {
+      const int32_t n = stack.back();
+      stack.pop_back();
+      if (seen[static_cast<size_t>(n)]) continue;
+      seen[static_cast<size_t>(n)] = 1;
+      const Node& node = nodes_[static_cast<size_t>(n)];
+      if (node.kind != NodeKind::kAnyOf) {
+        leaves[i].push_back(n);
+        continue;
+      }
+      for (auto it = node.alternatives.rbegin(); it != node.alternatives.rend(); ++it) stack.push_back(*it);
+    }
+    if (leaves[i].empty()) return invalid_argument("a JSON schema's $ref / anyOf cycle accepts no value");
+    if (leaves[i].size() > kMaxAlternatives)
+      return invalid_argument("a JSON schema's anyOf / oneOf (or type list) has {} alternatives; at most {} are "
+                              "served", leaves[i].size(), kMaxAlternatives);
+  }
+  for (size_t i = 0; i < nodes_.size(); ++i)
+    if (nodes_[i].kind == NodeKind::kAnyOf) nodes_[i].alternatives = std::move(leaves[i]);
+  return Status::ok();
+}
+
 int32_t Grammar::add(Node node) {
   nodes_.push_back(std::move(node));
   return static_cast<int32_t>(nodes_.size() - 1);
@@ -67,6 +114,7 @@ class SchemaCompiler {
     }
     if (!schema.is_object()) return invalid_argument("a JSON schema must be an object or a boolean");
     MOE_RETURN_IF_ERROR(check_keywords(schema));
+    MOE_RETURN_IF_ERROR(check_siblings(schema));
     if (auto it = schema.find("$ref"); it != schema.end()) return compile_ref(*it, depth);
     if (auto it = schema.find("allOf"); it != schema.end()) {
       if (!it->is_array() || it->size() != 1)
@@ -123,6 +171,28 @@ class SchemaCompiler {
       (void)value;
       if (!served.contains(key))
         return invalid_argument("JSON schema keyword '{}' is not supported by this server", key);
+    }
+    return Status::ok();
+  }
+
+  // $ref, allOf, anyOf / oneOf, const and enum take the schema's place: any
+  // other validation keyword beside one would be dropped, so it is refused
+  // ("type" beside enum / const is allowed: the values say it).
+  static Status check_siblings(const Json& schema) {
+    static const std::set<std::string> annotations = {"title", "description", "default", "examples", "$schema",
+                                                       "$id", "$comment", "deprecated", "readOnly", "writeOnly",
+                                                       "strict", "$defs", "definitions"};
+    const char* combinators[] = {"$ref", "allOf", "anyOf", "oneOf", "const", "enum"};
+    for (const char* c : combinators) {
+      if (!schema.contains(c)) continue;
+      for (const auto& [key, value] : schema.items()) {
+        (void)value;
+        if (key == c || annotations.contains(key)) continue;
+        if (key == "type" && (std::string_view(c) == "const" || std::string_view(c) == "enum")) continue;
+        return invalid_argument("JSON schema keyword '{}' beside '{}' is not supported by this server (put it "
+                                "inside the alternatives)",
+                                key, c);
+      }
     }
     return Status::ok();
   }
@@ -262,10 +332,13 @@ std::shared_ptr<const Grammar> Grammar::json_object() {
 }
 
 Expected<std::shared_ptr<const Grammar>> Grammar::from_json_schema(const nlohmann::ordered_json& schema) {
+  if (nesting_exceeds(schema, kMaxSchemaNesting))
+    return invalid_argument("the JSON schema nests deeper than {} levels", kMaxSchemaNesting);
   auto g = std::make_shared<Grammar>();
   add_any_nodes(g->nodes_, g->any_);
   SchemaCompiler compiler(*g, schema);
   MOE_ASSIGN_OR_RETURN(g->root_, compiler.compile(schema, 0));
+  MOE_RETURN_IF_ERROR(g->flatten_any_of());
   g->source_ = {{"type", "json_schema"}, {"schema", schema}};
   return std::shared_ptr<const Grammar>(std::move(g));
 }

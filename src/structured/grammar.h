@@ -86,6 +86,13 @@ struct Node {
   std::vector<int32_t> alternatives;        // kAnyOf
 };
 
+inline constexpr size_t kMaxSchemaNesting = 128;  // of the schema document itself (annotations included)
+inline constexpr size_t kMaxAlternatives = 64;    // an anyOf's, once flattened (the matcher's thread cap)
+
+// Whether `value` nests arrays and objects deeper than `max_depth` (checked
+// without recursion, before anything copies or walks a hostile document).
+bool nesting_exceeds(const nlohmann::ordered_json& value, size_t max_depth);
+
 class Grammar {
  public:
   // OpenAI's response_format {"type": "json_object"}: any JSON object.
@@ -108,6 +115,7 @@ class Grammar {
  private:
   friend class SchemaCompiler;
   int32_t add(Node node);
+  Status flatten_any_of();
 
   std::vector<Node> nodes_;
   int32_t root_ = -1;

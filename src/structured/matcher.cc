@@ -24,8 +24,10 @@ enum Kind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey 
 
 // Phases of an object or an array.
 enum ContainerPhase : uint8_t { kOpen, kStart, kAfterKey, kInValue, kAfterValue, kAfterComma, kInKey, kInExtraKey };
-// Phases of a string.
+// Phases of a string, and its flag: a \uD800-\uDBFF escape read, its low half next.
 enum StringPhase : uint8_t { kQuote, kChars, kEscape, kHex, kUtf8 };
+constexpr uint8_t kLowSurrogateNext = 2;
+constexpr uint8_t kExtraKey = 4;  // a key read as an extra one (additionalProperties): not a declared key
 // Phases of a number: the accepting ones are kIntDigits, kZero, kFracDigits, kExpDigits.
 enum NumberPhase : uint8_t { kNumStart, kMinus, kIntDigits, kZero, kDot, kFracDigits, kExp, kExpSign, kExpDigits };
 
@@ -87,7 +89,8 @@ Matcher::StringRoom Matcher::string_room() const {
   uint32_t begin = 0;
   for (const uint32_t end : ends_) {
     const bool whole = end == std::exchange(begin, end);
-    if (whole || frames_[end - 1].kind != kString || frames_[end - 1].phase != kChars) {
+    if (whole || frames_[end - 1].kind != kString || frames_[end - 1].phase != kChars ||
+        (frames_[end - 1].flags & kLowSurrogateNext)) {
       s.every_thread = false;
       continue;
     }
@@ -272,7 +275,7 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
           object.phase = kInExtraKey;
           object.ws = 0;
           tops.push_back(object);
-          tops.push_back(Frame{.kind = kString, .node = -1});
+          tops.push_back(Frame{.kind = kString, .flags = kExtraKey, .node = -1, .d = 0});
         }
         if (tops.empty()) return Step::kReject;
         fork(byte, start, out, tops, true);
@@ -341,6 +344,14 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
     }
 
     case kString: {
+      // An extra key follows the declared keys' trie (as written: with the
+      // same escapes) and may not close on one of them.
+      if (top.flags & kExtraKey) {
+        if (top.d >= 0) top.d = g.node(f[f.size() - 2].node).keys.step(top.d, byte);
+        if (byte == '"' && top.phase == kChars && !(top.flags & kLowSurrogateNext) && top.d >= 0 &&
+            g.node(f[f.size() - 2].node).keys.value(top.d) >= 0)
+          return Step::kReject;
+      }
       const int32_t max_length = top.node >= 0 ? g.node(top.node).max_length : -1;
       const int32_t min_length = top.node >= 0 ? g.node(top.node).min_length : 0;
       auto one_more = [&]() { return max_length < 0 || top.a < max_length ? (++top.a, true) : false; };
@@ -357,6 +368,11 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
           top.phase = kChars;
           return Step::kConsumed;
         case kChars:
+          if (top.flags & kLowSurrogateNext) {  // after \uD8xx-\uDBxx only its pair's \uDCxx-\uDFxx
+            if (byte != '\\') return Step::kReject;
+            top.phase = kEscape;  // one code point with the high half, counted there
+            return Step::kConsumed;
+          }
           if (byte == '"') return top.a >= min_length ? (complete(), Step::kConsumed) : Step::kReject;
           if (byte < 0x20) return Step::kReject;
           if (byte == '\\') {
@@ -382,16 +398,33 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
           if (byte == 'u') {
             top.phase = kHex;
             top.c = 4;
+            top.b = 0;
             return Step::kConsumed;
           }
-          if (std::string_view("\"\\/bfnrt").find(static_cast<char>(byte)) == std::string_view::npos)
+          if ((top.flags & kLowSurrogateNext) ||
+              std::string_view("\"\\/bfnrt").find(static_cast<char>(byte)) == std::string_view::npos)
             return Step::kReject;
           top.phase = kChars;
           return Step::kConsumed;
-        case kHex:
+        case kHex: {
+          // \uXXXX: surrogates only in pairs (what JSON parsers take), decided
+          // by the first two digits so that no prefix is a dead end.
           if (!is_hex(byte)) return Step::kReject;
-          if (--top.c == 0) top.phase = kChars;
+          const int digit = is_digit(byte) ? byte - '0' : (byte | 0x20) - 'a' + 10;
+          const int pos = 4 - top.c;
+          const bool low_next = top.flags & kLowSurrogateNext;
+          if (pos == 0 && low_next && digit != 0xD) return Step::kReject;
+          if (pos == 1 && (top.b == 0xD) && low_next != (digit >= 0xC)) return Step::kReject;
+          top.b = top.b * 16 + digit;
+          if (--top.c > 0) return Step::kConsumed;
+          top.phase = kChars;
+          if (low_next) {
+            top.flags &= ~kLowSurrogateNext;
+          } else if (top.b >= 0xD800 && top.b <= 0xDBFF) {
+            top.flags |= kLowSurrogateNext;
+          }
           return Step::kConsumed;
+        }
         default:
           return Step::kReject;
       }

@@ -65,6 +65,7 @@ class Matcher {
     uint8_t kind = 0, phase = 0, ws = 0, flags = 0;
     int32_t node = -1;
     int32_t a = 0, b = 0, c = 0;
+    int32_t d = -1;  // an extra key: its place in the object's keys trie (-1: no declared key's)
     bool operator==(const Frame&) const = default;
   };
 

@@ -154,7 +154,7 @@ void TokenConstraint::allowed_tokens(std::vector<uint32_t>& mask) const {
 }
 
 bool TokenConstraint::accept(int32_t token) {
-  if (std::find(end_ids_.begin(), end_ids_.end(), token) != end_ids_.end()) return true;
+  if (std::find(end_ids_.begin(), end_ids_.end(), token) != end_ids_.end()) return matcher_.accepting();
   if (token < 0 || token >= vocabulary_->size() || vocabulary_->bytes(token).empty()) return false;
   return matcher_.advance(vocabulary_->bytes(token));
 }

@@ -71,10 +71,12 @@ class TokenConstraint {
 
   // The tokens allowed next as a bitmask over the vocabulary (as
   // TokenVocabulary::allowed_tokens). Never empty: where no token can go on
-  // (a grammar the vocabulary cannot spell), the end tokens.
+  // and the output is not whole (a grammar the vocabulary cannot spell, or a
+  // matcher limit reached), the end tokens, which accept() then refuses, so
+  // that the request ends with an error rather than a cut output.
   void allowed_tokens(std::vector<uint32_t>& mask) const;
   // Takes `token`; false (and unchanged) when it is not allowed. An end token
-  // changes nothing.
+  // is allowed where the output is whole, and changes nothing.
   bool accept(int32_t token);
   bool accepting() const { return matcher_.accepting(); }
 

@@ -743,6 +743,27 @@ TEST(EngineSpeculation, StructuredOutputsTakeTheBestAllowedTokenWithAndWithoutDr
   }
 }
 
+// A grammar whose only continuation is the end, with min_tokens banning the
+// end: the request ends with an error (abort), not a stop that breaks either.
+TEST(EngineSpeculation, StructuredOutputsConflictingWithMinTokensEndInAnError) {
+  auto l = load(demo_dir(), demo_mtp_dir(), false);
+  auto tok = tokenizer::Tokenizer::load(demo_dir());
+  ASSERT_TRUE(tok.has_value());
+  auto vocabulary = structured::TokenVocabulary::from_tokenizer(*tok, l->config.vocab_size);
+  auto choice = structured::Grammar::from_choices({"no"});
+  ASSERT_TRUE(choice.has_value());
+  EngineRequest r = engine_requests(demo_requests(20))[0];
+  r.grammar = *choice, r.ignore_eos = false;
+  const EngineRun free = run_engine(*l, {r}, 0, vocabulary, 2);
+  EXPECT_EQ(free.finish[0], FinishReason::kStop);
+  r.sampling.min_tokens = 8;
+  const EngineRun banned = run_engine(*l, {r}, 0, vocabulary, 2);
+  EXPECT_EQ(banned.finish[0], FinishReason::kAbort);
+  EXPECT_EQ(banned.tokens[0], std::vector<int32_t>(free.tokens[0].begin(), free.tokens[0].end() - 1))
+      << "the choice's tokens, then the error instead of eos";
+  EXPECT_EQ(banned.metrics.kv_cache_usage_perc, 0.0);
+}
+
 // Without a vocabulary the engine refuses a structured request at submission.
 TEST(EngineSpeculation, StructuredOutputsNeedAVocabulary) {
   auto l = load(golden_dir("moe_basic"), "", true);

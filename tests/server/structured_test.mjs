@@ -170,6 +170,13 @@ test('what is not served is a 400 naming it, and the server goes on', async () =
       return true;
     });
   }
+  // A grammar whose only way on is eos, which min_tokens bans: an error, not a cut output.
+  await assert.rejects(client.completions.create({ model, prompt: 'Hello', max_tokens: 20, min_tokens: 8,
+                                                  guided_choice: ['no'] }), (e) => {
+    assert.equal(e.status, 400);
+    assert.match(e.message, /cannot go on within the request's grammar/);
+    return true;
+  });
   const ok = await client.chat.completions.create({ model, messages, max_tokens: 4, response_format: { type: 'text' } });
   assert.equal(ok.choices.length, 1);
 });

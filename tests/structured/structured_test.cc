@@ -166,11 +166,63 @@ TEST(Grammar, UnsupportedKeywordsAreNamed) {
     ASSERT_FALSE(g.has_value()) << text;
     EXPECT_NE(g.status().message().find(needle), std::string::npos) << g.status().message();
   }
-  // A self-reference that never reaches a value is refused at the first byte, not a hang.
+  // A self-reference that never reaches a value is refused when compiled.
   auto loop = Grammar::from_json_schema(Json::parse(R"({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})"));
-  ASSERT_TRUE(loop.has_value());
-  EXPECT_FALSE(begins(**loop, "1"));
+  ASSERT_FALSE(loop.has_value());
+  EXPECT_NE(loop.status().message().find("cycle"), std::string::npos);
+  // Keywords beside $ref / anyOf / allOf / enum would be dropped: refused.
+  for (const char* text : {R"({"anyOf": [{"type": "string"}, {"type": "null"}], "maxLength": 2})",
+                           R"({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2})",
+                           R"({"allOf": [{"type": "object"}], "required": ["a"]})",
+                           R"({"type": "object", "properties": {"a": {}}, "anyOf": [{"required": ["a"]}]})"}) {
+    auto g = Grammar::from_json_schema(Json::parse(text));
+    ASSERT_FALSE(g.has_value()) << text;
+    EXPECT_NE(g.status().message().find("beside"), std::string::npos) << g.status().message();
+  }
+  EXPECT_TRUE(Grammar::from_json_schema(Json::parse(R"({"type": "string", "enum": ["a"], "title": "t"})")).has_value());
+  // More alternatives than the matcher has threads: refused, not silently unreachable.
+  Json many = Json::array();
+  for (int i = 0; i <= static_cast<int>(kMaxAlternatives); ++i) many.push_back(Json{{"const", i}});
+  EXPECT_FALSE(Grammar::from_json_schema(Json{{"anyOf", many}}).has_value());
+  // A schema nested past the limit, checked without recursion (a 100k-deep one would overflow the stack).
+  const Json deep = Json::parse(std::string(100000, '[') + std::string(100000, ']'));
+  EXPECT_TRUE(nesting_exceeds(deep, kMaxSchemaNesting));
+  EXPECT_FALSE(Grammar::from_json_schema(Json::parse(R"({"default": )" + std::string(200, '[') +
+                                                     std::string(200, ']') + "}")).has_value());
 }
+
+// Fork storms: anyOf of self-references and nested anyOf fork once per value start.
+TEST(Grammar, NestedAnyOfAndRefsForkOnce) {
+  auto g = schema(R"({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/a"},
+                                                {"$ref": "#/$defs/a"}, {"type": "integer"}]}},
+                      "$ref": "#/$defs/a"})");
+  Matcher m(*g);
+  ASSERT_TRUE(m.advance("12"));
+  EXPECT_EQ(m.num_threads(), 1u);
+  EXPECT_TRUE(m.accepting());
+  std::string wrapped = R"({"type": "integer"})";
+  for (int i = 0; i < 40; ++i) wrapped = R"({"anyOf": [)" + wrapped + "]}";
+  EXPECT_TRUE(matches(*schema(wrapped.c_str()), "7"));  // deeper than the fork limit once was: no dead end
+}
+
+// Escapes: surrogates only in pairs, a pair one code point; extra keys may not
+// be declared ones (their values would skip the declared schema).
+TEST(Grammar, SurrogatePairsAndExtraKeys) {
+  auto s = schema(R"({"type": "string", "maxLength": 1})");
+  EXPECT_TRUE(matches(*s, R"("\ud83d\ude00")"));
+  EXPECT_TRUE(matches(*s, R"("\u00e9")"));
+  EXPECT_FALSE(begins(*s, R"("\ud800")"));
+  EXPECT_FALSE(begins(*s, R"("\ud800x)"));
+  EXPECT_FALSE(begins(*s, R"("\ud800\u0041)"));
+  EXPECT_FALSE(begins(*s, R"("\udc)"));  // a lone low half: refused at its second digit
+  EXPECT_FALSE(begins(*s, R"("\ud83d\ud8)"));
+  auto extra = schema(R"({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": true})");
+  EXPECT_FALSE(begins(*extra, R"({"a": "str")"));
+  EXPECT_FALSE(begins(*extra, R"({"a": 1, "a")"));
+  EXPECT_TRUE(matches(*extra, R"({"a": 1, "ab": "x", "b": [true]})"));
+  EXPECT_TRUE(matches(*extra, R"({"b": {"a": "deep keys are the value's"}})"));
+}
+
 
 TEST(Grammar, SourceRoundTrips) {
   auto g = schema(kPerson);
