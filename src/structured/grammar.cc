@@ -160,16 +160,22 @@ class SchemaCompiler {
   }
 
  private:
+  // Keywords with no effect on what is valid (annotations, and the $defs a $ref reads).
+  static bool is_annotation(const std::string& key) {
+    static const std::set<std::string> annotations = {"title",      "description", "default",  "examples",
+                                                       "$schema",    "$id",         "$comment", "deprecated",
+                                                       "readOnly",   "writeOnly",   "strict",   "$defs",
+                                                       "definitions"};
+    return annotations.contains(key);
+  }
+
   static Status check_keywords(const Json& schema) {
     static const std::set<std::string> served = {
         "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "minLength",
-        "maxLength", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
-        // annotations: no effect on what is valid
-        "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
-        "writeOnly", "strict"};
+        "maxLength", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"};
     for (const auto& [key, value] : schema.items()) {
       (void)value;
-      if (!served.contains(key))
+      if (!served.contains(key) && !is_annotation(key))
         return invalid_argument("JSON schema keyword '{}' is not supported by this server", key);
     }
     return Status::ok();
@@ -179,15 +185,12 @@ class SchemaCompiler {
   // other validation keyword beside one would be dropped, so it is refused
   // ("type" beside enum / const is allowed: the values say it).
   static Status check_siblings(const Json& schema) {
-    static const std::set<std::string> annotations = {"title", "description", "default", "examples", "$schema",
-                                                       "$id", "$comment", "deprecated", "readOnly", "writeOnly",
-                                                       "strict", "$defs", "definitions"};
     const char* combinators[] = {"$ref", "allOf", "anyOf", "oneOf", "const", "enum"};
     for (const char* c : combinators) {
       if (!schema.contains(c)) continue;
       for (const auto& [key, value] : schema.items()) {
         (void)value;
-        if (key == c || annotations.contains(key)) continue;
+        if (key == c || is_annotation(key)) continue;
         if (key == "type" && (std::string_view(c) == "const" || std::string_view(c) == "enum")) continue;
         return invalid_argument("JSON schema keyword '{}' beside '{}' is not supported by this server (put it "
                                 "inside the alternatives)",

@@ -42,7 +42,6 @@ class LiteralTrie {
   bool has_children(int32_t node) const { return !nodes_[static_cast<size_t>(node)].next.empty(); }
   // Whether a string ending at or below `node` has a value in [lo, hi].
   bool reaches(int32_t node, int32_t lo, int32_t hi) const;
-  bool empty() const { return nodes_.size() == 1; }
 
  private:
   struct Node {
@@ -109,8 +108,6 @@ class Grammar {
 
   int32_t root() const { return root_; }
   const Node& node(int32_t i) const { return nodes_[static_cast<size_t>(i)]; }
-  // Any JSON value.
-  int32_t any_node() const { return any_; }
 
  private:
   friend class SchemaCompiler;

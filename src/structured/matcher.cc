@@ -39,7 +39,9 @@ bool number_accepting(uint8_t phase) {
   return phase == kIntDigits || phase == kZero || phase == kFracDigits || phase == kExpDigits;
 }
 
-constexpr int kMaxForkDepth = 32;  // anyOf inside anyOf inside ... for one byte
+// Forks nested for one byte: a safety net (anyOf is flattened when compiled,
+// so a value start forks once).
+constexpr int kMaxForkDepth = 32;
 
 }  // namespace
 

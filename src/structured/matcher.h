@@ -57,7 +57,6 @@ class Matcher {
   };
   StringRoom string_room() const;
   size_t num_threads() const { return ends_.size(); }
-  bool operator==(const Matcher& other) const { return frames_ == other.frames_ && ends_ == other.ends_; }
 
   // One parse position: what is being read (kind), where in it (phase), and
   // its counters (their meaning per kind in matcher.cc).
