@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <functional>
 #include <memory>
 #include <random>
@@ -187,6 +188,102 @@ void bench_verify(const std::string& config_path, int num_layers) {
 // or penalties, or any request sampled with MTP drafts: every logits row
 // copied to the host, then engine::sample_on_host. Floor column: the
 // all-greedy step on the GPU.
+namespace {
+
+// Structured outputs: every greedy row of a step masked to the tokens its
+// grammar allows, as bitmasks (StepSampling::mask_rows, mask_logits on the
+// GPU) against the same masks as sparse -inf entries (adjust_logits: what the
+// engine sent before), host preparation included. Half the rows inside a
+// JSON string (~70% of the vocabulary allowed), half at a structural state
+// (200 tokens allowed): Qwen3's figures (bench/results/2026-12-05_structured_outputs_cpu.md).
+void bench_structured_masks(model::CudaQwen3MoeModel& m, const model::ForwardBatch& step, int batch, int64_t vocab,
+                            double greedy_ms) {
+  const int64_t words = engine::mask_words_per_row(vocab);
+  std::mt19937 rng(7);
+  std::vector<std::vector<uint32_t>> masks(static_cast<size_t>(batch), std::vector<uint32_t>(words, 0u));
+  for (int b = 0; b < batch; ++b) {
+    std::bernoulli_distribution in_string(0.7);
+    std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab) - 1);
+    auto& mask = masks[static_cast<size_t>(b)];
+    if (b % 2 == 0) {
+      for (int32_t t = 0; t < vocab; ++t)
+        if (in_string(rng)) mask[static_cast<size_t>(t) / 32] |= 1u << (t % 32);
+    } else {
+      for (int i = 0; i < 200; ++i) {
+        const int32_t t = token(rng);
+        mask[static_cast<size_t>(t) / 32] |= 1u << (t % 32);
+      }
+    }
+  }
+  std::vector<ops::cuda::SampleRow> rows(static_cast<size_t>(batch), ops::cuda::SampleRow{0, 0, 1, 0, 0, 0});
+  for (auto& r : rows) r.draft = -1;
+  auto time_host = [](const std::function<void()>& run) {
+    const auto start = std::chrono::steady_clock::now();
+    run();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  };
+  // Host preparation, as the engine builds each step's sampling.
+  engine::StepSampling bitmasks, entries;
+  std::vector<double> bitmask_prep, entries_prep;
+  for (int i = 0; i < 5; ++i) {
+    bitmasks = {}, entries = {};
+    bitmask_prep.push_back(time_host([&] {
+      for (int b = 0; b < batch; ++b) {
+        bitmasks.mask_rows.push_back(b);
+        bitmasks.mask_words.insert(bitmasks.mask_words.end(), masks[static_cast<size_t>(b)].begin(),
+                                   masks[static_cast<size_t>(b)].end());
+      }
+    }));
+    entries_prep.push_back(time_host([&] {
+      for (int b = 0; b < batch; ++b)
+        for (int32_t t = 0; t < vocab; ++t)
+          if (!engine::mask_keeps(masks[static_cast<size_t>(b)], t))
+            entries.adjustments.push_back({b, t, -std::numeric_limits<float>::infinity(), 1.0f, 0.0f});
+    }));
+  }
+  std::sort(bitmask_prep.begin(), bitmask_prep.end());
+  std::sort(entries_prep.begin(), entries_prep.end());
+  Tensor unused;
+  auto device_ms = [&](const engine::StepSampling& s) {
+    std::vector<double> ms;
+    for (int i = 0; i < 10; ++i) {
+      check(cudaDeviceSynchronize(), "sync");
+      const auto start = std::chrono::steady_clock::now();
+      auto out = m.forward_sample(step, {rows, s.adjustments, {}, s.mask_rows, s.mask_words}, {}, unused);
+      check(out.status());
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::sort(ms.begin() + 2, ms.end());
+    return ms[2 + (ms.size() - 2) / 2];
+  };
+  // The two paths pick the same tokens.
+  auto tokens_of = [&](const engine::StepSampling& s) {
+    auto out = m.forward_sample(step, {rows, s.adjustments, {}, s.mask_rows, s.mask_words}, {}, unused);
+    check(out.status());
+    return out->tokens;
+  };
+  const std::vector<int32_t> by_mask = tokens_of(bitmasks), by_entries = tokens_of(entries);
+  for (int b = 0; b < batch; ++b) {
+    if (by_mask[static_cast<size_t>(b)] != by_entries[static_cast<size_t>(b)] ||
+        !engine::mask_keeps(masks[static_cast<size_t>(b)], by_mask[static_cast<size_t>(b)])) {
+      std::fprintf(stderr, "structured masks: row %d took %d by bitmask, %d by entries\n", b,
+                   by_mask[static_cast<size_t>(b)], by_entries[static_cast<size_t>(b)]);
+      std::exit(1);
+    }
+  }
+  const double mask_ms = device_ms(bitmasks), entries_ms = device_ms(entries);
+  char shape[160], extra[240];
+  std::snprintf(shape, sizeof shape, "batch %d greedy, every row masked (%zu KB of bitmasks, %zu MB of entries)",
+                batch, bitmasks.mask_words.size() * 4 / 1024, entries.adjustments.size() * 20 / (1024 * 1024));
+  std::snprintf(extra, sizeof extra,
+                "sparse -inf entries (before): step %.2f ms (+%.2f ms over unmasked); host prep %.2f ms by bitmask, "
+                "%.2f ms by entries",
+                entries_ms, entries_ms - greedy_ms, bitmask_prep[2], entries_prep[2]);
+  report("structured_masks_step", shape, mask_ms, greedy_ms, extra);
+}
+
+}  // namespace
+
 void bench_sampling(const std::string& config_path, int num_layers) {
   const model::ModelConfig config = config_cut_to(config_path, num_layers);
   const int context = 2048, page = 16, batch = 64;
@@ -274,6 +371,7 @@ void bench_sampling(const std::string& config_path, int num_layers) {
                   host_ms, host_ms / device_ms);
     report("sampling_step", shape, device_ms, greedy_ms, extra);
   }
+  bench_structured_masks(*m, step_of(0), batch, vocab, greedy_ms);
 }
 
 }  // namespace moe::bench

@@ -2,7 +2,8 @@
 // Qwen3-235B-A22B layers cut from the config at `config_path`:
 //   bench_model     decoder layers at decode batch 64 / 128 / 256 against the bytes floor;
 //   bench_verify    a step verifying k MTP drafts per sequence against a plain step;
-//   bench_sampling  a step's sampling on the GPU against the host path it replaced.
+//   bench_sampling  a step's sampling on the GPU against the host path it replaced, and
+//                   structured outputs' token masks as bitmasks against sparse entries.
 #pragma once
 
 #include <string>

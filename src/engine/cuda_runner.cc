@@ -220,7 +220,7 @@ Expected<SampledStep> CudaRunner::forward_sample(const model::ForwardBatch& batc
                     s.seed ^ kAcceptSalt, sampling.drafts[r]});
   }
   auto sampled = end_step(
-      model_->forward_sample(batch, {rows, sampling.adjustments, sampling.fetch_rows}, hidden_rows, hidden));
+      model_->forward_sample(batch, {rows, sampling.adjustments, sampling.fetch_rows, sampling.mask_rows, sampling.mask_words}, hidden_rows, hidden));
   if (!sampled) return sampled.status();
   return SampledStep{std::move(sampled->tokens), std::move(sampled->accepted), std::move(sampled->fetched)};
 }

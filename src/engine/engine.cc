@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <exception>
@@ -497,21 +498,21 @@ bool Engine::constrain_token(Active& a, int32_t token) {
   return a.constraint->accept(token);
 }
 
-// A constrained chunk's rows: every token its grammar does not allow next gets
-// -inf (merged into the row's adjustment where it has one: one entry per
-// token). Row j follows drafts [0, j); after a draft the grammar refuses,
-// the rows keep the last mask (their samples are dropped with the draft).
-// Rows before the grammar applies (grammar_after_token) are left alone.
-// False when the grammar allows only tokens the request's own adjustments ban
-// (-inf: min_tokens before the output is whole, logit_bias) in the first row.
+// A constrained chunk's rows: each gets the mask of the tokens its grammar
+// allows next (StepSampling::mask_rows; every other token's logit becomes
+// -inf after the adjustments). Row j follows drafts [0, j); after a draft the
+// grammar refuses, the rows keep the last mask (their samples are dropped
+// with the draft). Rows before the grammar applies (grammar_after_token) are
+// left alone. False when the grammar allows only tokens the request's own
+// adjustments ban (-inf: min_tokens before the output is whole) in the first
+// row.
 bool Engine::add_constraint_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
                                   std::span<const int32_t> drafts) const {
   bool any_allowed = true;
   structured::TokenConstraint state = *a.constraint;
   bool awaiting = a.awaiting_grammar;
   std::vector<uint32_t> mask;
-  std::vector<int32_t> adjusted;  // per token: its entry's index in this row, or -1
-  const size_t chunk_end = sampling.adjustments.size();
+  const auto words = static_cast<size_t>(mask_words_per_row(vocab_size_));
   bool follows = true;
   for (size_t j = 0; j <= drafts.size(); ++j) {
     const int32_t row = first_row + static_cast<int32_t>(j);
@@ -519,24 +520,21 @@ bool Engine::add_constraint_masks(StepSampling& sampling, int32_t first_row, siz
       if (j < drafts.size()) awaiting = drafts[j] != a.request.grammar_after_token;
       continue;
     }
-    if (follows) state.allowed_tokens(mask);
-    adjusted.assign(static_cast<size_t>(vocab_size_), -1);
-    for (size_t e = chunk_entries; e < chunk_end; ++e)
-      if (sampling.adjustments[e].row == row) adjusted[static_cast<size_t>(sampling.adjustments[e].token)] = static_cast<int32_t>(e);
-    bool row_allowed = false;
-    for (int32_t token = 0; token < vocab_size_; ++token) {
-      if (structured::mask_has(mask, token)) {
-        const int32_t e = adjusted[static_cast<size_t>(token)];
-        row_allowed = row_allowed || e < 0 || !std::isinf(sampling.adjustments[static_cast<size_t>(e)].bias);
-        continue;
-      }
-      if (const int32_t e = adjusted[static_cast<size_t>(token)]; e >= 0) {
-        sampling.adjustments[static_cast<size_t>(e)].bias = -std::numeric_limits<float>::infinity();
-      } else {
-        sampling.adjustments.push_back({row, token, -std::numeric_limits<float>::infinity(), 1.0f, 0.0f});
-      }
+    if (follows) {
+      state.allowed_tokens(mask);
+      mask.resize(words, 0u);  // (the vocabulary has the model's size: checked at submission)
     }
-    if (j == 0) any_allowed = row_allowed;
+    sampling.mask_rows.push_back(row);
+    sampling.mask_words.insert(sampling.mask_words.end(), mask.begin(), mask.end());
+    if (j == 0) {  // the request's entries name each token at most once per row
+      int64_t allowed = 0;
+      for (uint32_t w : mask) allowed += std::popcount(w);
+      for (size_t e = chunk_entries; e < sampling.adjustments.size(); ++e) {
+        const ops::LogitAdjustment& entry = sampling.adjustments[e];
+        if (entry.row == row && std::isinf(entry.bias) && entry.bias < 0 && mask_keeps(mask, entry.token)) --allowed;
+      }
+      any_allowed = allowed > 0;
+    }
     if (j < drafts.size() && follows) follows = state.accept(drafts[j]);
   }
   return any_allowed;

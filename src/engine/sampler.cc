@@ -78,6 +78,23 @@ void adjust_logits(std::span<float> logits, const SamplingParams& params, std::s
     logits[a.token] = ops::adjusted_logit(logits[a.token], a);
 }
 
+void apply_token_masks(std::span<float> logits, int64_t vocab, const StepSampling& sampling) {
+  const int64_t words = mask_words_per_row(vocab);
+  const int64_t rows =
+      std::min(vocab > 0 ? static_cast<int64_t>(logits.size()) / vocab : 0, static_cast<int64_t>(sampling.rows.size()));
+  CHECK(static_cast<int64_t>(sampling.mask_words.size()) == static_cast<int64_t>(sampling.mask_rows.size()) * words,
+        "{} mask words for {} masked rows of {} tokens", sampling.mask_words.size(), sampling.mask_rows.size(), vocab);
+  for (size_t i = 0; i < sampling.mask_rows.size(); ++i) {
+    const int64_t r = sampling.mask_rows[i];
+    CHECK(r >= 0 && r < rows, "masked row {} of {} sampled rows", r, rows);
+    const std::span<const uint32_t> mask(sampling.mask_words.data() + static_cast<int64_t>(i) * words,
+                                         static_cast<size_t>(words));
+    float* row = logits.data() + r * vocab;
+    for (int32_t t = 0; t < vocab; ++t)
+      if (!mask_keeps(mask, t)) row[t] = -std::numeric_limits<float>::infinity();
+  }
+}
+
 double uniform_draw(uint64_t seed, uint64_t step) {
   // Two rounds of splitmix64 over (seed, step): a counter-based generator.
   auto mix = [](uint64_t z) {

@@ -64,14 +64,29 @@ struct RowSampling {
 // with the probability the row gives it, else a token drawn from the row's
 // distribution without it; greedy rows accept a draft equal to their argmax).
 // The adjustments (logit_adjustments below) apply to their rows
-// before sampling; fetch_rows (any logits rows, prompt-logits rows included)
+// before sampling, then the token masks (structured outputs): row
+// mask_rows[i] keeps the tokens whose bit is set in its mask -- words
+// [i * w, (i + 1) * w) of mask_words, w = mask_words_per_row(vocab), bit
+// t % 32 of word t / 32 for token t -- and every other token's logit
+// becomes -inf. fetch_rows (any logits rows, prompt-logits rows included)
 // come back as the model produced them, for logprobs.
 struct StepSampling {
   std::vector<RowSampling> rows;
   std::vector<int32_t> drafts;  // per row: the draft token it verifies, or -1
   std::vector<ops::LogitAdjustment> adjustments;
+  std::vector<int32_t> mask_rows;    // distinct sampled rows
+  std::vector<uint32_t> mask_words;  // [mask_rows.size(), mask_words_per_row(vocab)]
   std::vector<int32_t> fetch_rows;
 };
+inline int64_t mask_words_per_row(int64_t vocab_size) { return (vocab_size + 31) / 32; }
+// Whether a mask keeps token `t`.
+inline bool mask_keeps(std::span<const uint32_t> mask, int32_t t) {
+  return (mask[static_cast<size_t>(t) / 32] >> (static_cast<uint32_t>(t) % 32)) & 1u;
+}
+// The masks of `sampling` applied to logits [rows, vocab] (the host's
+// sampler; the GPU's is ops/cuda/kernels.h mask_logits). The rows and the
+// words' count must be in range (CHECK).
+void apply_token_masks(std::span<float> logits, int64_t vocab, const StepSampling& sampling);
 struct SampledStep {
   std::vector<int32_t> tokens;    // per row: the sample; a draft row's draft when accepted
   std::vector<uint8_t> accepted;  // per row: 1 where its draft was accepted

@@ -108,6 +108,7 @@ SampledStep sample_on_host(Tensor& logits, const StepSampling& sampling) {
     float& x = row(a.row)[static_cast<size_t>(a.token)];
     x = ops::adjusted_logit(x, a);
   }
+  apply_token_masks(std::span<float>(logits.data_as<float>(), static_cast<size_t>(rows * vocab)), vocab, sampling);
   for (size_t r = 0; r < sampling.rows.size(); ++r) {
     const RowSampling& s = sampling.rows[r];
     const int32_t draft = sampling.drafts[r];

@@ -206,5 +206,37 @@ TEST(Sampler, AdjustmentsFollowTheirDefinitions) {
   EXPECT_GT(probs[2], expected_distribution(base, p)[2]);
 }
 
+// Token masks: a masked row keeps exactly the tokens whose bits are set (bit
+// t % 32 of word t / 32, the last word partly used) after its adjustments;
+// other rows are left alone; the sampler then picks among the kept tokens.
+TEST(Sampler, TokenMasksKeepTheirTokensAfterTheAdjustments) {
+  constexpr int64_t kVocab = 40;  // two words, the second 8 bits used
+  ASSERT_EQ(mask_words_per_row(kVocab), 2);
+  ASSERT_EQ(mask_words_per_row(32), 1);
+  Tensor logits(DType::kF32, {3, kVocab});
+  for (int64_t i = 0; i < 3 * kVocab; ++i) logits.data_as<float>()[i] = static_cast<float>(i % kVocab) * 0.1f;
+  StepSampling sampling;
+  for (int r = 0; r < 3; ++r) {
+    SamplingParams greedy;
+    greedy.temperature = 0;
+    sampling.rows.push_back({greedy, 0, 0});
+    sampling.drafts.push_back(-1);
+  }
+  // Row 2 keeps tokens 3, 33 and 39; row 0 keeps 5 and 6, 6 banned by its adjustment.
+  sampling.mask_rows = {2, 0};
+  sampling.mask_words = {1u << 3, (1u << 1) | (1u << 7), (1u << 5) | (1u << 6), 0u};
+  sampling.adjustments.push_back({0, 6, -std::numeric_limits<float>::infinity(), 1.0f, 0.0f});
+  const Tensor before = Tensor::copy_of(logits.view());
+  const SampledStep out = sample_on_host(logits, sampling);
+  EXPECT_EQ(out.tokens, (std::vector<int32_t>{5, 39, 39}));  // row 1: its argmax, unmasked
+  for (int64_t t = 0; t < kVocab; ++t) {
+    const float v0 = logits.data_as<float>()[t], v1 = logits.data_as<float>()[kVocab + t],
+                v2 = logits.data_as<float>()[2 * kVocab + t];
+    EXPECT_EQ(std::isinf(v0), t != 5) << t;
+    EXPECT_EQ(v1, before.data_as<float>()[kVocab + t]) << t;
+    EXPECT_EQ(std::isinf(v2), t != 3 && t != 33 && t != 39) << t;
+  }
+}
+
 }  // namespace
 }  // namespace moe::engine

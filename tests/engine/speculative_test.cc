@@ -23,6 +23,7 @@
 #include "model/weights.h"
 #include "structured/matcher.h"
 #include "tests/engine/sampling_oracle.h"
+#include "tests/engine/structured_oracle.h"
 #include "tokenizer/tokenizer.h"
 
 namespace moe::engine {
@@ -685,34 +686,9 @@ TEST(EngineSpeculation, StructuredOutputsTakeTheBestAllowedTokenWithAndWithoutDr
   for (size_t i = 0; i < requests.size(); ++i) {
     SCOPED_TRACE(testing::Message() << "request " << i);
     const structured::Grammar& g = *requests[i].grammar;
-    structured::Matcher m(g);
-    std::string text;
-    bool awaiting = requests[i].grammar_after_token >= 0;
-    ASSERT_EQ(plain.logprobs[i].size(), plain.tokens[i].size());
-    for (size_t t = 0; t < plain.tokens[i].size(); ++t) {
-      const int32_t token = plain.tokens[i][t];
-      if (awaiting) {  // free: the argmax
-        EXPECT_EQ(token, plain.logprobs[i][t].top[0].first) << "token " << t;
-        awaiting = token != requests[i].grammar_after_token;
-        continue;
-      }
-      if (i + 1 < requests.size()) {  // greedy: the best allowed token
-        int32_t best = -1;
-        float best_logprob = -std::numeric_limits<float>::infinity();
-        std::vector<std::pair<int32_t, float>> by_id = plain.logprobs[i][t].top;
-        std::sort(by_id.begin(), by_id.end());
-        for (const auto& [id, logprob] : by_id) {
-          structured::Matcher copy = m;
-          const bool allowed = id == kEos ? m.accepting()
-                                          : !vocabulary->bytes(id).empty() && copy.advance(vocabulary->bytes(id));
-          if (allowed && logprob > best_logprob) best = id, best_logprob = logprob;
-        }
-        ASSERT_EQ(token, best) << "token " << t << " after '" << text << "'";
-      }
-      if (token == kEos) break;
-      ASSERT_TRUE(m.advance(vocabulary->bytes(token))) << "token " << t << " after '" << text << "'";
-      text += vocabulary->bytes(token);
-    }
+    auto [m, text] = testing_oracle::expect_allowed_tokens(g, *vocabulary, kEos, requests[i].grammar_after_token,
+                                                           i + 1 < requests.size(), plain.tokens[i],
+                                                           plain.logprobs[i]);
     std::printf("structured request %zu (%s): '%s'\n", i, plain.finish[i] == FinishReason::kStop ? "stop" : "length",
                 text.c_str());
     if (plain.finish[i] != FinishReason::kStop) continue;

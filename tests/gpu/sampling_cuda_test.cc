@@ -157,6 +157,60 @@ TEST(CudaSampling, AdjustLogitsEqualsTheCpu) {
   EXPECT_GT(changed, 4 * 50);
 }
 
+// Structured outputs' token masks on the GPU equal the CPU's
+// apply_token_masks on Qwen3-sized rows: masks from dense to a handful of
+// tokens on rows 1, 4 and 2 of five (0 and 3 untouched), the vocabulary not
+// a multiple of 32 (the last word partly used).
+TEST(CudaSampling, MaskLogitsEqualsTheCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  constexpr int kVocab = 151669, kRows = 5;
+  const int64_t words = engine::mask_words_per_row(kVocab);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> logits(static_cast<size_t>(kRows) * kVocab);
+  for (auto& v : logits) v = normal(rng);
+  engine::StepSampling sampling;
+  sampling.rows.resize(kRows);
+  sampling.mask_rows = {1, 4, 2};
+  const double keep[] = {0.9, 0.001, 0.3};
+  for (double k : keep) {
+    std::bernoulli_distribution bit(k);
+    std::vector<uint32_t> mask(static_cast<size_t>(words), 0);
+    for (int32_t t = 0; t < kVocab; ++t)
+      if (bit(rng) || t == kVocab - 1) mask[static_cast<size_t>(t) / 32] |= 1u << (t % 32);
+    sampling.mask_words.insert(sampling.mask_words.end(), mask.begin(), mask.end());
+  }
+  std::vector<float> expected = logits;
+  engine::apply_token_masks(expected, kVocab, sampling);
+  auto d_logits = DeviceBuffer::allocate(logits.size() * sizeof(float));
+  auto d_rows = DeviceBuffer::allocate(sampling.mask_rows.size() * sizeof(int32_t));
+  auto d_words = DeviceBuffer::allocate(sampling.mask_words.size() * sizeof(uint32_t));
+  ASSERT_TRUE(d_logits && d_rows && d_words);
+  cudaMemcpy(d_logits->data(), logits.data(), logits.size() * sizeof(float), cudaMemcpyHostToDevice);
+  cudaMemcpy(d_rows->data(), sampling.mask_rows.data(), sampling.mask_rows.size() * sizeof(int32_t),
+             cudaMemcpyHostToDevice);
+  cudaMemcpy(d_words->data(), sampling.mask_words.data(), sampling.mask_words.size() * sizeof(uint32_t),
+             cudaMemcpyHostToDevice);
+  ASSERT_EQ(mask_logits({d_logits->data_as<float>(), d_rows->data_as<int32_t>(), d_words->data_as<uint32_t>(),
+                         static_cast<int>(sampling.mask_rows.size()), kVocab},
+                        nullptr),
+            cudaSuccess);
+  std::vector<float> got(logits.size());
+  ASSERT_EQ(cudaMemcpy(got.data(), d_logits->data(), got.size() * sizeof(float), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  int64_t banned[kRows] = {};
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_EQ(got[i], expected[i]) << "row " << i / kVocab << " token " << i % kVocab;
+    banned[i / kVocab] += std::isinf(got[i]);
+  }
+  EXPECT_EQ(banned[0], 0);
+  EXPECT_EQ(banned[3], 0);
+  EXPECT_NEAR(static_cast<double>(banned[1]) / kVocab, 0.1, 0.01);
+  EXPECT_NEAR(static_cast<double>(banned[4]) / kVocab, 0.999, 0.001);
+  EXPECT_NEAR(static_cast<double>(banned[2]) / kVocab, 0.7, 0.01);
+  EXPECT_FALSE(std::isinf(got[static_cast<size_t>(4) * kVocab + kVocab - 1])) << "the last token, kept";
+}
+
 TEST(CudaSampling, GreedyAndKeptSetsAtFullVocabulary) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::mt19937 rng(5);

@@ -4,7 +4,9 @@
 // fed the GPU's hidden states) equal to plain greedy decoding on the GPU for
 // k = 1..4, on the golden model with a random MoE MTP layer and on the demo
 // model with its trained dense one (whose drafts must be accepted). Prints
-// acceptance and the decode speed with and without drafts. Skips without a GPU.
+// acceptance and the decode speed with and without drafts. Also structured
+// outputs through the serving engine on the GPU, with and without drafts.
+// Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -14,14 +16,22 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <map>
+#include <nlohmann/json.hpp>
+#include <thread>
 
 #include "engine/cuda_runner.h"
+#include "engine/engine.h"
 #include "engine/generator.h"
 #include "kv/kv_cache.h"
 #include "model/config.h"
 #include "model/mtp.h"
 #include "model/weights.h"
+#include "structured/grammar.h"
+#include "structured/token_filter.h"
+#include "tests/engine/structured_oracle.h"
+#include "tokenizer/tokenizer.h"
 
 namespace moe::engine {
 namespace {
@@ -515,6 +525,107 @@ TEST(CudaSpeculationSampled, VerifiedTokensKeepTheDistribution) {
 
 INSTANTIATE_TEST_SUITE_P(MtpPlacement, CudaSpeculation, testing::Values(true, false),
                          [](const testing::TestParamInfo<bool>& info) { return info.param ? "GpuMtp" : "CpuMtp"; });
+
+
+// Structured outputs through the serving engine on the GPU (token masks
+// applied by mask_logits before the sampling kernel), with and without the
+// GPU MTP layer's drafts. Oracle (tests/engine/structured_oracle.h): every
+// greedy token is the best of the GPU model's own logits (all 4096 logprobs
+// come back, as produced) among the tokens the byte matcher allows there; a
+// sampled request's tokens are all allowed; finished outputs are whole.
+struct EngineRun {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<std::vector<TokenLogprobs>> logprobs;
+  std::vector<FinishReason> finish;
+  EngineMetrics metrics;
+};
+
+EngineRun run_engine(Loaded& l, const std::vector<EngineRequest>& requests, int k,
+                     std::shared_ptr<const structured::TokenVocabulary> vocabulary, int32_t eos) {
+  EngineOptions options;
+  options.scheduler = {.page_size = 16, .num_pages = l.runner->num_pages(), .max_num_seqs = 8,
+                       .max_num_batched_tokens = 64, .max_model_len = 128};
+  options.check_invariants = true;
+  options.vocabulary = std::move(vocabulary);
+  options.eos_token_ids = {eos};
+  std::unique_ptr<MtpDrafter> drafter;
+  if (k > 0) drafter = std::make_unique<MtpDrafter>(l.runner->mtp_runner(), k);
+  Engine engine(std::move(l.runner), options, std::move(drafter));
+  EngineRun run;
+  const size_t n = requests.size();
+  run.tokens.resize(n), run.logprobs.resize(n), run.finish.resize(n);
+  std::vector<std::promise<void>> done(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto id = engine.submit(requests[i], [&run, &done, i](const EngineOutput& out) {
+      if (out.token >= 0) run.tokens[i].push_back(out.token);
+      if (out.logprobs) run.logprobs[i].push_back(*out.logprobs);
+      if (out.finish != FinishReason::kNone) run.finish[i] = out.finish, done[i].set_value();
+    });
+    EXPECT_TRUE(id.has_value()) << id.status().to_string();
+    if (!id) done[i].set_value();
+  }
+  for (auto& d : done) d.get_future().wait();
+  for (int i = 0; i < 200 && (engine.metrics().kv_cache_usage_perc != 0 || engine.metrics().num_requests_running); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  run.metrics = engine.metrics();
+  return run;
+}
+
+TEST(CudaStructured, EngineTakesTheBestAllowedTokenWithAndWithoutDrafts) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::string demo = source("models/moeserve-demo");
+  auto tok = tokenizer::Tokenizer::load(demo);
+  ASSERT_TRUE(tok.has_value()) << tok.status().to_string();
+  constexpr int32_t kEos = 2;
+  auto schema = structured::Grammar::from_json_schema(nlohmann::ordered_json::parse(R"({
+      "type": "object",
+      "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer"},
+                     "note": {"type": "string", "maxLength": 6}},
+      "required": ["answer", "score", "note"]})"));
+  ASSERT_TRUE(schema.has_value());
+  auto choice = structured::Grammar::from_choices({"The fortune", "A computer is", "no"});
+  ASSERT_TRUE(choice.has_value());
+  const std::vector<std::shared_ptr<const structured::Grammar>> grammars = {*schema, structured::Grammar::json_object(),
+                                                                              *choice};
+  const std::vector<std::vector<int32_t>> prompts = {{1, 317, 201, 386, 330, 263, 409, 16, 2, 201, 1, 319, 201},
+                                                     {1, 317, 201, 454, 330, 263, 453, 355, 1096, 16, 2, 201, 1, 319, 201},
+                                                     {35, 1067}};
+  std::vector<EngineRequest> requests;
+  for (size_t i = 0; i < 6; ++i) {
+    EngineRequest r;
+    r.prompt = prompts[i % prompts.size()];
+    r.grammar = grammars[i % grammars.size()];
+    r.max_tokens = 48;
+    r.ignore_eos = false;
+    r.sampling.temperature = 0;
+    r.num_logprobs = 4096;
+    requests.push_back(r);
+  }
+  requests[5].sampling.temperature = 1.0f, requests[5].sampling.seed = 9;
+  for (int k : {0, 2}) {
+    auto l = load(demo, source("models/moeserve-demo-mtp"), true);
+    ASSERT_NE(l, nullptr);
+    ASSERT_EQ(l->config.vocab_size, 4096);
+    auto vocabulary = structured::TokenVocabulary::from_tokenizer(*tok, l->config.vocab_size);
+    const EngineRun run = run_engine(*l, requests, k, vocabulary, kEos);
+    int stopped = 0;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      SCOPED_TRACE(testing::Message() << "k " << k << ", request " << i);
+      auto [m, text] = testing_oracle::expect_allowed_tokens(*requests[i].grammar, *vocabulary, kEos, -1,
+                                                             requests[i].sampling.is_greedy(), run.tokens[i],
+                                                             run.logprobs[i]);
+      std::printf("k=%d structured request %zu (%s): '%s'\n", k, i,
+                  run.finish[i] == FinishReason::kStop ? "stop" : "length", text.c_str());
+      ASSERT_NE(run.finish[i], FinishReason::kAbort);
+      if (run.finish[i] != FinishReason::kStop) continue;
+      EXPECT_TRUE(m.accepting()) << text;
+      ++stopped;
+    }
+    EXPECT_GE(stopped, 2) << "the choices end";
+    if (k > 0) EXPECT_GT(run.metrics.spec_decode_num_draft_tokens_total, 0);
+    EXPECT_EQ(run.metrics.kv_cache_usage_perc, 0.0) << "pages leaked, k " << k;
+  }
+}
 
 }  // namespace
 }  // namespace moe::engine

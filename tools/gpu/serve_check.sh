@@ -114,12 +114,37 @@ PY
   done
 }
 
+# Structured outputs (token masks applied on the GPU): a json_schema every
+# completion of the server on PORT must parse into, at temperature 0.8.
+schema='"response_format": {"type": "json_schema", "json_schema": {"name": "verdict", "schema": {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer"}, "note": {"type": "string", "maxLength": 12}}, "required": ["answer", "score", "note"]}}}'
+structured_check() {
+  local label=$1 port=$2
+  body='{"model": "moeserve-demo", "prompt": "Tell me a fortune.", "max_tokens": 64, "temperature": 0.8, "seed": 3, "n": 8, '"$schema"'}'
+  curl -s localhost:$port/v1/completions -H 'Content-Type: application/json' -d "$body" > "$OUT/structured_$port.json"
+  python3 - "$OUT/structured_$port.json" "$label" <<'PY'
+import json, sys
+try:
+    choices = json.load(open(sys.argv[1]))["choices"]
+    ok = 0
+    for c in choices:
+        if c["finish_reason"] != "stop":
+            continue
+        v = json.loads(c["text"])
+        assert v["answer"] in ("yes", "no") and isinstance(v["score"], int) and len(v["note"]) <= 12, c["text"]
+        ok += 1
+    print(f"{sys.argv[2]}, json_schema sampled: {ok} of {len(choices)} choices valid and finished; first: {choices[0]['text']!r}")
+except Exception as e:
+    print(f"{sys.argv[2]}, json_schema sampled: FAILED ({e!r})")
+PY
+}
+
 # The single-GPU server every check below compares with. Fixed KV pools
 # (--kv-cache-gb, per process or rank): processes sharing a GPU must not size
 # theirs from free memory.
 "$BIN/moeserve" serve --device cuda --gpu 0 --kv-cache-gb 2 --port 18557 > /dev/null 2> "$OUT/serve_one.log" &
 single=$!
 wait_up 18557 $single || echo "the single-GPU server did not start (serve_one.log)"
+structured_check "one GPU" 18557
 
 # A KV pool too small for the batch: sequences are preempted and recomputed
 # on the GPU, and 48 concurrent greedy requests still equal the roomy server's.
@@ -146,6 +171,8 @@ if wait_up 18558 $server; then
   compare "MTP k=2" 18558 18557 48
   compare "MTP k=2, penalties" 18558 18557 48 '"presence_penalty": 1.5, "repetition_penalty": 1.3, "logit_bias": {"397": -100}'
   compare_logprobs "MTP k=2, logprobs" 18558 18557
+  compare "MTP k=2, json_schema" 18558 18557 48 "$schema"
+  structured_check "MTP k=2" 18558
   curl -s localhost:18558/metrics | grep -E "^moeserve:spec_decode_num_(draft|accepted)_tokens_total" | head -2
 else
   echo "the speculative server did not start (serve_spec.log)"
@@ -247,6 +274,8 @@ echo "=== serve --disagg --device cuda $placement (the demo model) against one G
 server=$!
 wait_up 18558 $server || echo "serve --disagg did not start"
 compare "disagg" 18558 18557
+compare "disagg, json_schema" 18558 18557 48 "$schema"
+structured_check "disagg" 18558
 kill -INT $server; wait $server; echo "serve --disagg exit: $?"
 grep -E "cluster:|KV of|error" "$OUT/serve_disagg.log" | head -6
 kill -INT $single; wait $single

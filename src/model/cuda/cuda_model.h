@@ -87,13 +87,17 @@ class CudaQwen3MoeModel {
   Expected<Tensor> forward(const ForwardBatch& batch);
   // The same forward, with the first rows.size() logits rows sampled on the
   // GPU (ops/cuda/kernels.h: sample; a row with a draft verifies it), after
-  // the adjustments (adjust_logits); only the tokens, the verdicts and the
+  // the adjustments (adjust_logits) and the token masks (mask_logits: row
+  // mask_rows[i] keeps the tokens set in mask i of mask_words, ceil(vocab /
+  // 32) words each, as engine/sampler.h StepSampling); only the tokens, the verdicts and the
   // fetch_rows (as the model produced them) come to the host. hidden_rows as
   // forward_with_hidden.
   struct DeviceSampling {
     std::span<const ops::cuda::SampleRow> rows;
     std::span<const ops::LogitAdjustment> adjustments;
     std::span<const int32_t> fetch_rows;
+    std::span<const int32_t> mask_rows;
+    std::span<const uint32_t> mask_words;
   };
   struct DeviceSamples {
     std::vector<int32_t> tokens;

@@ -80,6 +80,7 @@ struct CudaQwen3MoeModel::State {
   DeviceTensor sample_rows;          // per-row sampling parameters
   DeviceTensor sample_accepted;      // [T] u8: a draft row's verdict
   DeviceTensor logit_adjustments;    // the step's ops::LogitAdjustment entries (grown as needed)
+  DeviceTensor mask_rows, mask_words;  // the step's token masks (grown as needed)
   // The MTP layer (options.mtp): its norms and fc, its decoder block, and its
   // one-layer KV pool; mtp_h [T, H] f32 takes the host's hidden states, the
   // normed embedding and hidden states meet in mtp_concat [T, 2H] bf16.

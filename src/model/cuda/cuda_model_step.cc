@@ -716,6 +716,17 @@ Expected<CudaQwen3MoeModel::DeviceSamples> CudaQwen3MoeModel::forward_sample(
     if (a.row < 0 || a.row >= num_rows || a.token < 0 || a.token >= vocab)
       return invalid_argument("logit adjustment of row {}, token {} ({} rows, vocabulary {})", a.row, a.token,
                               num_rows, vocab);
+  const int64_t mask_words = (vocab + 31) / 32;
+  if (static_cast<int64_t>(sampling.mask_words.size()) != static_cast<int64_t>(sampling.mask_rows.size()) * mask_words)
+    return invalid_argument("{} mask words for {} masked rows of {} tokens", sampling.mask_words.size(),
+                            sampling.mask_rows.size(), vocab);
+  if (sampling.mask_rows.size() > 65535) return invalid_argument("{} masked rows", sampling.mask_rows.size());
+  {
+    std::vector<uint8_t> masked(static_cast<size_t>(num_rows), 0);
+    for (int32_t r : sampling.mask_rows)
+      if (r < 0 || r >= num_rows || std::exchange(masked[static_cast<size_t>(r)], 1) != 0)
+        return invalid_argument("masked row {} ({} sampled rows; each row once)", r, num_rows);
+  }
   MOE_RETURN_IF_ERROR(check_batch(batch, hidden_rows));
   MOE_RETURN_IF_ERROR(run(batch));  // first: it makes the model's device current for the allocations below
   auto grow = [](DeviceTensor& t, size_t bytes) -> Status {
@@ -744,6 +755,18 @@ Expected<CudaQwen3MoeModel::DeviceSamples> CudaQwen3MoeModel::forward_sample(
     MOE_CUDA_RETURN_IF_ERROR(ops::cuda::adjust_logits(
         {s.logits.data_as<float>(), s.logit_adjustments.data_as<ops::LogitAdjustment>(),
          static_cast<int>(sampling.adjustments.size()), static_cast<int>(vocab)},
+        s.stream));
+  }
+  if (!sampling.mask_rows.empty()) {
+    MOE_RETURN_IF_ERROR(grow(s.mask_rows, sampling.mask_rows.size_bytes()));
+    MOE_RETURN_IF_ERROR(grow(s.mask_words, sampling.mask_words.size_bytes()));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.mask_rows.data(), sampling.mask_rows.data(),
+                                             sampling.mask_rows.size_bytes(), cudaMemcpyHostToDevice, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.mask_words.data(), sampling.mask_words.data(),
+                                             sampling.mask_words.size_bytes(), cudaMemcpyHostToDevice, s.stream));
+    MOE_CUDA_RETURN_IF_ERROR(ops::cuda::mask_logits(
+        {s.logits.data_as<float>(), s.mask_rows.data_as<int32_t>(), s.mask_words.data_as<uint32_t>(),
+         static_cast<int>(sampling.mask_rows.size()), static_cast<int>(vocab)},
         s.stream));
   }
   out.tokens.resize(sampling.rows.size());

@@ -410,6 +410,19 @@ struct AdjustLogitsParams {
 };
 cudaError_t adjust_logits(const AdjustLogitsParams& p, cudaStream_t stream);
 
+// Token masks (structured outputs): logits[rows[i], t] = -inf for every
+// token t whose bit (t % 32 of word t / 32) is clear in mask i, words
+// [i * ceil(vocab / 32), ...) of `words` (engine/sampler.h StepSampling).
+// One thread per (mask, token); a row's mask is 1/32 of its logits' bytes,
+// where the sparse entries of adjust_logits took 20 bytes per banned token.
+struct MaskLogitsParams {
+  float* logits;  // [rows, vocab]
+  const int32_t* rows;     // [num_masks]: distinct rows
+  const uint32_t* words;   // [num_masks, ceil(vocab / 32)]
+  int num_masks, vocab;
+};
+cudaError_t mask_logits(const MaskLogitsParams& p, cudaStream_t stream);
+
 // dst[r] = src[index[r]] for rows of row_bytes (a multiple of 4) and r <
 // min(rows, *live_rows) (live_rows optional, on the device): the rows that
 // need logits, and the permuted copy of the tokens' rows the prefill grouped

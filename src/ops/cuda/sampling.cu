@@ -21,7 +21,8 @@
 // is rejection sampling's residual for a one-hot draft distribution).
 //
 // Penalties and logit_bias arrive as sparse entries (adjust_logits, one
-// thread each) applied in place before this kernel.
+// thread each) and structured outputs' token masks as bitmasks (mask_logits),
+// applied in place before this kernel.
 #include <cfloat>
 
 #include "ops/cuda/common.cuh"
@@ -235,6 +236,14 @@ __global__ void adjust_logits_kernel(AdjustLogitsParams p) {
   x = adjusted_logit(x, a);
 }
 
+__global__ void mask_logits_kernel(MaskLogitsParams p) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= p.vocab) return;
+  const int64_t words_per_row = (p.vocab + 31) / 32;
+  const uint32_t word = p.words[blockIdx.y * words_per_row + t / 32];
+  if (((word >> (t % 32)) & 1u) == 0) p.logits[static_cast<int64_t>(p.rows[blockIdx.y]) * p.vocab + t] = -INFINITY;
+}
+
 }  // namespace
 
 cudaError_t sample(const SampleParams& p, cudaStream_t stream) {
@@ -246,6 +255,14 @@ cudaError_t sample(const SampleParams& p, cudaStream_t stream) {
 cudaError_t adjust_logits(const AdjustLogitsParams& p, cudaStream_t stream) {
   if (p.num_entries == 0) return cudaSuccess;
   adjust_logits_kernel<<<(p.num_entries + 255) / 256, 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t mask_logits(const MaskLogitsParams& p, cudaStream_t stream) {
+  if (p.num_masks == 0) return cudaSuccess;
+  if (p.num_masks > 65535 || p.vocab <= 0) return cudaErrorInvalidValue;
+  constexpr int kBlock = 256;
+  mask_logits_kernel<<<dim3((p.vocab + kBlock - 1) / kBlock, p.num_masks), kBlock, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
