@@ -3,10 +3,14 @@
 // matched against the bytes one at a time; a prefix the matcher calls whole
 // must parse as JSON (nlohmann's parser is the oracle), and at the last
 // state the token filter's mask over the demo model's 4,096 tokens must equal
-// trying every token's bytes.
+// trying every token's bytes. An input that starts with byte 1 holds a
+// regular expression instead (guided_regex): a prefix the matcher calls
+// whole must match it (Regex::matches), and a state that is not whole must
+// take some byte (no dead end).
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -14,6 +18,7 @@
 
 #include "structured/grammar.h"
 #include "structured/matcher.h"
+#include "structured/regex.h"
 #include "structured/token_filter.h"
 #include "tokenizer/tokenizer.h"
 
@@ -39,10 +44,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view input(reinterpret_cast<const char*>(data), size);
   const size_t split = input.find('\0');
   if (split == std::string_view::npos) return 0;
-  const auto schema = nlohmann::ordered_json::parse(input.substr(0, split), nullptr, /*allow_exceptions=*/false);
-  if (schema.is_discarded()) return 0;
-  auto grammar = Grammar::from_json_schema(schema);
-  if (!grammar) return 0;
+  const bool regex_mode = size > 0 && data[0] == 1;
+  std::optional<moe::structured::Regex> regex;
+  moe::Expected<std::shared_ptr<const Grammar>> grammar = moe::invalid_argument("none");
+  if (regex_mode) {
+    const std::string_view pattern = input.substr(1, split - 1);
+    grammar = Grammar::from_regex(pattern);
+    if (!grammar) return 0;
+    auto compiled = moe::structured::Regex::compile(pattern, moe::structured::RegexMatch::kWhole);
+    if (!compiled) std::abort();  // from_regex compiled it
+    regex.emplace(std::move(*compiled));
+  } else {
+    const auto schema = nlohmann::ordered_json::parse(input.substr(0, split), nullptr, /*allow_exceptions=*/false);
+    if (schema.is_discarded()) return 0;
+    grammar = Grammar::from_json_schema(schema);
+    if (!grammar) return 0;
+  }
   Matcher m(**grammar);
   const std::string_view output = input.substr(split + 1);
   size_t taken = 0;
@@ -50,12 +67,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Matcher next = m;
     if (!next.advance(output.substr(taken, 1))) break;
     m = std::move(next);
-    if (m.accepting()) {
+    if (m.accepting() && regex_mode) {
+      if (!regex->matches(output.substr(0, taken + 1))) {
+        std::fprintf(stderr, "accepted but no match: %.*s\n", static_cast<int>(taken + 1), output.data());
+        std::abort();
+      }
+    } else if (m.accepting()) {
       const auto parsed = nlohmann::json::parse(output.substr(0, taken + 1), nullptr, false);
       if (parsed.is_discarded()) {
         std::fprintf(stderr, "accepted but not JSON: %.*s\n", static_cast<int>(taken + 1), output.data());
         std::abort();
       }
+    }
+  }
+  if (regex_mode && !m.accepting()) {
+    bool any = false;
+    for (int b = 0; b < 256 && !any; ++b) {
+      Matcher next = m;
+      const char c = static_cast<char>(b);
+      any = next.advance(std::string_view(&c, 1));
+    }
+    if (!any) {
+      std::fprintf(stderr, "a dead end after %zu bytes\n", taken);
+      std::abort();
     }
   }
   std::vector<uint32_t> mask;

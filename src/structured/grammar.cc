@@ -144,7 +144,9 @@ class SchemaCompiler {
         return compile_type(schema, "object", depth);
       if (schema.contains("items") || schema.contains("minItems") || schema.contains("maxItems"))
         return compile_type(schema, "array", depth);
-      if (schema.contains("minLength") || schema.contains("maxLength")) return compile_type(schema, "string", depth);
+      if (schema.contains("minLength") || schema.contains("maxLength") || schema.contains("pattern") ||
+          schema.contains("format"))
+        return compile_type(schema, "string", depth);
       return g_.any_;
     }
     if (type->is_string()) return compile_type(schema, type->get<std::string>(), depth);
@@ -172,7 +174,7 @@ class SchemaCompiler {
   static Status check_keywords(const Json& schema) {
     static const std::set<std::string> served = {
         "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "minLength",
-        "maxLength", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"};
+        "maxLength", "pattern", "format", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"};
     for (const auto& [key, value] : schema.items()) {
       (void)value;
       if (!served.contains(key) && !is_annotation(key))
@@ -239,6 +241,40 @@ class SchemaCompiler {
     return static_cast<int32_t>(it->get<int64_t>());
   }
 
+  // A string's `pattern` or `format` (one of them) as its regular expression.
+  static Status string_pattern(const Json& schema, Node& n) {
+    auto pattern = schema.find("pattern");
+    auto format = schema.find("format");
+    if (pattern != schema.end() && format != schema.end())
+      return invalid_argument("JSON schema 'pattern' and 'format' together are not supported by this server");
+    std::string source;
+    const char* keyword = "pattern";
+    if (pattern != schema.end()) {
+      if (!pattern->is_string()) return invalid_argument("JSON schema 'pattern' must be a string");
+      source = pattern->get<std::string>();
+    } else if (format != schema.end()) {
+      keyword = "format";
+      if (!format->is_string()) return invalid_argument("JSON schema 'format' must be a string");
+      const std::string name = format->get<std::string>();
+      source = format_pattern(name);
+      if (source.empty())
+        return invalid_argument("JSON schema 'format' \"{}\" is not supported by this server (date, time, date-time, "
+                                "uuid, email, ipv4 and hostname are)",
+                                name);
+      if (name == "hostname") n.max_length = n.max_length < 0 ? 253 : std::min(n.max_length, 253);
+    } else {
+      return Status::ok();
+    }
+    if (source.size() > kMaxPatternBytes)
+      return invalid_argument("JSON schema 'pattern' is longer than {} bytes", kMaxPatternBytes);
+    auto regex = Regex::compile(source);
+    if (!regex) return invalid_argument("JSON schema '{}': {}", keyword, regex.status().message());
+    if (!regex->viable(regex->start(), 0, n.min_length, n.max_length))
+      return invalid_argument("JSON schema '{}' matches no string within 'minLength' / 'maxLength'", keyword);
+    n.pattern = std::make_shared<const Regex>(std::move(*regex));
+    return Status::ok();
+  }
+
   Expected<int32_t> compile_type(const Json& schema, const std::string& type, int depth) {
     if (type == "null") return literals(Json::array({nullptr}));
     if (type == "boolean") return literals(Json::array({true, false}));
@@ -250,6 +286,7 @@ class SchemaCompiler {
       MOE_ASSIGN_OR_RETURN(n.max_length, count(schema, "maxLength", -1));
       if (n.max_length >= 0 && n.max_length < n.min_length)
         return invalid_argument("JSON schema 'maxLength' is below 'minLength'");
+      MOE_RETURN_IF_ERROR(string_pattern(schema, n));
       return g_.add(std::move(n));
     }
     if (type == "array") {
@@ -361,6 +398,17 @@ Expected<std::shared_ptr<const Grammar>> Grammar::from_choices(const std::vector
   return std::shared_ptr<const Grammar>(std::move(g));
 }
 
+Expected<std::shared_ptr<const Grammar>> Grammar::from_regex(std::string_view pattern) {
+  if (pattern.size() > kMaxPatternBytes) return invalid_argument("a regex is longer than {} bytes", kMaxPatternBytes);
+  auto regex = Regex::compile(pattern, RegexMatch::kWhole);
+  if (!regex) return regex.status();
+  auto g = std::make_shared<Grammar>();
+  add_any_nodes(g->nodes_, g->any_);
+  g->root_ = g->add(Node{.kind = NodeKind::kRegex, .pattern = std::make_shared<const Regex>(std::move(*regex))});
+  g->source_ = {{"type", "regex"}, {"pattern", pattern}};
+  return std::shared_ptr<const Grammar>(std::move(g));
+}
+
 Expected<std::shared_ptr<const Grammar>> Grammar::from_source(const nlohmann::ordered_json& source) {
   if (!source.is_object() || !source.contains("type") || !source["type"].is_string())
     return invalid_argument("a structured-output grammar must be an object with a 'type'");
@@ -375,6 +423,8 @@ Expected<std::shared_ptr<const Grammar>> Grammar::from_source(const nlohmann::or
     }
     return from_choices(choices);
   }
+  if (type == "regex" && source.contains("pattern") && source["pattern"].is_string())
+    return from_regex(source["pattern"].get<std::string>());
   return invalid_argument("unknown structured-output grammar type '{}'", type);
 }
 

@@ -1,13 +1,14 @@
 // Structured outputs' grammars: what a constrained request's output must be
-// (OpenAI's response_format json_object / json_schema, vLLM's guided_json and
-// guided_choice), compiled once per request into a table of nodes that the
+// (OpenAI's response_format json_object / json_schema, vLLM's guided_json,
+// guided_choice and guided_regex), compiled once per request into a table of nodes that the
 // byte-level matcher (structured/matcher.h) walks.
 //
 // JSON Schema, the subset served (docs/server.md, "Structured outputs"):
 // type (one name or a list), properties / required / additionalProperties
 // (absent means false, as OpenAI's strict mode and xgrammar's default), items
 // / minItems / maxItems, minLength / maxLength, enum, const, anyOf / oneOf
-// (oneOf served as anyOf), allOf of one schema, $ref into #/$defs or
+// (oneOf served as anyOf), allOf of one schema, pattern (structured/regex.h)
+// or format (date, time, date-time, uuid, email, ipv4, hostname), $ref into #/$defs or
 // #/definitions (recursion allowed), true / {} (any value). Annotations
 // (title, description, default, examples, $schema, $id, $comment, strict) are
 // ignored; every other keyword is refused with an error naming it, so a
@@ -28,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/status.h"
+#include "structured/regex.h"
 
 namespace moe::structured {
 
@@ -55,12 +57,13 @@ class LiteralTrie {
 enum class NodeKind : uint8_t {
   kInteger,   // -?(0|[1-9][0-9]*), at most kMaxIntegerDigits digits
   kNumber,    // JSON number
-  kString,    // min_length / max_length in code points
+  kString,    // min_length / max_length in code points, pattern
   kArray,     // items (a node), min_items / max_items
   kObject,    // properties in order, then additional ones
   kLiterals,  // one of `literals` (JSON texts: enum, const, true/false/null)
   kAnyOf,     // one of `alternatives` (also a $ref's slot, and "any value": Grammar::any_node)
   kChoice,    // raw text, one of `literals` (guided_choice): not JSON
+  kRegex,     // raw text that `pattern` matches whole (guided_regex): not JSON
 };
 
 inline constexpr int kMaxIntegerDigits = 19;
@@ -76,6 +79,7 @@ struct Property {
 struct Node {
   NodeKind kind = NodeKind::kAnyOf;
   int32_t min_length = 0, max_length = -1;  // kString (-1: unbounded)
+  std::shared_ptr<const Regex> pattern;     // kString: what its value must match, or null; kRegex
   int32_t items = -1;                       // kArray
   int32_t min_items = 0, max_items = -1;    // kArray
   std::vector<Property> properties;         // kObject
@@ -87,6 +91,7 @@ struct Node {
 
 inline constexpr size_t kMaxSchemaNesting = 128;  // of the schema document itself (annotations included)
 inline constexpr size_t kMaxAlternatives = 64;    // an anyOf's, once flattened (the matcher's thread cap)
+inline constexpr size_t kMaxPatternBytes = 4096;  // a pattern's source
 
 // Whether `value` nests arrays and objects deeper than `max_depth` (checked
 // without recursion, before anything copies or walks a hostile document).
@@ -100,9 +105,12 @@ class Grammar {
   static Expected<std::shared_ptr<const Grammar>> from_json_schema(const nlohmann::ordered_json& schema);
   // vLLM's guided_choice: exactly one of these strings (1 to 1024 of them, none empty).
   static Expected<std::shared_ptr<const Grammar>> from_choices(const std::vector<std::string>& choices);
+  // vLLM's guided_regex: text (not JSON) the pattern (structured/regex.h) matches whole.
+  static Expected<std::shared_ptr<const Grammar>> from_regex(std::string_view pattern);
   // The serialised form from_source() compiles again (disaggregated serving
   // sends it to the prefill and decode instances): {"type": "json_object"},
-  // {"type": "json_schema", "schema": ...} or {"type": "choice", "choices": [...]}.
+  // {"type": "json_schema", "schema": ...}, {"type": "choice", "choices": [...]}
+  // or {"type": "regex", "pattern": "..."}.
   static Expected<std::shared_ptr<const Grammar>> from_source(const nlohmann::ordered_json& source);
   const nlohmann::ordered_json& source() const { return source_; }
 

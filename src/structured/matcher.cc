@@ -14,13 +14,17 @@ namespace {
 //             value after the key read
 //   kArray    a: items begun
 //   kString   node: a kString node, or -1 (a key); a: code points so far;
-//             b: the next continuation byte's range (lo | hi << 8); c: how
-//             many continuation bytes (UTF-8) or hex digits (\u) remain
+//             b: the next continuation byte's range (lo | hi << 8), or the
+//             \u escape's value so far; c: how many continuation bytes
+//             (UTF-8) or hex digits (\u) remain; with a pattern, re: its
+//             automaton's state after the characters read, cp: the code
+//             point being read
 //   kNumber   flags: 1 for integers; a: digits in the current part
 //   kLiteral  a: the node in the literals' trie
 //   kKey      a: the node in the object's keys' trie; [b, c]: the properties
 //             it may name (the object's next one up to its first required one)
-enum Kind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey };
+//   kText     raw text (a kRegex node): re: its pattern's state; b, c, cp as a string's UTF-8
+enum Kind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey, kText };
 
 // Phases of an object or an array.
 enum ContainerPhase : uint8_t { kOpen, kStart, kAfterKey, kInValue, kAfterValue, kAfterComma, kInKey, kInExtraKey };
@@ -34,6 +38,49 @@ enum NumberPhase : uint8_t { kNumStart, kMinus, kIntDigits, kZero, kDot, kFracDi
 bool is_whitespace(uint8_t c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
 bool is_digit(uint8_t c) { return c >= '0' && c <= '9'; }
 bool is_hex(uint8_t c) { return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
+
+// A UTF-8 sequence's lead byte: how many continuation bytes follow, the
+// range of the first one (no overlong forms, no surrogates, nothing past
+// U+10FFFF), the lead's bits of the code point, and the code points the
+// sequence may spell.
+struct Utf8Lead {
+  int32_t continuations = 0;
+  uint8_t lo = 0, hi = 0;
+  uint32_t bits = 0, first = 0, last = 0;
+};
+bool utf8_lead(uint8_t byte, Utf8Lead& lead) {
+  if (byte >= 0xC2 && byte <= 0xDF) {
+    const uint32_t bits = byte & 0x1F;
+    lead = {1, 0x80, 0xBF, bits, bits << 6, (bits << 6) | 0x3F};
+  } else if (byte == 0xE0) {
+    lead = {2, 0xA0, 0xBF, 0, 0x800, 0xFFF};
+  } else if (byte == 0xED) {
+    lead = {2, 0x80, 0x9F, 0xD, 0xD000, 0xD7FF};
+  } else if (byte >= 0xE1 && byte <= 0xEF) {
+    const uint32_t bits = byte & 0x0F;
+    lead = {2, 0x80, 0xBF, bits, bits << 12, (bits << 12) | 0xFFF};
+  } else if (byte == 0xF0) {
+    lead = {3, 0x90, 0xBF, 0, 0x10000, 0x3FFFF};
+  } else if (byte >= 0xF1 && byte <= 0xF3) {
+    const uint32_t bits = byte & 0x07;
+    lead = {3, 0x80, 0xBF, bits, bits << 18, (bits << 18) | 0x3FFFF};
+  } else if (byte == 0xF4) {
+    lead = {3, 0x80, 0x8F, 4, 0x100000, 0x10FFFF};
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Whether `regex` in `state` takes some code point of [lo, hi] (surrogates
+// aside: they come only in pairs) that leaves a way to end within the
+// string's length bounds (`used` code points, the coming one included).
+// Asked before a character's last byte, so that no prefix leads to a dead end.
+bool regex_allows(const Regex& regex, int32_t state, uint32_t lo, uint32_t hi, int32_t used, int32_t min_length,
+                  int32_t max_length) {
+  return regex.allows(state, lo, std::min(hi, 0xD7FFu), used, min_length, max_length) ||
+         regex.allows(state, std::max(lo, 0xE000u), hi, used, min_length, max_length);
+}
 
 bool number_accepting(uint8_t phase) {
   return phase == kIntDigits || phase == kZero || phase == kFracDigits || phase == kExpDigits;
@@ -83,6 +130,9 @@ bool Matcher::thread_accepting(size_t begin, size_t end) const {
   const Frame& f = frames_[begin];
   if (f.kind == kNumber) return number_accepting(f.phase);
   if (f.kind == kLiteral) return grammar_->node(f.node).literals.value(f.a) >= 0;
+  if (f.kind == kText) return f.phase == kChars && grammar_->node(f.node).pattern->accepting(f.re);
+  if (f.kind == kValue && grammar_->node(f.node).kind == NodeKind::kRegex)  // raw text not begun: empty
+    return grammar_->node(f.node).pattern->accepting(grammar_->node(f.node).pattern->start());
   return false;
 }
 
@@ -92,7 +142,7 @@ Matcher::StringRoom Matcher::string_room() const {
   for (const uint32_t end : ends_) {
     const bool whole = end == std::exchange(begin, end);
     if (whole || frames_[end - 1].kind != kString || frames_[end - 1].phase != kChars ||
-        (frames_[end - 1].flags & kLowSurrogateNext)) {
+        (frames_[end - 1].flags & kLowSurrogateNext) || frames_[end - 1].re >= 0) {
       s.every_thread = false;
       continue;
     }
@@ -219,12 +269,48 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
     return Step::kReject;
   };
 
+  // UTF-8 in strings and raw text: a lead byte, then its continuations
+  // (top.c left, top.b the next one's range, top.cp the bits so far); with a
+  // pattern (top.re), the code points the sequence may still spell must
+  // hold one it takes, and `character` steps it with the whole one.
+  // A pattern's way on from frame t: some code point of [lo, hi] it takes
+  // within a string's length bounds (raw text has none).
+  auto pattern_allows = [&](const Frame& t, uint32_t lo, uint32_t hi) {
+    if (t.re < 0) return true;
+    const Node& n = g.node(t.node);
+    const bool string = t.kind == kString;
+    return regex_allows(*n.pattern, t.re, lo, hi, string ? t.a : 0, string ? n.min_length : 0,
+                        string ? n.max_length : -1);
+  };
+  auto utf8_first = [&](uint8_t lead_byte, Frame& t) {
+    Utf8Lead lead;
+    if (!utf8_lead(lead_byte, lead)) return Step::kReject;
+    if (!pattern_allows(t, lead.first, lead.last)) return Step::kReject;
+    t.phase = kUtf8;
+    t.c = lead.continuations;
+    t.b = lead.lo | (lead.hi << 8);
+    t.cp = lead.bits;
+    return Step::kConsumed;
+  };
+  auto utf8_next = [&](uint8_t next_byte, Frame& t, auto&& character) {
+    if (next_byte < (t.b & 0xFF) || next_byte > (t.b >> 8)) return Step::kReject;
+    t.b = 0x80 | (0xBF << 8);
+    t.cp = (t.cp << 6) | (next_byte & 0x3F);
+    if (--t.c == 0) {
+      t.phase = kChars;
+      return character(t.cp);
+    }
+    const int shift = 6 * t.c;
+    return pattern_allows(t, t.cp << shift, (t.cp << shift) | ((1u << shift) - 1)) ? Step::kConsumed : Step::kReject;
+  };
+
   switch (top.kind) {
     case kValue: {
       const Node& n = g.node(top.node);
-      if (depth == 1 && n.kind != NodeKind::kChoice && is_whitespace(byte))  // before the output's value
+      const bool raw = n.kind == NodeKind::kChoice || n.kind == NodeKind::kRegex;  // not JSON: no whitespace rules
+      if (depth == 1 && !raw && is_whitespace(byte))  // before the output's value
         return ++top.ws <= kMaxLeadingWhitespace ? Step::kConsumed : Step::kReject;
-      if (n.kind != NodeKind::kChoice && is_whitespace(byte)) return whitespace();
+      if (!raw && is_whitespace(byte)) return whitespace();
       switch (n.kind) {
         case NodeKind::kAnyOf: {
           std::vector<Frame> tops;
@@ -237,13 +323,16 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
           top = Frame{.kind = kNumber, .flags = static_cast<uint8_t>(n.kind == NodeKind::kInteger), .node = top.node};
           return Step::kRedispatch;
         case NodeKind::kString:
-          top = Frame{.kind = kString, .node = top.node};
+          top = Frame{.kind = kString, .node = top.node, .re = n.pattern ? n.pattern->start() : -1};
           return Step::kRedispatch;
         case NodeKind::kArray:
           top = Frame{.kind = kArray, .node = top.node};
           return Step::kRedispatch;
         case NodeKind::kObject:
           top = Frame{.kind = kObject, .node = top.node};
+          return Step::kRedispatch;
+        case NodeKind::kRegex:
+          top = Frame{.kind = kText, .phase = kChars, .node = top.node, .re = n.pattern->start()};
           return Step::kRedispatch;
         case NodeKind::kLiterals:
         case NodeKind::kChoice:
@@ -357,13 +446,28 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
       const int32_t max_length = top.node >= 0 ? g.node(top.node).max_length : -1;
       const int32_t min_length = top.node >= 0 ? g.node(top.node).min_length : 0;
       auto one_more = [&]() { return max_length < 0 || top.a < max_length ? (++top.a, true) : false; };
-      auto utf8 = [&](int32_t count, int32_t lo, int32_t hi) {
-        if (!one_more()) return Step::kReject;
-        top.phase = kUtf8;
-        top.c = count;
-        top.b = lo | (hi << 8);
-        return Step::kConsumed;
+      // A whole character of the value: the pattern's next state (none: the thread dies).
+      auto character = [&](uint32_t code_point) {
+        if (top.re < 0) return Step::kConsumed;
+        top.re = g.node(top.node).pattern->step(top.re, code_point);
+        return g.node(top.node).pattern->viable(top.re, top.a, min_length, max_length) ? Step::kConsumed
+                                                                                       : Step::kReject;
       };
+      auto allows = [&](uint32_t lo, uint32_t hi) { return pattern_allows(top, lo, hi); };
+      // The code points a \u escape with `digits` of its hex digits read may still spell.
+      auto escape_allows = [&](uint32_t value, int digits) {
+        const int shift = 4 * (4 - digits);
+        const uint32_t lo = value << shift, hi = lo | ((1u << shift) - 1);
+        if (top.flags & kLowSurrogateNext) {  // the low half of top.cp's pair
+          const uint32_t base = 0x10000 + ((top.cp - 0xD800) << 10);
+          return allows(base + (std::max(lo, 0xDC00u) - 0xDC00), base + (std::min(hi, 0xDFFFu) - 0xDC00));
+        }
+        if (allows(lo, hi)) return true;  // a character of its own
+        if (hi < 0xD800 || lo > 0xDBFF) return false;
+        return allows(0x10000 + ((std::max(lo, 0xD800u) - 0xD800) << 10),
+                      0x10000 + ((std::min(hi, 0xDBFFu) - 0xD800) << 10) + 0x3FF);  // the high half of a pair
+      };
+
       switch (top.phase) {
         case kQuote:
           if (byte != '"') return Step::kReject;
@@ -375,39 +479,41 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
             top.phase = kEscape;  // one code point with the high half, counted there
             return Step::kConsumed;
           }
-          if (byte == '"') return top.a >= min_length ? (complete(), Step::kConsumed) : Step::kReject;
+          if (byte == '"') {
+            if (top.a < min_length || (top.re >= 0 && !g.node(top.node).pattern->accepting(top.re)))
+              return Step::kReject;
+            complete();
+            return Step::kConsumed;
+          }
           if (byte < 0x20) return Step::kReject;
           if (byte == '\\') {
-            if (!one_more()) return Step::kReject;
+            if (!one_more() || !allows(0, 0x10FFFF)) return Step::kReject;
             top.phase = kEscape;
             return Step::kConsumed;
           }
-          if (byte < 0x80) return one_more() ? Step::kConsumed : Step::kReject;
-          if (byte >= 0xC2 && byte <= 0xDF) return utf8(1, 0x80, 0xBF);
-          if (byte == 0xE0) return utf8(2, 0xA0, 0xBF);
-          if (byte == 0xED) return utf8(2, 0x80, 0x9F);  // no surrogates
-          if (byte >= 0xE1 && byte <= 0xEF) return utf8(2, 0x80, 0xBF);
-          if (byte == 0xF0) return utf8(3, 0x90, 0xBF);
-          if (byte >= 0xF1 && byte <= 0xF3) return utf8(3, 0x80, 0xBF);
-          if (byte == 0xF4) return utf8(3, 0x80, 0x8F);
-          return Step::kReject;
+          if (byte < 0x80) return one_more() ? character(byte) : Step::kReject;
+          return one_more() ? utf8_first(byte, top) : Step::kReject;
         case kUtf8:
-          if (byte < (top.b & 0xFF) || byte > (top.b >> 8)) return Step::kReject;
-          top.b = 0x80 | (0xBF << 8);
-          if (--top.c == 0) top.phase = kChars;
-          return Step::kConsumed;
+          return utf8_next(byte, top, character);
         case kEscape:
           if (byte == 'u') {
             top.phase = kHex;
             top.c = 4;
             top.b = 0;
-            return Step::kConsumed;
+            return escape_allows(0, 0) ? Step::kConsumed : Step::kReject;
           }
           if ((top.flags & kLowSurrogateNext) ||
               std::string_view("\"\\/bfnrt").find(static_cast<char>(byte)) == std::string_view::npos)
             return Step::kReject;
           top.phase = kChars;
-          return Step::kConsumed;
+          switch (byte) {  // the character the escape stands for
+            case 'b': return character('\b');
+            case 'f': return character('\f');
+            case 'n': return character('\n');
+            case 'r': return character('\r');
+            case 't': return character('\t');
+            default: return character(byte);  // " \ /
+          }
         case kHex: {
           // \uXXXX: surrogates only in pairs (what JSON parsers take), decided
           // by the first two digits so that no prefix is a dead end.
@@ -418,18 +524,32 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
           if (pos == 0 && low_next && digit != 0xD) return Step::kReject;
           if (pos == 1 && (top.b == 0xD) && low_next != (digit >= 0xC)) return Step::kReject;
           top.b = top.b * 16 + digit;
-          if (--top.c > 0) return Step::kConsumed;
+          if (--top.c > 0) return escape_allows(static_cast<uint32_t>(top.b), 4 - top.c) ? Step::kConsumed : Step::kReject;
           top.phase = kChars;
           if (low_next) {
             top.flags &= ~kLowSurrogateNext;
-          } else if (top.b >= 0xD800 && top.b <= 0xDBFF) {
-            top.flags |= kLowSurrogateNext;
+            return character(0x10000 + ((top.cp - 0xD800) << 10) + (static_cast<uint32_t>(top.b) - 0xDC00));
           }
-          return Step::kConsumed;
+          if (top.b >= 0xD800 && top.b <= 0xDBFF) {
+            top.flags |= kLowSurrogateNext;
+            top.cp = static_cast<uint32_t>(top.b);  // the pair's character comes with its low half
+            return escape_allows(0, 0) ? Step::kConsumed : Step::kReject;
+          }
+          return character(static_cast<uint32_t>(top.b));
         }
         default:
           return Step::kReject;
       }
+    }
+
+    case kText: {  // raw text: each whole character a step of the pattern
+      const Regex& regex = *g.node(top.node).pattern;
+      auto character = [&](uint32_t code_point) {
+        top.re = regex.step(top.re, code_point);
+        return top.re >= 0 ? Step::kConsumed : Step::kReject;
+      };
+      if (top.phase == kUtf8) return utf8_next(byte, top, character);
+      return byte < 0x80 ? character(byte) : utf8_first(byte, top);
     }
 
     case kNumber: {

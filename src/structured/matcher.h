@@ -46,7 +46,8 @@ class Matcher {
   bool accepting() const;
   bool failed() const { return ends_.empty(); }
   // Threads inside a string between characters (no escape or UTF-8 sequence
-  // begun): `room`, how many more code points the roomiest may read
+  // begun; a string with a pattern counts as elsewhere): `room`, how many
+  // more code points the roomiest may read
   // (INT32_MAX: unbounded; -1: no thread is there), and whether every thread
   // is there. A run of plain characters (structured/token_filter.h) that fits
   // `room` is accepted whatever the other threads do; with every thread in a
@@ -65,6 +66,8 @@ class Matcher {
     int32_t node = -1;
     int32_t a = 0, b = 0, c = 0;
     int32_t d = -1;  // an extra key: its place in the object's keys trie (-1: no declared key's)
+    int32_t re = -1;   // a string with a pattern: its automaton's state
+    uint32_t cp = 0;   // a string with a pattern: the code point being read (UTF-8, a surrogate pair's high half)
     bool operator==(const Frame&) const = default;
   };
 

@@ -117,7 +117,7 @@ TEST(Protocol, UnsupportedFieldsPassOnlyAtTheirNeutralValue) {
   EXPECT_EQ(param_of(R"(,"length_penalty":0.5)"), "length_penalty");
   EXPECT_EQ(param_of(R"(,"suffix":"end")"), "suffix");
   EXPECT_EQ(param_of(R"(,"best_of":3)"), "best_of");
-  EXPECT_EQ(param_of(R"(,"guided_regex":"a+")"), "guided_regex");
+  EXPECT_EQ(param_of(R"(,"guided_grammar":"root ::= x")"), "guided_grammar");
   EXPECT_EQ(param_of(R"(,"response_format":{"type":"grammar"})", true), "response_format");
   EXPECT_EQ(param_of(R"(,"tool_choice":"required")", true), "tool_choice");  // without tools
   EXPECT_EQ(param_of(R"(,"tool_choice":{"type":"function","function":{"name":"f"}})", true), "tool_choice");
@@ -599,8 +599,17 @@ TEST(Protocol, StructuredOutputsCompileOrNameWhatIsNotServed) {
     auto r = parse_chat_request(R"({"messages":[{"role":"user","content":"x"}])" + fields + "}", {});
     return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r).message : std::string("(accepted)");
   };
-  EXPECT_NE(error_of(R"(,"guided_json":{"type":"string","pattern":"a"})").find("'pattern'"), std::string::npos);
-  EXPECT_NE(error_of(R"(,"structured_outputs":{"regex":"a"})").find("regex"), std::string::npos);
+  // Regular expressions: a schema's pattern (a search in the decoded value), guided_regex (the whole text).
+  EXPECT_TRUE(matches(grammar_of(R"(,"guided_json":{"type":"string","pattern":"b+"})"), R"("abba")"));
+  EXPECT_FALSE(matches(grammar_of(R"(,"guided_json":{"type":"string","pattern":"^b+$"})"), R"("abba")"));
+  EXPECT_TRUE(matches(grammar_of(R"(,"guided_regex":"[0-9]{3}-x")"), "123-x"));
+  EXPECT_FALSE(matches(grammar_of(R"(,"guided_regex":"[0-9]{3}-x")"), "0123-x"));
+  EXPECT_TRUE(matches(grammar_of(R"j(,"structured_outputs":{"regex":"(yes|no)!"})j"), "no!"));
+  EXPECT_NE(error_of(R"(,"guided_json":{"type":"string","pattern":"(a)\\1"})").find("backreferences"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"j(,"guided_regex":"a(?!b)")j").find("look-ahead"), std::string::npos);
+  EXPECT_NE(error_of(R"(,"guided_regex":7)").find("must be a string"), std::string::npos);
+  EXPECT_NE(error_of(R"(,"structured_outputs":{"grammar":"a"})").find("grammar"), std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_choice":["a"],"guided_json":{})").find("one structured output"), std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_choice":"a")").find("array of strings"), std::string::npos);
 
@@ -637,7 +646,7 @@ TEST(Protocol, StructuredOutputsCompileOrNameWhatIsNotServed) {
   EXPECT_EQ(back->spec.grammar_after_token, 42);
   EXPECT_EQ(disagg::to_engine_request(back->spec).grammar, back->spec.grammar);
   nlohmann::json bad = disagg::to_json(r);
-  bad["grammar"] = R"({"type":"regex"})";
+  bad["grammar"] = R"({"type":"regex"})";  // no pattern
   auto refused = disagg::parse_decode_request(bad.dump());
   ASSERT_FALSE(refused.has_value());
   EXPECT_NE(refused.status().message().find("grammar"), std::string::npos);

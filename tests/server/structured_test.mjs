@@ -1,9 +1,10 @@
 // Structured outputs through the official `openai` client on the bundled demo
-// model: response_format json_schema / json_object, vLLM's guided_choice and
-// structured_outputs, tool_choice "required" / a named function (tool_calls
-// out of a grammar of the tools' parameters), streamed and not, and the 400s
-// for what is not served.
-// Oracle: ajv (a JSON Schema validator) on every finished output, and
+// model: response_format json_schema / json_object (pattern and format
+// included), vLLM's guided_choice, guided_regex and structured_outputs,
+// tool_choice "required" / a named function (tool_calls out of a grammar of
+// the tools' parameters), streamed and not, and the 400s for what is not
+// served.
+// Oracle: ajv (a JSON Schema validator; ajv-formats for pattern and format) on every finished output, and
 // JSON.parse. With --reasoning-parser qwen3 the grammar starts after the
 // reasoning (a second server, with a template that can open it).
 import { test, before, after } from 'node:test';
@@ -12,6 +13,7 @@ import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import Ajv from 'ajv';
+import addFormats from 'ajv-formats';
 import OpenAI from 'openai';
 import { startServer, repoRoot } from './server_harness.mjs';
 
@@ -149,16 +151,73 @@ test('guided_choice on /v1/completions: one of the choices, then stop', async ()
   assert.ok(choices.includes(streamed.join('')), streamed.join(''));
 });
 
+// pattern and format: the regular expressions apply to the decoded string
+// values. Oracle: ajv with ajv-formats (JavaScript's own RegExp for pattern).
+test('pattern and format: every finished output meets them', async () => {
+  const patterned = {
+    type: 'object',
+    properties: {
+      code: { type: 'string', pattern: '^[A-Z]{2}-\\d{3}$' },
+      when: { type: 'string', format: 'date-time' },
+      day: { type: 'string', format: 'date' },
+      id: { type: 'string', format: 'uuid' },
+      host: { type: 'string', format: 'ipv4' },
+      mail: { type: 'string', format: 'email', maxLength: 40 },
+      word: { type: 'string', pattern: 'ab?c', maxLength: 12 },
+    },
+    required: ['code', 'when', 'day', 'id', 'host', 'mail', 'word'],
+    additionalProperties: false,
+  };
+  const ajv = new Ajv({ strict: true });
+  addFormats(ajv);
+  const check = ajv.compile(patterned);
+  const rf = { type: 'json_schema', json_schema: { name: 'record', schema: patterned } };
+  let finished = 0;
+  for (const request of [{ temperature: 0 }, { temperature: 1, seed: 3, n: 6 }]) {
+    const r = await client.chat.completions.create({ model, messages, max_tokens: 300, response_format: rf, ...request });
+    for (const c of r.choices) {
+      if (c.finish_reason !== 'stop') continue;
+      const value = JSON.parse(c.message.content);
+      assert.ok(check(value), `${c.message.content}: ${JSON.stringify(check.errors)}`);
+      ++finished;
+    }
+  }
+  assert.ok(finished >= 4, `${finished} of 7 choices finished`);
+});
+
+// vLLM's guided_regex and structured_outputs.regex: the whole text matches
+// (oracle: JavaScript's RegExp, anchored), streamed and not.
+test('guided_regex and structured_outputs.regex: the whole output matches', async () => {
+  const regex = '(yes|no), [0-9]{1,3} (apples|pears)\\.';
+  const whole = new RegExp(`^(?:${regex})$`);
+  const r = await client.completions.create({ model, prompt: 'The answer is', max_tokens: 40, temperature: 1, seed: 2,
+                                              n: 6, guided_regex: regex });
+  for (const c of r.choices) {
+    assert.equal(c.finish_reason, 'stop', c.text);
+    assert.match(c.text, whole);
+  }
+  const chat = await client.chat.completions.create({ model, messages, max_tokens: 40, temperature: 0,
+                                                      structured_outputs: { regex } });
+  assert.match(chat.choices[0].message.content, whole);
+  const streamed = [];
+  for await (const chunk of await client.completions.create({ model, prompt: 'Fruit:', temperature: 0, max_tokens: 40,
+                                                              stream: true, guided_regex: regex }))
+    streamed.push(chunk.choices[0]?.text ?? '');
+  assert.match(streamed.join(''), whole);
+});
+
 test('what is not served is a 400 naming it, and the server goes on', async () => {
   const cases = [
-    [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'string', pattern: 'a+' } } } },
-     /'pattern'/],
+    [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'string', pattern: '(a)\\1' } } } },
+     /backreferences/],
+    [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'string', format: 'ipv6' } } } },
+     /'format' "ipv6"/],
     [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'object', required: ['x'] } } } },
      /"x"/],
     [{ response_format: { type: 'json_schema', json_schema: { name: 'x' } } }, /schema/],
     [{ response_format: { type: 'grammar' } }, /'grammar'/],
-    [{ guided_regex: 'a+' }, /guided_regex/],
-    [{ structured_outputs: { regex: 'a+' } }, /regex/],
+    [{ guided_regex: 'a(?=b)' }, /look-ahead/],
+    [{ structured_outputs: { grammar: 'root ::= "a"' } }, /grammar/],
     [{ guided_json: '{not json' }, /not valid JSON/],
     [{ guided_choice: [] }, /choice/],
     [{ guided_choice: ['a'], response_format: { type: 'json_object' } }, /one structured output/],

@@ -3,8 +3,11 @@
 // parses, and meets the schema's checks written out below), and the token
 // filter's trie walk against trying every token of the vocabulary on its own.
 #include <chrono>
+#include <tuple>
 #include <filesystem>
+#include <cmath>
 #include <random>
+#include <regex>
 #include <set>
 
 #include <fmt/format.h>
@@ -12,6 +15,7 @@
 
 #include "structured/grammar.h"
 #include "structured/matcher.h"
+#include "structured/regex.h"
 #include "structured/token_filter.h"
 #include "tokenizer/tokenizer.h"
 
@@ -150,8 +154,16 @@ TEST(Grammar, Choices) {
 
 TEST(Grammar, UnsupportedKeywordsAreNamed) {
   const std::pair<const char*, const char*> cases[] = {
-      {R"({"type": "string", "pattern": "a+"})", "'pattern'"},
-      {R"({"type": "string", "format": "date-time"})", "'format'"},
+      {R"({"type": "string", "pattern": "(a)\\1"})", "backreferences"},
+      {R"j({"type": "string", "pattern": "a(?=b)"})j", "look-ahead"},
+      {R"({"type": "string", "pattern": "a^b"})", "'^'"},
+      {R"({"type": "string", "pattern": "[a"})", "unterminated"},
+      {R"({"type": "string", "pattern": "a{3,1}"})", "{n,m}"},
+      {R"({"type": "string", "pattern": "[]"})", "no string"},
+      {R"({"type": "string", "pattern": "(a|b)*a[ab]{20}"})", "too complex"},
+      {R"({"type": "string", "format": "ipv6"})", "\"ipv6\""},
+      {R"({"type": "string", "format": "date", "pattern": "a"})", "together"},
+      {R"({"type": "string", "format": "date", "maxLength": 8})", "within"},
       {R"({"type": "integer", "minimum": 0})", "'minimum'"},
       {R"({"type": "object", "required": ["x"]})", "\"x\""},
       {R"({"$ref": "#/$defs/missing"})", "missing"},
@@ -235,6 +247,157 @@ TEST(Grammar, SourceRoundTrips) {
   EXPECT_FALSE(Grammar::from_source(Json{{"type", "regex"}}).has_value());
 }
 
+// Patterns against std::regex's ECMAScript grammar (the syntax JSON Schema
+// names), as a search (JSON Schema patterns are not anchored): every string
+// of up to 7 characters over a small alphabet, and random longer ones.
+TEST(Regex, MatchesAsEcmaScriptSearches) {
+  const char* patterns[] = {"a+",         "^a+$",         "^\\d{2}-\\d{1,2}$", "ab|cd",         "^(ab|cd)*e?$",
+                            "[a-c]{2,3}", "^[^ab]+$",     "x.y",               "^\\w+@\\w+\\.e$", "^(?:a|b){1,3}c$",
+                            "^a{2,}$",    "colou?r",      "\\s",               "^[\\d\\-]+$",     "^a$|^b$",
+                            "^$",         "^[\\w.]*?$",   "a|^b|c$",           "^\\x61\\u0062",   "[-a]x[b-]"};
+  const std::string alphabet = "abcdexy01 -@.\n_";
+  std::mt19937 rng(3);
+  for (const char* pattern : patterns) {
+    SCOPED_TRACE(pattern);
+    auto r = Regex::compile(pattern);
+    ASSERT_TRUE(r.has_value()) << r.status().to_string();
+    const std::regex oracle(pattern, std::regex::ECMAScript);
+    auto check = [&](const std::string& text) {
+      ASSERT_EQ(r->matches(text), std::regex_search(text, oracle)) << "'" << text << "'";
+    };
+    for (size_t len = 0; len <= 4; ++len) {  // every string over 6 letters up to 4, random ones beyond
+      std::string text(len, 'a');
+      for (int64_t code = 0; code < static_cast<int64_t>(std::pow(6, len)); ++code) {
+        int64_t c = code;
+        for (size_t i = 0; i < len; ++i, c /= 6) text[i] = "abcde-"[c % 6];
+        check(text);
+      }
+    }
+    for (int i = 0; i < 3000; ++i) {
+      std::string text(std::uniform_int_distribution<size_t>(0, 12)(rng), ' ');
+      for (char& ch : text) ch = alphabet[std::uniform_int_distribution<size_t>(0, alphabet.size() - 1)(rng)];
+      check(text);
+    }
+  }
+  // Bounded work on hostile patterns: deep groups, huge repeats, invalid UTF-8.
+  EXPECT_FALSE(Regex::compile(std::string(100, '(') + "a" + std::string(100, ')')).has_value());
+  EXPECT_TRUE(Regex::compile(std::string(60, '(') + "a" + std::string(60, ')')).has_value());
+  EXPECT_FALSE(Regex::compile("((a{1000}){1000}){1000}").has_value());
+  auto bad_utf8 = Regex::compile(std::string("a\xC3"));
+  ASSERT_FALSE(bad_utf8.has_value());
+  EXPECT_NE(bad_utf8.status().message().find("UTF-8"), std::string::npos);
+  // Named groups (std::regex has none), surrogate pairs and other planes.
+  auto named = Regex::compile("^(?<y>\\d{2})-(?<m>\\d)$");
+  ASSERT_TRUE(named.has_value());
+  EXPECT_TRUE(named->matches("12-3"));
+  EXPECT_FALSE(named->matches("12-34"));
+  auto emoji = Regex::compile("^\\uD83D\\uDE00.$");
+  ASSERT_TRUE(emoji.has_value());
+  EXPECT_TRUE(emoji->matches("\xF0\x9F\x98\x80\xC3\xA9"));  // U+1F600 then e-acute
+  EXPECT_FALSE(emoji->matches("\xF0\x9F\x98\x80\n"));       // '.' takes no line terminator
+}
+
+TEST(Regex, FormatsTakeTheirExamples) {
+  const std::pair<const char*, std::vector<std::pair<const char*, bool>>> cases[] = {
+      {"date", {{"2024-02-29", true}, {"2024-13-01", false}, {"2024-1-01", false}, {"x2024-02-01", false}}},
+      {"time", {{"13:05:00Z", true}, {"23:59:59.123+02:00", true}, {"24:00:00Z", false}, {"13:05:00", false}}},
+      {"date-time", {{"2024-02-29T13:05:00Z", true}, {"2024-02-29 13:05:00Z", false}}},
+      {"uuid", {{"123e4567-e89b-12d3-a456-426614174000", true}, {"123e4567e89b12d3a456426614174000", false}}},
+      {"email", {{"a.b+c@example.co", true}, {"a@b", false}, {"a..b@example.com", false}, {"@x.com", false}}},
+      {"ipv4", {{"192.168.0.1", true}, {"256.1.1.1", false}, {"01.1.1.1", false}, {"1.1.1", false}}},
+      {"hostname", {{"a-b.example.com", true}, {"-a.com", false}, {"a", true}}},
+  };
+  for (const auto& [format, examples] : cases) {
+    auto r = Regex::compile(format_pattern(format));
+    ASSERT_TRUE(r.has_value()) << format << ": " << r.status().to_string();
+    for (const auto& [text, valid] : examples) EXPECT_EQ(r->matches(text), valid) << format << " '" << text << "'";
+  }
+  EXPECT_TRUE(format_pattern("ipv6").empty());
+}
+
+// A pattern applies to a string's value, after its JSON escapes: the
+// matcher's acceptance of random JSON-encoded strings equals the oracle's
+// search on the decoded ones, \" \\ \n \uXXXX and surrogate pairs included.
+TEST(Grammar, PatternsApplyToTheDecodedValue) {
+  const char* patterns[] = {"^[a\"\\\\]{1,3}$", "^a\\nb", "^.$", "x|y{2}", "^[^\"]*$"};
+  std::mt19937 rng(5);
+  for (const char* pattern : patterns) {
+    SCOPED_TRACE(pattern);
+    auto g = schema(Json{{"type", "string"}, {"pattern", pattern}}.dump().c_str());
+    const std::regex oracle(pattern, std::regex::ECMAScript);
+    const std::string alphabet = "ab\"\\\nxy";
+    for (int i = 0; i < 2000; ++i) {
+      std::string value(std::uniform_int_distribution<size_t>(0, 4)(rng), ' ');
+      for (char& ch : value) ch = alphabet[std::uniform_int_distribution<size_t>(0, alphabet.size() - 1)(rng)];
+      std::string json = Json(value).dump();
+      if (i % 3 == 1 && !value.empty() && value[0] == 'a') json.replace(1, 1, "\\u0061");  // 'a' escaped
+      EXPECT_EQ(matches(*g, json), std::regex_search(value, oracle)) << json;
+    }
+  }
+  auto one = schema(R"({"type": "string", "pattern": "^.$"})");
+  EXPECT_TRUE(matches(*one, "\"\\ud83d\\ude00\""));  // one code point as a pair of escapes
+  EXPECT_TRUE(matches(*one, "\"\xF0\x9F\x98\x80\""));
+  EXPECT_FALSE(matches(*one, "\"\\ud83d\\ude00a\""));
+  EXPECT_FALSE(begins(*one, "\"ab"));  // a dead end is refused at once
+  auto date = schema(R"({"type": "object", "properties": {"d": {"format": "date"}}, "required": ["d"]})");
+  EXPECT_TRUE(matches(*date, R"({"d": "2024-02-29"})"));
+  EXPECT_FALSE(begins(*date, R"({"d": "2024-2)"));
+  EXPECT_FALSE(matches(*date, R"({"d": "2024-02-2"})"));
+}
+
+// No dead ends: random byte-level walks (each byte drawn among those the
+// matcher takes, UTF-8 and \u escapes alike) never reach a state that takes
+// no byte and cannot end, for patterns of characters outside ASCII.
+TEST(Grammar, PatternedStringsHaveNoDeadEnds) {
+  const std::tuple<const char*, int, int> patterns[] = {
+      {"^(\\u00e9|\\uD83D\\uDE00|[\\u4e00-\\u4e01]){1,3}$", 0, -1},
+      {"^[\\u0800-\\u0801]x$", 0, -1},
+      {"^\\uFFFD?[\\u10000-\\u10001]$", 0, -1},
+      {"^[^\\u0000-\\u00ff]$", 0, -1},
+      {"ab?c", 0, 5},             // the match must start by the fourth character
+      {"^a+(bc)*$", 4, 7},        // lengths with the pattern's own
+      {"x[0-9]{2}", 0, 3},
+      {"\\u00e9{2}", 3, 4}};
+  std::mt19937 rng(17);
+  for (const auto& [pattern, min_length, max_length] : patterns) {
+    SCOPED_TRACE(pattern);
+    Json schema_json = {{"type", "string"}, {"pattern", pattern}, {"minLength", min_length}};
+    if (max_length >= 0) schema_json["maxLength"] = max_length;
+    auto g = Grammar::from_json_schema(schema_json);
+    ASSERT_TRUE(g.has_value()) << g.status().to_string();
+    for (int walk = 0; walk < 300; ++walk) {
+      Matcher m(**g);
+      std::string text;
+      for (int step = 0; step < 64 && !(m.accepting() && step > 0 && rng() % 2 == 0); ++step) {
+        std::vector<uint8_t> next;
+        for (int b = 0; b < 256; ++b) {
+          Matcher copy = m;
+          const char c = static_cast<char>(b);
+          if (copy.advance(std::string_view(&c, 1))) next.push_back(static_cast<uint8_t>(b));
+        }
+        if (next.empty()) {
+          ASSERT_TRUE(m.accepting()) << "a dead end after '" << text << "'";
+          break;
+        }
+        const char c = static_cast<char>(next[std::uniform_int_distribution<size_t>(0, next.size() - 1)(rng)]);
+        ASSERT_TRUE(m.advance(std::string_view(&c, 1)));
+        text += c;
+      }
+      if (m.accepting()) {
+        Json value;
+        ASSERT_NO_THROW(value = Json::parse(text)) << text;
+        const std::string v = value.get<std::string>();
+        EXPECT_TRUE(Regex::compile(pattern)->matches(v)) << text;
+        const auto length = std::count_if(v.begin(), v.end(), [](char ch) { return (ch & 0xC0) != 0x80; });
+        EXPECT_GE(length, min_length) << text;
+        if (max_length >= 0) {
+          EXPECT_LE(length, max_length) << text;
+        }
+      }
+    }
+  }
+}
+
 std::shared_ptr<const TokenVocabulary> load_vocabulary(const std::string& dir, int64_t vocab_size) {
   auto tok = tokenizer::Tokenizer::load(dir);
   EXPECT_TRUE(tok.has_value()) << tok.status().to_string();
@@ -269,7 +432,8 @@ std::string random_walk(const TokenConstraint& start, const TokenVocabulary& voc
     EXPECT_FALSE(allowed.empty());
     if (allowed.empty()) break;
     const int32_t token = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(rng)];
-    EXPECT_TRUE(c.accept(token));
+    EXPECT_TRUE(c.accept(token)) << "token " << token << " '" << vocab.bytes(token) << "' after '" << text << "' ("
+                                 << allowed.size() << " allowed)";
     if (token == eos) return text;
     text += vocab.bytes(token);
     EXPECT_TRUE(shadow.advance(vocab.bytes(token)));
@@ -303,7 +467,35 @@ TEST(TokenFilter, WalksOnTheDemoVocabularyGiveValidJson) {
         ASSERT_TRUE(value.is_array() && value.size() <= 3) << text;
         for (const Json& t : value) EXPECT_TRUE(t == "a" || t == "b") << text;
       }
-      if (key == "ok") EXPECT_TRUE(value.is_boolean()) << text;
+      if (key == "ok") {
+        EXPECT_TRUE(value.is_boolean()) << text;
+      }
+    }
+  }
+}
+
+// Patterns and formats: random walks give values the oracle (std::regex)
+// matches, and the masks inside a pattern's string equal trying every token.
+TEST(TokenFilter, WalksInPatternedStringsMatchThePattern) {
+  auto vocab = load_vocabulary(kDemo, 4096);
+  ASSERT_TRUE(vocab);
+  auto g = schema(R"({"type": "object", "properties": {
+      "when": {"format": "date-time"}, "id": {"format": "uuid"}, "ip": {"format": "ipv4"},
+      "slug": {"type": "string", "pattern": "^[a-z]{1,5}(-[a-z0-9]{1,4}){0,2}$"}},
+      "required": ["when", "id", "ip", "slug"]})");
+  TokenConstraint start(g, vocab, {kDemoEos});
+  std::mt19937 rng(13);
+  const std::pair<const char*, const char*> checks[] = {{"when", format_pattern("date-time").data()},
+                                                        {"id", format_pattern("uuid").data()},
+                                                        {"ip", format_pattern("ipv4").data()},
+                                                        {"slug", "^[a-z]{1,5}(-[a-z0-9]{1,4}){0,2}$"}};
+  for (int walk = 0; walk < 8; ++walk) {
+    const std::string text = random_walk(start, *vocab, kDemoEos, rng, walk < 2, *g);
+    Json j;
+    ASSERT_NO_THROW(j = Json::parse(text)) << text;
+    for (const auto& [key, pattern] : checks) {
+      ASSERT_TRUE(j[key].is_string()) << text;
+      EXPECT_TRUE(std::regex_search(j[key].get<std::string>(), std::regex(pattern))) << key << ": " << text;
     }
   }
 }
@@ -400,7 +592,7 @@ TEST(TokenFilter, QwenVocabulary) {
   Json strings = Json::array();
   for (int i = 0; i < 60; ++i) strings.push_back(Json{{"type", "string"}, {"maxLength", i + 1}});
   Json properties = Json::object();
-  for (int i = 0; i < 60; ++i) properties["k" + std::to_string(i)] = Json{{"anyOf", strings}};
+  for (int i = 0; i < 60; ++i) properties[fmt::format("k{}", i)] = Json{{"anyOf", strings}};
   auto many = schema(Json{{"anyOf", strings}}.dump().c_str());
   auto object = schema(Json{{"type", "object"}, {"properties", properties}, {"additionalProperties", true}}.dump().c_str());
   for (const auto& [g, prefix] : {std::pair{many.get(), "\"ab"}, std::pair{object.get(), "{\"k0\": \"ab"}}) {
