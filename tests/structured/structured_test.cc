@@ -565,7 +565,14 @@ TEST(TokenFilter, QwenVocabulary) {
   ASSERT_TRUE(vocab);
   auto person = schema(kPerson);
   auto any = Grammar::json_object();
+  auto patterned = schema(R"({"type": "object", "properties": {"when": {"format": "date-time"},
+      "text": {"type": "string", "pattern": "^[A-Za-z ,.]+$"}}, "required": ["when", "text"]})");
+  auto regex = Grammar::from_regex("(yes|no), [0-9]{1,3} (apples|pears)\\.");
+  ASSERT_TRUE(regex.has_value());
   const std::pair<const Grammar*, const char*> states[] = {
+      {patterned.get(), "{\"when\": \"2024-0"},
+      {patterned.get(), "{\"when\": \"2024-01-01T00:00:00Z\", \"text\": \"It was"},
+      {regex->get(), "yes, 1"},
       {person.get(), ""},
       {person.get(), "{\"name\": \"Jo"},
       {person.get(), "{\"name\": \"Jo\", \"age\": 4"},
