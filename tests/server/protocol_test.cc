@@ -645,6 +645,11 @@ TEST(Protocol, StructuredOutputsCompileOrNameWhatIsNotServed) {
   EXPECT_TRUE(matches(back->spec.grammar, R"({"z": 1, "a": true})"));  // z first, as sent
   EXPECT_EQ(back->spec.grammar_after_token, 42);
   EXPECT_EQ(disagg::to_engine_request(back->spec).grammar, back->spec.grammar);
+  r.spec.grammar = grammar_of(R"(,"guided_regex":"[a-c]{2}\\.")");  // a regex travels as its pattern
+  auto regex_back = disagg::parse_decode_request(disagg::to_json(r).dump());
+  ASSERT_TRUE(regex_back.has_value()) << regex_back.status().to_string();
+  EXPECT_TRUE(matches(regex_back->spec.grammar, "ab."));
+  EXPECT_FALSE(matches(regex_back->spec.grammar, "ab"));
   nlohmann::json bad = disagg::to_json(r);
   bad["grammar"] = R"({"type":"regex"})";  // no pattern
   auto refused = disagg::parse_decode_request(bad.dump());
