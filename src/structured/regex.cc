@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdint>
 #include <map>
+#include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
@@ -12,8 +13,9 @@ namespace moe::structured {
 namespace {
 
 constexpr uint32_t kMaxCodePoint = 0x10FFFF;
-constexpr size_t kMaxNfaStates = 200000;
+constexpr size_t kMaxNfaStates = 50000;
 constexpr size_t kMaxTableEntries = size_t{1} << 22;
+constexpr size_t kMaxWork = size_t{1} << 21;  // NFA states in the subset construction's sets, summed
 
 // A set of code points as sorted, disjoint, inclusive ranges.
 using Ranges = std::vector<std::pair<uint32_t, uint32_t>>;
@@ -311,11 +313,10 @@ class Parser {
     // One class atom: a code point (single) or a set (\d ...).
     auto class_atom = [&](Ranges& out, bool& single) -> Status {
       if (peek('\\')) {
+        const uint32_t e = i_ + 1 < p_.size() ? p_[i_ + 1] : 0;  // \d and friends are sets, even of one range
         MOE_ASSIGN_OR_RETURN(out, escape(true));
-        single = out.size() == 1 && out[0].first == out[0].second;
-        // \d and friends are sets even when they hold one range
-        const uint32_t e = p_[i_ - 1];
-        if (e == 'd' || e == 'D' || e == 'w' || e == 'W' || e == 's' || e == 'S') single = false;
+        single = out.size() == 1 && out[0].first == out[0].second &&
+                 std::u32string_view(U"dDwWsS").find(static_cast<char32_t>(e)) == std::u32string_view::npos;
         return Status::ok();
       }
       out = {{p_[i_], p_[i_]}};
@@ -456,13 +457,19 @@ Expected<Regex> Regex::compile(std::string_view pattern, RegexMatch match) {
   auto interval_of = [&](uint32_t cp) {
     return static_cast<size_t>(std::upper_bound(bounds.begin(), bounds.end(), cp) - bounds.begin()) - 1;
   };
+  // The work of the construction is bounded (the states' sets read, summed),
+  // so that a hostile pattern costs at most ~0.1 s to refuse.
+  size_t work = 0;
+  std::vector<uint32_t> seen(states.size(), 0);
+  uint32_t stamp = 0;
   auto closure = [&](std::vector<int> set) {
-    std::vector<uint8_t> seen(states.size(), 0);
-    for (int s : set) seen[static_cast<size_t>(s)] = 1;
+    ++stamp;
+    for (int s : set) seen[static_cast<size_t>(s)] = stamp;
     for (size_t k = 0; k < set.size(); ++k)
       for (int t : states[static_cast<size_t>(set[k])].eps)
-        if (!std::exchange(seen[static_cast<size_t>(t)], 1)) set.push_back(t);
+        if (std::exchange(seen[static_cast<size_t>(t)], stamp) != stamp) set.push_back(t);
     std::sort(set.begin(), set.end());
+    work += set.size();
     return set;
   };
   // Subset construction.
@@ -484,6 +491,8 @@ Expected<Regex> Regex::compile(std::string_view pattern, RegexMatch match) {
         continue;
       }
       std::vector<int> set = closure(std::move(by_interval[k]));
+      if (work > kMaxWork)
+        return invalid_argument("regular expression: too complex (its automaton takes too long to build)");
       auto [it, added] = ids.emplace(set, static_cast<int32_t>(sets.size()));
       if (added) {
         if (static_cast<int32_t>(sets.size()) >= kMaxRegexStates || (sets.size() + 1) * intervals > kMaxTableEntries)

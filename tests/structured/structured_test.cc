@@ -283,6 +283,15 @@ TEST(Regex, MatchesAsEcmaScriptSearches) {
   EXPECT_FALSE(Regex::compile(std::string(100, '(') + "a" + std::string(100, ')')).has_value());
   EXPECT_TRUE(Regex::compile(std::string(60, '(') + "a" + std::string(60, ')')).has_value());
   EXPECT_FALSE(Regex::compile("((a{1000}){1000}){1000}").has_value());
+  for (const char* hostile : {"(x?){1000}x{1000}", "([^a]*a){1000}"}) {  // refused within a bounded time
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = Regex::compile(hostile);
+    ASSERT_FALSE(r.has_value()) << hostile;
+    EXPECT_NE(r.status().message().find("too complex"), std::string::npos) << r.status().message();
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.0) << hostile;
+  }
+  // ... and a character class's \u escape ending in d, w or s is one code point, not \d.
+  EXPECT_TRUE(Regex::compile("^[\\u010c-\\u010d]$")->matches("\u010d"));
   auto bad_utf8 = Regex::compile(std::string("a\xC3"));
   ASSERT_FALSE(bad_utf8.has_value());
   EXPECT_NE(bad_utf8.status().message().find("UTF-8"), std::string::npos);
