@@ -463,7 +463,7 @@ void add_bench_command(CLI::App& app) {
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
   bench->require_subcommand(1);
   CLI::App* cmd = bench->add_subcommand("serve", "Load-test an OpenAI-compatible server (like `vllm bench serve`)");
-  cmd->add_option("--url,--base-url", args->url, "Server base URL (http://host:port; default http://127.0.0.1:8000)");
+  cmd->add_option("--url,--base-url", args->url, "Server base URL (http://host:port)");
   cmd->add_option("--host", args->host, "Server host, with --port instead of --url (vLLM's; default 127.0.0.1)");
   cmd->add_option("--port", args->port, "Server port, with --host (default 8000)");
   cmd->add_option("--model", args->model, "Model name (default: the first of /v1/models)");
@@ -480,13 +480,13 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--save-result", args->save_result, "Write the results as JSON to this file");
   cmd->add_option("--api-key", args->api_key, "Sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)");
   cmd->add_option("--percentile-metrics", args->percentile_metrics,
-                  "Metrics with percentiles, comma-separated, of ttft,tpot,itl,e2el (default all)");
+                  "Metrics with percentiles, comma-separated, of ttft,tpot,itl,e2el");
   cmd->add_option("--metric-percentiles", args->metric_percentiles,
-                  "Percentiles to report, comma-separated (default 99)");
+                  "Percentiles to report, comma-separated");
   cmd->add_option("--goodput", args->goodput,
-                  "SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS");
+                  "SLOs a request must all meet to count for goodput: ttft:MS tpot:MS e2el:MS")->default_str("");
   cmd->add_option("--timeout", args->timeout_s,
-                  "Seconds without a byte from the server before a request fails (default 300; 0: never)");
+                  "Seconds without a byte from the server before a request fails (0: never)");
   cmd->callback([args] {
     Status status = run_bench(*args);
     if (!status.is_ok()) {

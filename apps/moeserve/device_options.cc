@@ -30,7 +30,7 @@ Expected<std::vector<int>> parse_gpu_range(std::string_view item) {
 
 void add_device_options(CLI::App* cmd, DeviceArgs& args) {
   cmd->add_option("--device", args.device, "cpu or cuda (one GPU)")->check(CLI::IsMember({"cpu", "cuda"}));
-  cmd->add_option("--gpu", args.gpu, "With --device cuda: the GPU to run on (CUDA ordinal, default 0)")
+  cmd->add_option("--gpu", args.gpu, "With --device cuda: the GPU to run on (CUDA ordinal)")
       ->check(CLI::Range(0, 1023));
   cmd->add_option_function<std::vector<std::string>>(
          "--gpus",

@@ -398,7 +398,7 @@ void add_disagg_commands(CLI::App& app) {
         app.add_subcommand(role, std::string("Run a ") + role + " instance of a disaggregated deployment");
     add_engine_options(cmd, *args);
     cmd->add_option("--transfer-host", args->transfer_host,
-                    "Address of the TransferEngine listener (default 127.0.0.1)");
+                    "Address of the TransferEngine listener");
     cmd->add_option("--transfer-port", args->transfer_port, "Port of the TransferEngine listener (0: any)")
         ->check(CLI::Range(0, 65535));
     cmd->add_option("--router", args->router_url,
@@ -425,13 +425,14 @@ void add_disagg_commands(CLI::App& app) {
   cmd->add_option("--model", args->model,
                   "Model directory: its tokenizer, chat template and config (default: the demo)");
   cmd->add_option("--served-model-name", args->served_model_name, "Model name in the API");
-  cmd->add_option("--host", args->host, "Address to bind (default 127.0.0.1)");
+  cmd->add_option("--host", args->host, "Address to bind");
   cmd->add_option("--port", args->port, "Port (0: any free port)")->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", args->api_key, "Require 'Authorization: Bearer KEY' on the API");
-  cmd->add_option("--prefill", *prefill, "Prefill instance URLs (http://host:port)");
-  cmd->add_option("--decode", *decode, "Decode instance URLs (http://host:port)");
+  cmd->add_option("--prefill", *prefill, "Prefill instance URLs (http://host:port)")->default_str("");
+  cmd->add_option("--decode", *decode, "Decode instance URLs (http://host:port)")->default_str("");
   cmd->add_option("--max-model-len", args->max_model_len,
-                  "As the instances' --max-model-len (default: the model's max_position_embeddings)");
+                  "As the instances' --max-model-len (default: the model's max_position_embeddings)")
+      ->default_str("");
   cmd->add_option("--request-timeout", args->request_timeout_s,
                   "Deadline of each request in seconds (0 = none)");
   cmd->add_option("--http-threads", args->http_threads, "HTTP I/O threads")->check(CLI::Range(1, 64));

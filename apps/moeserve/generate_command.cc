@@ -231,15 +231,17 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--prompt", args->prompts,
                   "Prompt text, encoded with the model's tokenizer (no chat template); repeat for a batch. "
                   "Prints the generated text")
+      ->default_str("")
       ->allow_extra_args(false);
   cmd->add_option("--prompt-ids", args->prompt_ids, "Comma-separated prompt token ids; repeat for a batch")
+      ->default_str("")
       ->allow_extra_args(false);
   cmd->add_option("--max-tokens", args->max_tokens, "Tokens to generate per prompt")->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--temperature", args->temperature, "0 = greedy")->check(CLI::Range(0.0f, 100.0f));
   cmd->add_option("--top-k", args->top_k, "Keep the k most likely tokens (0 = off)");
   cmd->add_option("--top-p", args->top_p, "Nucleus sampling mass")->check(CLI::Range(0.0f, 1.0f));
   cmd->add_option("--min-p", args->min_p, "Drop tokens below min_p * the top probability")->check(CLI::Range(0.0f, 1.0f));
-  cmd->add_option("--seed", args->seed, "Sampling seed (reproducible draws)");
+  cmd->add_option("--seed", args->seed, "Sampling seed (reproducible draws; default: a random one)")->default_str("");
   cmd->add_flag("--ignore-eos", args->ignore_eos, "Keep generating past end-of-sequence tokens");
   cmd->add_option("--output", args->output, "text or json")->check(CLI::IsMember({"text", "json"}));
   add_load_options(cmd, args->load);

@@ -9,7 +9,7 @@ namespace moe::apps {
 void add_load_options(CLI::App* cmd, LoadArgs& args) {
   cmd->add_option("--load-format", args.load_format, "auto, safetensors or dummy (random weights)")
       ->check(CLI::IsMember({"auto", "safetensors", "dummy"}));
-  cmd->add_option("--num-layers", args.num_layers, "With dummy weights: use only the first N layers");
+  cmd->add_option("--num-layers", args.num_layers, "With dummy weights: use only the first N layers (0: all)");
   cmd->add_option("--quantization", args.quantization,
                   "With dummy weights: auto (the config's quantization_config), none, fp8-block, mxfp8, nvfp4 or mxfp4")
       ->check(CLI::IsMember({"auto", "none", "fp8-block", "mxfp8", "nvfp4", "mxfp4"}));

@@ -11,6 +11,9 @@
 int main(int argc, char** argv) {
   CLI::App app{"moeserve: an inference server for Mixture-of-Experts models (Qwen3-MoE)"};
   app.require_subcommand(1);
+  // --help shows each option's default ("=8000"); options whose 0 or empty
+  // value means "decided at run time" clear theirs and say it in their text.
+  app.option_defaults()->always_capture_default();
   moe::apps::add_generate_command(app);
   moe::apps::add_serve_command(app);
   moe::apps::add_disagg_commands(app);

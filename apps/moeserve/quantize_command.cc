@@ -68,8 +68,8 @@ void add_quantize_command(CLI::App& app) {
       ->check(CLI::IsMember({"fp8-block", "mxfp8", "nvfp4", "mxfp4"}));
   cmd->add_flag("--force", args->force, "Write into a non-empty --out (its old weights are removed)");
   cmd->add_flag("--experts-only", args->experts_only, "Keep attention projections in bf16 (quantize MLPs only)");
-  cmd->add_option("--max-shard-size", args->max_shard_gb, "Output shard size in GB (default 5)");
-  cmd->add_option("--threads", args->threads, "Conversion threads (default 0: one per hardware thread)");
+  cmd->add_option("--max-shard-size", args->max_shard_gb, "Output shard size in GB");
+  cmd->add_option("--threads", args->threads, "Conversion threads (0: one per hardware thread)");
   cmd->callback([args] {
     Status status = run_quantize(*args);
     if (!status.is_ok()) {

@@ -696,18 +696,25 @@ void add_engine_options(CLI::App* cmd, ServeArgs& a) {
   cmd->add_option("model", args->model_positional, "Model directory, as --model (vLLM's `serve MODEL`)");
   cmd->add_option("--model", args->model, "Model directory (default: the bundled demo model)");
   cmd->add_option("--served-model-name", args->served_model_name, "Model name in the API (default: the directory name)");
-  cmd->add_option("--host", args->host, "Address to bind (default 127.0.0.1)");
+  cmd->add_option("--host", args->host, "Address to bind");
   cmd->add_option("--port", args->port, "Port (0: any free port)")->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", args->api_key, "Require 'Authorization: Bearer KEY' on the API");
   cmd->add_option("--max-num-seqs", args->max_num_seqs, "Sequences in a batch at most (default 64 on the CPU, 256 on GPUs)")
+      ->default_str("")
       ->check(CLI::Range(1, 4096));
-  cmd->add_option("--max-model-len", args->max_model_len, "Prompt + generated tokens at most per request");
+  cmd->add_option("--max-model-len", args->max_model_len,
+                  "Prompt + generated tokens at most per request (default: the model's max_position_embeddings; on "
+                  "the CPU at most 4096)")
+      ->default_str("");
   cmd->add_option("--max-num-batched-tokens", args->max_num_batched_tokens,
                   "Tokens per step (chunked prefill budget; default 512 on the CPU, 8192 on GPUs)")
+      ->default_str("")
       ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--kv-cache-gb", args->kv_cache_gb,
                   "Memory for the KV cache in GB (per GPU rank with --device cuda; default 1 on the CPU, on GPUs what "
-                  "--gpu-memory-utilization leaves)")->check(CLI::Range(0.0001, 4096.0));
+                  "--gpu-memory-utilization leaves)")
+      ->default_str("")
+      ->check(CLI::Range(0.0001, 4096.0));
   cmd->add_option("--page-size", args->page_size, "Tokens per KV page");
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache dtype: f32 or bf16")->check(CLI::IsMember({"f32", "bf16"}));
   cmd->add_flag("--no-enable-prefix-caching", args->no_prefix_caching, "Turn prefix caching off");

@@ -273,6 +273,28 @@ TEST(Cli, BadArgumentsGiveAUsageErrorAndNonZeroExit) {
   }
 }
 
+// --help shows each option's default where one is fixed, and none where it
+// is decided at run time (the text says how), for every command.
+TEST(Cli, HelpShowsTheDefaults) {
+  CliRun serve = run("serve --help");
+  EXPECT_EQ(serve.exit_code, 0);
+  for (const char* shown : {"=8000", "--page-size INT=16", "--max-n INT:INT in [1 - 1024]=16", "=0.9", "=auto"})
+    EXPECT_NE(serve.output.find(shown), std::string::npos) << shown << "\n" << serve.output;
+  for (const char* option : {"--max-num-seqs", "--max-model-len", "--max-num-batched-tokens", "--kv-cache-gb"}) {
+    const size_t at = serve.output.find(std::string("  ") + option + " ");
+    ASSERT_NE(at, std::string::npos) << option;
+    const std::string line = serve.output.substr(at, serve.output.find('\n', at) - at);
+    EXPECT_EQ(line.find('='), std::string::npos) << line;  // no "=0": the default is the machine's
+  }
+  for (const std::string command : {"generate", "bench serve", "quantize", "router", "prefill", "decode"}) {
+    CliRun help = run(command + " --help");
+    EXPECT_EQ(help.exit_code, 0) << command;
+    EXPECT_EQ(help.output.find("=[]"), std::string::npos) << command << ": an empty list shown\n" << help.output;
+  }
+  EXPECT_NE(run("generate --help").output.find("--max-tokens INT:INT in [1 - 1048576]=16"), std::string::npos);
+  EXPECT_NE(run("bench serve --help").output.find("--num-prompts INT:INT in [1 - 1048576]=100"), std::string::npos);
+}
+
 TEST(Cli, SeededSamplingIsReproducible) {
   const std::string args = "generate --model " + kGolden + " --prompt-ids 3,4,5 --max-tokens 12 --temperature 1 " +
                            "--top-k 50 --top-p 0.9 --seed 11 --ignore-eos --output json";
