@@ -656,11 +656,8 @@ TEST(EngineSpeculation, StructuredOutputsTakeTheBestAllowedTokenWithAndWithoutDr
   ASSERT_TRUE(tok.has_value());
   constexpr int32_t kEos = 2;
   auto vocabulary = structured::TokenVocabulary::from_tokenizer(*tok, l->config.vocab_size);
-  auto person = structured::Grammar::from_json_schema(nlohmann::ordered_json::parse(R"({
-      "type": "object",
-      "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer"},
-                     "note": {"type": "string", "maxLength": 6}},
-      "required": ["answer", "score", "note"]})"));
+  auto person =
+      structured::Grammar::from_json_schema(nlohmann::ordered_json::parse(testing_oracle::kVerdictSchema));
   ASSERT_TRUE(person.has_value());
   auto choice = structured::Grammar::from_choices({"The fortune", "A computer is", "no"});
   ASSERT_TRUE(choice.has_value());

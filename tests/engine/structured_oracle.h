@@ -17,6 +17,13 @@
 
 namespace moe::engine::testing_oracle {
 
+// The schema the engine tests constrain the demo model with (CPU and GPU).
+inline constexpr const char* kVerdictSchema = R"({
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer"},
+                   "note": {"type": "string", "maxLength": 6}},
+    "required": ["answer", "score", "note"]})";
+
 // One request's output tokens, each with its logprobs over the whole
 // vocabulary (as the model produced them, before any mask). Before
 // `after_token` (>= 0: the grammar applies after it) a greedy token is the

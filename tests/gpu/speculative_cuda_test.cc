@@ -577,11 +577,8 @@ TEST(CudaStructured, EngineTakesTheBestAllowedTokenWithAndWithoutDrafts) {
   auto tok = tokenizer::Tokenizer::load(demo);
   ASSERT_TRUE(tok.has_value()) << tok.status().to_string();
   constexpr int32_t kEos = 2;
-  auto schema = structured::Grammar::from_json_schema(nlohmann::ordered_json::parse(R"({
-      "type": "object",
-      "properties": {"answer": {"enum": ["yes", "no"]}, "score": {"type": "integer"},
-                     "note": {"type": "string", "maxLength": 6}},
-      "required": ["answer", "score", "note"]})"));
+  auto schema =
+      structured::Grammar::from_json_schema(nlohmann::ordered_json::parse(testing_oracle::kVerdictSchema));
   ASSERT_TRUE(schema.has_value());
   auto choice = structured::Grammar::from_choices({"The fortune", "A computer is", "no"});
   ASSERT_TRUE(choice.has_value());
@@ -622,7 +619,9 @@ TEST(CudaStructured, EngineTakesTheBestAllowedTokenWithAndWithoutDrafts) {
       ++stopped;
     }
     EXPECT_GE(stopped, 2) << "the choices end";
-    if (k > 0) EXPECT_GT(run.metrics.spec_decode_num_draft_tokens_total, 0);
+    if (k > 0) {
+      EXPECT_GT(run.metrics.spec_decode_num_draft_tokens_total, 0);
+    }
     EXPECT_EQ(run.metrics.kv_cache_usage_perc, 0.0) << "pages leaked, k " << k;
   }
 }
