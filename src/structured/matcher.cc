@@ -269,10 +269,6 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
     return Step::kReject;
   };
 
-  // UTF-8 in strings and raw text: a lead byte, then its continuations
-  // (top.c left, top.b the next one's range, top.cp the bits so far); with a
-  // pattern (top.re), the code points the sequence may still spell must
-  // hold one it takes, and `character` steps it with the whole one.
   // A pattern's way on from frame t: some code point of [lo, hi] it takes
   // within a string's length bounds (raw text has none).
   auto pattern_allows = [&](const Frame& t, uint32_t lo, uint32_t hi) {
@@ -282,6 +278,10 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
     return regex_allows(*n.pattern, t.re, lo, hi, string ? t.a : 0, string ? n.min_length : 0,
                         string ? n.max_length : -1);
   };
+  // UTF-8 in strings and raw text: a lead byte, then its continuations
+  // (t.c left, t.b the next one's range, t.cp the bits so far); with a
+  // pattern (t.re), the code points the sequence may still spell must hold
+  // one it takes, and `character` steps it with the whole one.
   auto utf8_first = [&](uint8_t lead_byte, Frame& t) {
     Utf8Lead lead;
     if (!utf8_lead(lead_byte, lead)) return Step::kReject;

@@ -9,6 +9,8 @@
 
 #include <fmt/format.h>
 
+#include "tokenizer/utf8.h"
+
 namespace moe::structured {
 namespace {
 
@@ -67,24 +69,14 @@ const Ranges& anything() {
   return r;
 }
 
-// UTF-8 to code points; false where `s` is not valid UTF-8 (overlong forms,
-// surrogates and code points past U+10FFFF included).
+// UTF-8 to code points; false where `s` is not valid UTF-8.
 bool code_points(std::string_view s, std::vector<uint32_t>& out) {
   out.clear();
+  if (!tokenizer::is_valid_utf8(s)) return false;
   for (size_t i = 0; i < s.size();) {
-    const auto b = static_cast<uint8_t>(s[i]);
-    const int extra = b < 0x80 ? 0 : b < 0xC2 ? -1 : b < 0xE0 ? 1 : b < 0xF0 ? 2 : b < 0xF5 ? 3 : -1;
-    if (extra < 0 || i + static_cast<size_t>(extra) >= s.size()) return false;
-    uint32_t cp = extra == 0 ? b : extra == 1 ? b & 0x1F : extra == 2 ? b & 0x0F : b & 0x07;
-    for (int k = 1; k <= extra; ++k) {
-      const auto c = static_cast<uint8_t>(s[i + static_cast<size_t>(k)]);
-      if ((c & 0xC0) != 0x80) return false;
-      cp = (cp << 6) | (c & 0x3F);
-    }
-    static constexpr uint32_t kLeast[] = {0, 0x80, 0x800, 0x10000};
-    if (cp < kLeast[extra] || cp > kMaxCodePoint || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
-    out.push_back(cp);
-    i += 1 + static_cast<size_t>(extra);
+    char32_t cp;
+    i += tokenizer::decode_utf8(s, i, cp);
+    out.push_back(static_cast<uint32_t>(cp));
   }
   return true;
 }
