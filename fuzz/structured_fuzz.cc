@@ -92,8 +92,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::abort();
     }
   }
-  std::vector<uint32_t> mask;
+  std::vector<uint32_t> mask, cached;
   g_vocab->allowed_tokens(m, mask);
+  moe::structured::PlainTokenCache cache;  // a request's: filled by the first mask, used by the second
+  for (int round = 0; round < 2; ++round) {
+    g_vocab->allowed_tokens(m, cached, &cache);
+    if (cached != mask) {
+      std::fprintf(stderr, "the cached mask differs after %zu bytes (round %d)\n", taken, round);
+      std::abort();
+    }
+  }
   for (int32_t id = 0; id < g_vocab->size(); ++id) {
     Matcher copy = m;
     const bool takes = !g_vocab->bytes(id).empty() && copy.advance(g_vocab->bytes(id));

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <utility>
 
+#include "structured/utf8_lead.h"
+
 namespace moe::structured {
 namespace {
 
@@ -38,39 +40,6 @@ enum NumberPhase : uint8_t { kNumStart, kMinus, kIntDigits, kZero, kDot, kFracDi
 bool is_whitespace(uint8_t c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; }
 bool is_digit(uint8_t c) { return c >= '0' && c <= '9'; }
 bool is_hex(uint8_t c) { return is_digit(c) || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
-
-// A UTF-8 sequence's lead byte: how many continuation bytes follow, the
-// range of the first one (no overlong forms, no surrogates, nothing past
-// U+10FFFF), the lead's bits of the code point, and the code points the
-// sequence may spell.
-struct Utf8Lead {
-  int32_t continuations = 0;
-  uint8_t lo = 0, hi = 0;
-  uint32_t bits = 0, first = 0, last = 0;
-};
-bool utf8_lead(uint8_t byte, Utf8Lead& lead) {
-  if (byte >= 0xC2 && byte <= 0xDF) {
-    const uint32_t bits = byte & 0x1F;
-    lead = {1, 0x80, 0xBF, bits, bits << 6, (bits << 6) | 0x3F};
-  } else if (byte == 0xE0) {
-    lead = {2, 0xA0, 0xBF, 0, 0x800, 0xFFF};
-  } else if (byte == 0xED) {
-    lead = {2, 0x80, 0x9F, 0xD, 0xD000, 0xD7FF};
-  } else if (byte >= 0xE1 && byte <= 0xEF) {
-    const uint32_t bits = byte & 0x0F;
-    lead = {2, 0x80, 0xBF, bits, bits << 12, (bits << 12) | 0xFFF};
-  } else if (byte == 0xF0) {
-    lead = {3, 0x90, 0xBF, 0, 0x10000, 0x3FFFF};
-  } else if (byte >= 0xF1 && byte <= 0xF3) {
-    const uint32_t bits = byte & 0x07;
-    lead = {3, 0x80, 0xBF, bits, bits << 18, (bits << 18) | 0x3FFFF};
-  } else if (byte == 0xF4) {
-    lead = {3, 0x80, 0x8F, 4, 0x100000, 0x10FFFF};
-  } else {
-    return false;
-  }
-  return true;
-}
 
 // Whether `regex` in `state` takes some code point of [lo, hi] (surrogates
 // aside: they come only in pairs) that leaves a way to end within the
@@ -136,21 +105,41 @@ bool Matcher::thread_accepting(size_t begin, size_t end) const {
   return false;
 }
 
-Matcher::StringRoom Matcher::string_room() const {
-  StringRoom s{.room = -1, .every_thread = !ends_.empty()};
+Matcher::PlainRuns Matcher::plain_runs() const {
+  PlainRuns runs{.every_thread = !ends_.empty()};
+  auto add_pattern = [&](const Frame& top, int32_t room) {
+    const PatternState at{grammar_->node(top.node).pattern.get(), top.re};
+    auto it = std::find_if(runs.patterns.begin(), runs.patterns.end(), [&](const PatternRun& r) { return r.at == at; });
+    if (it == runs.patterns.end()) {
+      runs.patterns.push_back({at, room});
+    } else {
+      it->room = std::min(it->room, room);
+    }
+  };
   uint32_t begin = 0;
   for (const uint32_t end : ends_) {
     const bool whole = end == std::exchange(begin, end);
-    if (whole || frames_[end - 1].kind != kString || frames_[end - 1].phase != kChars ||
-        (frames_[end - 1].flags & kLowSurrogateNext) || frames_[end - 1].re >= 0) {
-      s.every_thread = false;
+    const Frame* top = whole ? nullptr : &frames_[end - 1];
+    if (top && top->kind == kText && top->phase == kChars) {
+      add_pattern(*top, INT32_MAX);
       continue;
     }
-    const Frame& top = frames_[end - 1];
-    const int32_t max_length = top.node >= 0 ? grammar_->node(top.node).max_length : -1;
-    s.room = std::max(s.room, max_length < 0 ? INT32_MAX : max_length - top.a);
+    if (!top || top->kind != kString || top->phase != kChars || (top->flags & kLowSurrogateNext)) {
+      runs.every_thread = false;
+      continue;
+    }
+    const Node& n = grammar_->node(top->node);
+    const int32_t max_length = top->node >= 0 ? n.max_length : -1;
+    if (top->re < 0) {
+      runs.room = std::max(runs.room, max_length < 0 ? INT32_MAX : max_length - top->a);
+    } else if (top->a >= n.min_length) {
+      // Steps within max_length - most_min_left code points stay viable (Regex::viable).
+      add_pattern(*top, max_length < 0 ? INT32_MAX : max_length - top->a - n.pattern->most_min_left());
+    } else {
+      runs.every_thread = false;
+    }
   }
-  return s;
+  return runs;
 }
 
 bool Matcher::accepting() const {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "structured/grammar.h"
+#include "structured/regex.h"
 
 namespace moe::structured {
 
@@ -45,18 +46,33 @@ class Matcher {
   // Whether the output may end here (a whole value, or a whole choice).
   bool accepting() const;
   bool failed() const { return ends_.empty(); }
-  // Threads inside a string between characters (no escape or UTF-8 sequence
-  // begun; a string with a pattern counts as elsewhere): `room`, how many
-  // more code points the roomiest may read
-  // (INT32_MAX: unbounded; -1: no thread is there), and whether every thread
-  // is there. A run of plain characters (structured/token_filter.h) that fits
-  // `room` is accepted whatever the other threads do; with every thread in a
-  // string, no longer run is.
-  struct StringRoom {
+  // Where the threads stand for a run of plain characters (printable, no
+  // quote or backslash, whole UTF-8 sequences; structured/token_filter.h):
+  // threads between characters of a string without a pattern take any run
+  // that fits `room`, the most code points the roomiest may still read
+  // (INT32_MAX: unbounded; -1: no thread is there); threads between
+  // characters of a string with a pattern (its minLength reached), or of raw
+  // text, take the runs their automaton takes from its state, one step each,
+  // as long as the run fits the pattern's own `room` (INT32_MAX without a
+  // maxLength; beyond it the length bounds may bind): `patterns` lists those
+  // states, each once, with the least room they were met with. With
+  // `every_thread`, every thread is one of these, so a run none of them takes
+  // is not accepted.
+  struct PatternState {
+    const Regex* regex = nullptr;
+    int32_t state = -1;
+    bool operator==(const PatternState&) const = default;
+  };
+  struct PatternRun {
+    PatternState at;
+    int32_t room = INT32_MAX;
+  };
+  struct PlainRuns {
     int32_t room = -1;
+    std::vector<PatternRun> patterns;
     bool every_thread = false;
   };
-  StringRoom string_room() const;
+  PlainRuns plain_runs() const;
   size_t num_threads() const { return ends_.size(); }
 
   // One parse position: what is being read (kind), where in it (phase), and

@@ -514,6 +514,8 @@ Expected<Regex> Regex::compile(std::string_view pattern, RegexMatch match) {
   for (size_t d = 0; d < n; ++d)
     if (live[d]) renumber[d] = static_cast<int32_t>(r.accepting_.size()), r.accepting_.push_back(0);
   r.bounds_.assign(bounds.begin(), bounds.end() - 1);
+  for (uint32_t c = 0; c < r.ascii_interval_.size(); ++c)
+    r.ascii_interval_[c] = static_cast<int32_t>(std::upper_bound(r.bounds_.begin(), r.bounds_.end(), c) - r.bounds_.begin()) - 1;
   r.next_.assign(r.accepting_.size() * intervals, -1);
   for (size_t d = 0; d < n; ++d) {
     if (!live[d]) continue;
@@ -546,6 +548,7 @@ Expected<Regex> Regex::compile(std::string_view pattern, RegexMatch match) {
     for (int32_t from : into[static_cast<size_t>(queue[q])])
       if (r.min_left_[static_cast<size_t>(from)] == INT32_MAX)
         r.min_left_[static_cast<size_t>(from)] = r.min_left_[static_cast<size_t>(queue[q])] + 1, queue.push_back(from);
+  r.most_min_left_ = *std::max_element(r.min_left_.begin(), r.min_left_.end());  // (every state is live)
   // Longest paths by depth-first search; a state met again on the path is a cycle.
   r.max_left_.assign(m, -1);
   std::vector<uint8_t> on_path(m, 0);
@@ -590,7 +593,9 @@ bool Regex::viable(int32_t state, int32_t used, int32_t min_length, int32_t max_
 
 int32_t Regex::step(int32_t state, uint32_t code_point) const {
   if (state < 0 || code_point > kMaxCodePoint) return -1;
-  const auto k = static_cast<size_t>(std::upper_bound(bounds_.begin(), bounds_.end(), code_point) - bounds_.begin()) - 1;
+  const auto k = code_point < ascii_interval_.size()
+                     ? static_cast<size_t>(ascii_interval_[code_point])
+                     : static_cast<size_t>(std::upper_bound(bounds_.begin(), bounds_.end(), code_point) - bounds_.begin()) - 1;
   return next_[static_cast<size_t>(state) * bounds_.size() + k];
 }
 

@@ -21,6 +21,7 @@
 // minLength / maxLength too, through viable()).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -58,6 +59,8 @@ class Regex {
   bool allows(int32_t state, uint32_t lo, uint32_t hi, int32_t used = 0, int32_t min_length = 0,
               int32_t max_length = -1) const;
   int32_t num_states() const { return static_cast<int32_t>(accepting_.size()); }
+  // The most code points any state needs to reach an accepting one.
+  int32_t most_min_left() const { return most_min_left_; }
 
   // Whether the whole of `text` (UTF-8) matches: a test helper and the
   // definition the matcher follows.
@@ -65,9 +68,12 @@ class Regex {
 
  private:
   std::vector<uint32_t> bounds_;  // code point intervals [bounds_[i], bounds_[i + 1]), ascending from 0
+  // The interval of each ASCII code point: the steps most text takes, without the search.
+  std::array<int32_t, 128> ascii_interval_{};
   std::vector<int32_t> next_;     // [state, interval]: the next state or -1
   std::vector<uint8_t> accepting_;
   std::vector<int32_t> min_left_, max_left_;  // per state: the fewest and most code points to an accepting state
+  int32_t most_min_left_ = 0;
 };
 
 // A JSON Schema string `format` as a pattern: date, time, date-time, uuid,

@@ -4,34 +4,29 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "structured/utf8_lead.h"
 
 namespace moe::structured {
 
 namespace {
 
-// The code points of `bytes` when it is a run of plain string characters
-// (printable ASCII but '"' and '\\', and whole UTF-8 sequences), else 0.
+// The plain string characters: printable ASCII but '"' and '\\' (whole
+// UTF-8 sequences are the others).
+bool plain_ascii(uint8_t c) { return c >= 0x20 && c < 0x80 && c != '"' && c != '\\'; }
+
+// The code points of `bytes` when it is a run of plain string characters,
+// else 0.
 int32_t plain_code_points(std::string_view bytes) {
   int32_t n = 0;
-  for (size_t i = 0; i < bytes.size();) {
-    const auto c = static_cast<uint8_t>(bytes[i]);
-    size_t len = 0;
-    if (c >= 0x20 && c < 0x80 && c != '"' && c != '\\') {
-      len = 1;
-    } else if (c >= 0xC2 && c <= 0xF4) {
-      len = c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
-      if (i + len > bytes.size()) return 0;
-      const auto second = static_cast<uint8_t>(bytes[i + 1]);
-      const uint8_t lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
-      const uint8_t hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
-      if (second < lo || second > hi) return 0;
-      for (size_t k = 2; k < len; ++k)
-        if ((static_cast<uint8_t>(bytes[i + k]) & 0xC0) != 0x80) return 0;
-    } else {
-      return 0;
+  for (size_t i = 0; i < bytes.size(); ++n) {
+    const auto c = static_cast<uint8_t>(bytes[i++]);
+    if (plain_ascii(c)) continue;
+    Utf8Lead lead;
+    if (!utf8_lead(c, lead) || i + static_cast<size_t>(lead.continuations) > bytes.size()) return 0;
+    for (int32_t k = 0; k < lead.continuations; ++k) {
+      const auto next = static_cast<uint8_t>(bytes[i++]);
+      if (next < (k == 0 ? lead.lo : 0x80) || next > (k == 0 ? lead.hi : 0xBF)) return 0;
     }
-    i += len;
-    ++n;
   }
   return n;
 }
@@ -52,6 +47,7 @@ TokenVocabulary::TokenVocabulary(std::vector<std::string> token_bytes) : token_b
     }
   }
   std::sort(plain_tokens_.begin(), plain_tokens_.end(), [](auto x, auto y) { return x.second < y.second; });
+  if (!plain_tokens_.empty()) longest_plain_ = plain_tokens_.back().second;
   auto by_bytes = [&](int32_t x, int32_t y) { return bytes(x) < bytes(y); };
   std::sort(ids.begin(), ids.end(), by_bytes);
   std::sort(rest.begin(), rest.end(), by_bytes);
@@ -115,38 +111,116 @@ void TokenVocabulary::walk(int32_t node, size_t depth, std::vector<Matcher>& lev
   }
 }
 
-void TokenVocabulary::allowed_tokens(const Matcher& matcher, std::vector<uint32_t>& mask) const {
+void TokenVocabulary::allowed_tokens(const Matcher& matcher, std::vector<uint32_t>& mask,
+                                     PlainTokenCache* cache) const {
   thread_local std::vector<Matcher> level;  // the matcher after each prefix on the walk's path
   if (level.empty()) {
     level.push_back(matcher);
   } else {
     level[0] = matcher;
   }
-  const auto [room, every_thread] = matcher.string_room();
-  if (room == INT32_MAX) {
+  const Matcher::PlainRuns runs = matcher.plain_runs();
+  if (runs.room == INT32_MAX) {
     mask = plain_mask_;
   } else {
     mask.assign(plain_mask_.size(), 0);
     for (const auto& [id, n] : plain_tokens_) {
-      if (n > room) break;
+      if (n > runs.room) break;
       mask[static_cast<size_t>(id) / 32] |= 1u << (id % 32);
     }
   }
+  bool patterns_settled = true;
+  for (const Matcher::PatternRun& r : runs.patterns) {
+    if (runs.room == INT32_MAX) break;
+    if (r.room < longest_plain_) {  // its length bounds may bind: left to the walk
+      patterns_settled = false;
+    } else if (cache) {
+      cache->add_to(*this, r.at, mask);
+    } else {
+      add_pattern_tokens(*r.at.regex, r.at.state, mask);
+    }
+  }
   // The others by the walk; the plain ones too where some may be taken
-  // otherwise than as string characters (no thread in a string, or a bounded
-  // string's thread beside others not in one: a run too long for it may suit
-  // another).
-  const bool plain_settled = room == INT32_MAX || (room >= 0 && every_thread);
+  // otherwise than as string characters (a thread elsewhere, or in a string
+  // whose bounds may bind: a run one thread refuses may suit another).
+  const bool plain_settled = runs.room == INT32_MAX || (runs.every_thread && patterns_settled);
   walk(plain_settled ? rest_root_ : 0, 0, level, mask);
+}
+
+void TokenVocabulary::add_pattern_tokens(const Regex& regex, int32_t state, std::vector<uint32_t>& mask) const {
+  walk_pattern(regex, 0, state, PendingUtf8{}, mask);
+}
+
+// The walk of add_pattern_tokens below trie node `node`: `state` is the
+// automaton's after the path's whole characters, `pending` a UTF-8 sequence
+// the path has begun. As the matcher reads a string, a sequence goes on only
+// while the code points it may still spell hold one the automaton takes.
+void TokenVocabulary::walk_pattern(const Regex& regex, int32_t node, int32_t state, PendingUtf8 pending,
+                                   std::vector<uint32_t>& mask) const {
+  const TrieNode& n = nodes_[static_cast<size_t>(node)];
+  for (int32_t c = n.first_child; c < n.first_child + n.num_children; ++c) {
+    const TrieNode& child = nodes_[static_cast<size_t>(c)];
+    const uint8_t byte = child.byte;
+    int32_t next = state;
+    PendingUtf8 p = pending;
+    if (p.left == 0) {
+      Utf8Lead lead;
+      if (plain_ascii(byte)) {
+        next = regex.step(state, byte);
+      } else if (utf8_lead(byte, lead) && regex.allows(state, lead.first, lead.last)) {
+        p = {lead.continuations, lead.lo, lead.hi, lead.bits};
+      } else {
+        continue;
+      }
+    } else {
+      if (byte < p.lo || byte > p.hi) continue;
+      p.bits = (p.bits << 6) | (byte & 0x3F);
+      p.lo = 0x80, p.hi = 0xBF;
+      if (--p.left == 0) {
+        next = regex.step(state, p.bits);
+      } else {
+        const int shift = 6 * p.left;
+        if (!regex.allows(state, p.bits << shift, (p.bits << shift) | ((1u << shift) - 1))) continue;
+      }
+    }
+    if (next < 0) continue;
+    if (p.left == 0) {
+      for (int32_t t = child.first_token; t < child.first_token + child.num_tokens; ++t) {
+        const int32_t id = tokens_[static_cast<size_t>(t)];
+        mask[static_cast<size_t>(id) / 32] |= 1u << (id % 32);
+      }
+    }
+    if (child.num_children > 0) walk_pattern(regex, c, next, p, mask);
+  }
+}
+
+void PlainTokenCache::add_to(const TokenVocabulary& vocabulary, const Matcher::PatternState& p,
+                             std::vector<uint32_t>& mask) {
+  const std::lock_guard lock(mutex_);
+  auto it = std::find_if(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.key == p; });
+  if (it == entries_.end()) {
+    ++misses_;
+    if (entries_.size() < kCapacity) {
+      it = entries_.insert(entries_.end(), Entry{.key = p});
+    } else {
+      it = std::min_element(entries_.begin(), entries_.end(),
+                            [](const Entry& x, const Entry& y) { return x.last_used < y.last_used; });
+      it->key = p;
+    }
+    it->tokens.assign(mask.size(), 0);
+    vocabulary.add_pattern_tokens(*p.regex, p.state, it->tokens);
+  }
+  it->last_used = ++clock_;
+  for (size_t w = 0; w < mask.size(); ++w) mask[w] |= it->tokens[w];
 }
 
 TokenConstraint::TokenConstraint(std::shared_ptr<const Grammar> grammar,
                                  std::shared_ptr<const TokenVocabulary> vocabulary, std::vector<int32_t> end_ids)
     : grammar_(std::move(grammar)), vocabulary_(std::move(vocabulary)), end_ids_(std::move(end_ids)),
-      matcher_(*grammar_) {}
+      matcher_(*grammar_), cache_(std::make_shared<PlainTokenCache>()) {}
 
 void TokenConstraint::allowed_tokens(std::vector<uint32_t>& mask) const {
-  vocabulary_->allowed_tokens(matcher_, mask);
+  vocabulary_->allowed_tokens(matcher_, mask, cache_.get());
   const bool none = std::all_of(mask.begin(), mask.end(), [](uint32_t w) { return w == 0; });
   if (!none && !matcher_.accepting()) return;
   for (const int32_t id : end_ids_)

@@ -7,18 +7,25 @@
 // nodes the grammar lets through, not the vocabulary's size. Inside a string
 // most of the vocabulary goes through, so the "plain" tokens (printable
 // characters only: no quote, backslash, control byte or part of a UTF-8
-// sequence) are taken as a set wherever a thread reads a string with room for
-// them (Matcher::string_room), and only the others are walked: 5-7 ms a step
-// on Qwen3's 151k tokens inside a string before, measured in docs/server.md
-// ("Structured outputs") since. TokenConstraint is one sequence's
-// state: the matcher after its output so far, advanced token by token.
+// sequence) are taken as a set wherever every thread reads a string with room
+// for them or a pattern's string (Matcher::plain_runs), and only the others
+// are walked: 5-7 ms a step on Qwen3's 151k tokens inside a string before,
+// measured in docs/server.md ("Structured outputs") since. In a string with a
+// pattern the set depends on the automaton's state: the plain tokens it takes
+// from a state are found by a walk of the trie with the automaton alone
+// (add_pattern_tokens) and kept per state by the request (PlainTokenCache),
+// since its output revisits a pattern's few states token after token.
+// TokenConstraint is one sequence's state: the matcher after its output so
+// far, advanced token by token.
 //
 // Threads: a TokenVocabulary is immutable once built (any thread); a
-// TokenConstraint belongs to one thread at a time (the engine loop).
+// TokenConstraint belongs to one thread at a time (the engine loop); a
+// PlainTokenCache may be shared by copies of a constraint on any threads.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -28,6 +35,8 @@
 #include "tokenizer/tokenizer.h"
 
 namespace moe::structured {
+
+class PlainTokenCache;
 
 class TokenVocabulary {
  public:
@@ -42,8 +51,12 @@ class TokenVocabulary {
   const std::string& bytes(int32_t id) const { return token_bytes_[static_cast<size_t>(id)]; }
 
   // mask[id / 32] bit id % 32 set for every token `matcher` accepts whole
-  // (mask: (size() + 31) / 32 words, cleared first).
-  void allowed_tokens(const Matcher& matcher, std::vector<uint32_t>& mask) const;
+  // (mask: (size() + 31) / 32 words, cleared first). `cache`, optional: the
+  // plain tokens of the patterns' states, kept from call to call.
+  void allowed_tokens(const Matcher& matcher, std::vector<uint32_t>& mask, PlainTokenCache* cache = nullptr) const;
+  // Sets the bits of the plain tokens whose characters `regex` takes, one
+  // step each, from `state` (every step to a live state).
+  void add_pattern_tokens(const Regex& regex, int32_t state, std::vector<uint32_t>& mask) const;
 
  private:
   struct TrieNode {
@@ -53,6 +66,14 @@ class TokenVocabulary {
   };
   void build(int32_t node, std::span<const int32_t> ids, size_t depth);
   void walk(int32_t node, size_t depth, std::vector<Matcher>& level, std::vector<uint32_t>& mask) const;
+  // A UTF-8 sequence begun on the path: continuations left, the next one's range, the bits so far.
+  struct PendingUtf8 {
+    int32_t left = 0;
+    uint8_t lo = 0, hi = 0;
+    uint32_t bits = 0;
+  };
+  void walk_pattern(const Regex& regex, int32_t node, int32_t state, PendingUtf8 pending,
+                    std::vector<uint32_t>& mask) const;
 
   std::vector<std::string> token_bytes_;
   std::vector<TrieNode> nodes_;  // node 0: the root of every token; rest_root_: of the tokens not plain
@@ -60,6 +81,32 @@ class TokenVocabulary {
   int32_t rest_root_ = 0;
   std::vector<uint32_t> plain_mask_;                      // the plain tokens, as a mask
   std::vector<std::pair<int32_t, int32_t>> plain_tokens_;  // (id, code points), fewest code points first
+  int32_t longest_plain_ = 0;                              // the most code points of a plain token
+};
+
+// The plain tokens of the pattern states one request's output has met (as
+// TokenVocabulary::add_pattern_tokens finds them), the kCapacity most
+// recently used: ~19 KB each at Qwen3's vocabulary.
+class PlainTokenCache {
+ public:
+  static constexpr size_t kCapacity = 8;
+  // Sets the bits of `p`'s plain tokens in `mask`, finding them on a miss.
+  void add_to(const TokenVocabulary& vocabulary, const Matcher::PatternState& p, std::vector<uint32_t>& mask);
+  size_t misses() const {
+    const std::lock_guard lock(mutex_);
+    return misses_;
+  }
+
+ private:
+  struct Entry {
+    Matcher::PatternState key;
+    std::vector<uint32_t> tokens;
+    uint64_t last_used = 0;
+  };
+  mutable std::mutex mutex_;
+  std::vector<Entry> entries_;
+  uint64_t clock_ = 0;
+  size_t misses_ = 0;
 };
 
 class TokenConstraint {
@@ -85,6 +132,7 @@ class TokenConstraint {
   std::shared_ptr<const TokenVocabulary> vocabulary_;
   std::vector<int32_t> end_ids_;
   Matcher matcher_;
+  std::shared_ptr<PlainTokenCache> cache_;  // shared by the constraint's copies
 };
 
 inline bool mask_has(std::span<const uint32_t> mask, int32_t id) {

@@ -18,6 +18,7 @@
 #include "structured/regex.h"
 #include "structured/token_filter.h"
 #include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
 
 namespace moe::structured {
 namespace {
@@ -441,7 +442,16 @@ std::string random_walk(const TokenConstraint& start, const TokenVocabulary& voc
   std::vector<uint32_t> mask;
   for (int step = 0; step < 3000; ++step) {
     c.allowed_tokens(mask);
-    if (check_brute_force && step % 4 == 0) expect_walk_equals_brute_force(vocab, shadow);
+    if (check_brute_force && step % 4 == 0) {
+      expect_walk_equals_brute_force(vocab, shadow);
+      // The constraint's mask (its patterns' plain tokens cached) is the same.
+      std::vector<uint32_t> fresh;
+      vocab.allowed_tokens(shadow, fresh);
+      int32_t differs = -1;
+      for (int32_t id = 0; id < vocab.size() && differs < 0; ++id)
+        if (id != eos && mask_has(mask, id) != mask_has(fresh, id)) differs = id;
+      EXPECT_EQ(differs, -1) << "after '" << text << "'";
+    }
     std::vector<int32_t> allowed;
     for (int32_t id = 0; id < vocab.size(); ++id)
       if (mask_has(mask, id)) allowed.push_back(id);
@@ -516,6 +526,40 @@ TEST(TokenFilter, WalksInPatternedStringsMatchThePattern) {
   }
 }
 
+// Patterns most text meets, where the masks take each automaton state's plain
+// tokens from the request's cache: unbounded, with a minLength, with a
+// maxLength (cached while far from it), two patterns' strings at once, and
+// raw text (guided_regex).
+TEST(TokenFilter, WalksInPermissivePatternsAgreeWithBruteForce) {
+  auto vocab = load_vocabulary(kDemo, 4096);
+  ASSERT_TRUE(vocab);
+  auto g = schema(R"({"type": "object", "properties": {
+      "note": {"type": "string", "pattern": "^[a-z ]+$", "minLength": 3},
+      "line": {"type": "string", "pattern": "[a-z]", "maxLength": 40},
+      "either": {"anyOf": [{"type": "string", "pattern": "^[a-m ,]*$"}, {"type": "string", "pattern": "^[h-z .]*$"}]}},
+      "required": ["note", "line", "either"]})");
+  TokenConstraint start(g, vocab, {kDemoEos});
+  std::mt19937 rng(17);
+  for (int walk = 0; walk < 6; ++walk) {
+    const std::string text = random_walk(start, *vocab, kDemoEos, rng, walk < 3, *g);
+    Json j;
+    ASSERT_NO_THROW(j = Json::parse(text)) << text;
+    const std::string note = j["note"].get<std::string>(), line = j["line"].get<std::string>(),
+                      either = j["either"].get<std::string>();
+    EXPECT_TRUE(std::regex_search(note, std::regex("^[a-z ]+$")) && note.size() >= 3) << text;
+    EXPECT_TRUE(std::regex_search(line, std::regex("[a-z]")) && tokenizer::num_code_points(line) <= 40) << text;
+    EXPECT_TRUE(std::regex_search(either, std::regex("^[a-m ,]*$")) || std::regex_search(either, std::regex("^[h-z .]*$")))
+        << text;
+  }
+  auto prose = Grammar::from_regex("[A-Za-z ,]{2,}[.!?]");
+  ASSERT_TRUE(prose.has_value());
+  TokenConstraint text_start(*prose, vocab, {kDemoEos});
+  for (int walk = 0; walk < 4; ++walk) {
+    const std::string text = random_walk(text_start, *vocab, kDemoEos, rng, walk < 2, **prose);
+    EXPECT_TRUE(std::regex_match(text, std::regex("[A-Za-z ,]{2,}[.!?]"))) << text;
+  }
+}
+
 TEST(TokenFilter, ChoicesAndAnyObjectsAgreeWithBruteForce) {
   auto vocab = load_vocabulary(kDemo, 4096);
   ASSERT_TRUE(vocab);
@@ -585,10 +629,33 @@ TEST(TokenFilter, QwenVocabulary) {
       "text": {"type": "string", "pattern": "^[A-Za-z ,.]+$"}}, "required": ["when", "text"]})");
   auto regex = Grammar::from_regex("(yes|no), [0-9]{1,3} (apples|pears)\\.");
   ASSERT_TRUE(regex.has_value());
+  auto prose = Grammar::from_regex("[A-Za-z ,]+\\.");
+  ASSERT_TRUE(prose.has_value());
+  // Threads in two patterns' strings, in a pattern's and a bounded plain
+  // string, in a pattern's string with bounds (not cached: they bind or may),
+  // and non-ASCII classes.
+  auto two_patterns = schema(R"({"anyOf": [{"type": "string", "pattern": "^[a-m ]*$"},
+      {"type": "string", "pattern": "^[h-z ]*$"}]})");
+  auto pattern_or_short = schema(R"({"anyOf": [{"type": "string", "pattern": "^[a-z]*$"},
+      {"type": "string", "maxLength": 3}]})");
+  auto bounded = schema(R"({"type": "string", "pattern": "^[a-z ]+$", "maxLength": 10})");
+  auto roomy = schema(R"({"type": "string", "pattern": "^[a-z ]+$", "maxLength": 1000})");
+  auto at_least = schema(R"({"type": "string", "pattern": "^[a-z ]+$", "minLength": 5})");
+  auto cjk = schema(R"({"type": "string", "pattern": "^[\\u4e00-\\u9fff]+$"})");
+  auto not_latin = schema(R"({"type": "string", "pattern": "^[^a-zA-Z]*$"})");
   const std::pair<const Grammar*, const char*> states[] = {
       {patterned.get(), "{\"when\": \"2024-0"},
       {patterned.get(), "{\"when\": \"2024-01-01T00:00:00Z\", \"text\": \"It was"},
       {regex->get(), "yes, 1"},
+      {prose->get(), "It was"},
+      {two_patterns.get(), "\"hi"},
+      {pattern_or_short.get(), "\"ab"},
+      {bounded.get(), "\"ab"},
+      {roomy.get(), "\"ab"},
+      {at_least.get(), "\"ab"},
+      {at_least.get(), "\"abcdef"},
+      {cjk.get(), "\"中"},
+      {not_latin.get(), "\"1 "},
       {person.get(), ""},
       {person.get(), "{\"name\": \"Jo"},
       {person.get(), "{\"name\": \"Jo\", \"age\": 4"},
@@ -600,14 +667,28 @@ TEST(TokenFilter, QwenVocabulary) {
     Matcher m(*g);
     ASSERT_TRUE(m.advance(prefix));
     expect_walk_equals_brute_force(*vocab, m);
-    std::vector<uint32_t> mask;
-    const auto t0 = std::chrono::steady_clock::now();
     constexpr int kRepeats = 5;
-    for (int i = 0; i < kRepeats; ++i) vocab->allowed_tokens(m, mask);
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / kRepeats;
+    auto mean_ms = [&](PlainTokenCache* cache, std::vector<uint32_t>& mask) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < kRepeats; ++i) vocab->allowed_tokens(m, mask, cache);
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / kRepeats;
+    };
+    std::vector<uint32_t> mask, cached;
+    const double ms = mean_ms(nullptr, mask);
+    // With a request's cache: the first mask finds the pattern state's plain
+    // tokens, the next ones reuse them; the same masks.
+    PlainTokenCache cache;
+    const auto t0 = std::chrono::steady_clock::now();
+    vocab->allowed_tokens(m, cached, &cache);
+    const double first_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_TRUE(cached == mask) << prefix;
+    const double cached_ms = mean_ms(&cache, cached);
+    EXPECT_TRUE(cached == mask) << prefix;
+    EXPECT_LE(cache.misses(), 2u) << prefix;
     int allowed = 0;
     for (uint32_t w : mask) allowed += __builtin_popcount(w);
-    fmt::print("mask after '{}': {} tokens allowed, {:.2f} ms\n", prefix, allowed, ms);
+    fmt::print("mask after '{}': {} tokens allowed, {:.2f} ms; with a cache {:.2f} ms the first, then {:.2f} ms\n",
+               prefix, allowed, ms, first_ms, cached_ms);
   }
   // The costliest states found: ~60 threads in strings of different maxLength
   // (an anyOf of them), alone or as one property of sixty; printed, not
