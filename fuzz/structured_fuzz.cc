@@ -6,7 +6,9 @@
 // trying every token's bytes. An input that starts with byte 1 holds a
 // regular expression instead (guided_regex): a prefix the matcher calls
 // whole must match it (Regex::matches), and a state that is not whole must
-// take some byte (no dead end).
+// take some byte (no dead end); one that starts with byte 2 an EBNF grammar
+// (guided_grammar): no dead end. Every mask is also made with a request's
+// cache of pattern states' plain tokens, twice, and must be the same.
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -45,6 +47,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const size_t split = input.find('\0');
   if (split == std::string_view::npos) return 0;
   const bool regex_mode = size > 0 && data[0] == 1;
+  const bool grammar_mode = size > 0 && data[0] == 2;
   std::optional<moe::structured::Regex> regex;
   moe::Expected<std::shared_ptr<const Grammar>> grammar = moe::invalid_argument("none");
   if (regex_mode) {
@@ -54,6 +57,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     auto compiled = moe::structured::Regex::compile(pattern, moe::structured::RegexMatch::kWhole);
     if (!compiled) std::abort();  // from_regex compiled it
     regex.emplace(std::move(*compiled));
+  } else if (grammar_mode) {
+    grammar = Grammar::from_ebnf(input.substr(1, split - 1));
+    if (!grammar) return 0;
   } else {
     const auto schema = nlohmann::ordered_json::parse(input.substr(0, split), nullptr, /*allow_exceptions=*/false);
     if (schema.is_discarded()) return 0;
@@ -72,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         std::fprintf(stderr, "accepted but no match: %.*s\n", static_cast<int>(taken + 1), output.data());
         std::abort();
       }
-    } else if (m.accepting()) {
+    } else if (m.accepting() && !grammar_mode) {
       const auto parsed = nlohmann::json::parse(output.substr(0, taken + 1), nullptr, false);
       if (parsed.is_discarded()) {
         std::fprintf(stderr, "accepted but not JSON: %.*s\n", static_cast<int>(taken + 1), output.data());
@@ -80,7 +86,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
     }
   }
-  if (regex_mode && !m.accepting()) {
+  if ((regex_mode || grammar_mode) && !m.accepting()) {
     bool any = false;
     for (int b = 0; b < 256 && !any; ++b) {
       Matcher next = m;
@@ -94,7 +100,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   std::vector<uint32_t> mask, cached;
   g_vocab->allowed_tokens(m, mask);
-  moe::structured::PlainTokenCache cache;  // a request's: filled by the first mask, used by the second
+  moe::structured::TokenSetCache cache;  // a request's: filled by the first mask, used by the second
   for (int round = 0; round < 2; ++round) {
     g_vocab->allowed_tokens(m, cached, &cache);
     if (cached != mask) {

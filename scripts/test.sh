@@ -27,8 +27,10 @@ if [[ -f fuzz/CMakeLists.txt ]]; then
   for target in tokenizer_fuzz chat_template_fuzz structured_fuzz; do
     echo "=== libFuzzer: ${target} (${MOE_TOKENIZER_FUZZ_SECONDS:-30} s)"
     mkdir -p "build-fuzz/corpus_${target}"
+    seeds=()  # checked-in seed inputs (fuzz/corpus_<target>), read only
+    [[ -d "fuzz/corpus_${target}" ]] && seeds=("fuzz/corpus_${target}")
     "build-fuzz/bin/${target}" -max_total_time="${MOE_TOKENIZER_FUZZ_SECONDS:-30}" -print_final_stats=1 \
-      -max_len=4096 "build-fuzz/corpus_${target}"
+      -max_len=4096 "build-fuzz/corpus_${target}" "${seeds[@]}"
   done
 fi
 echo "=== all tests passed"

@@ -71,7 +71,7 @@ std::optional<ApiError> reject_unsupported(const Json& j) {
           "{\"name\": ...}}",
           "tool_choice");
   }
-  for (const char* key : {"guided_grammar", "guided_whitespace_pattern", "bad_words", "allowed_token_ids"}) {
+  for (const char* key : {"guided_whitespace_pattern", "bad_words", "allowed_token_ids"}) {
     if (auto it = j.find(key); it != j.end() && !it->is_null()) return unsupported(key, "null");
   }
   // vLLM's beam search and chat continuation.
@@ -136,6 +136,15 @@ std::optional<ApiError> compile_regex(const Json& pattern, const char* param, Ge
   return std::nullopt;
 }
 
+// An EBNF grammar the whole output must follow (structured/cfg.h).
+std::optional<ApiError> compile_ebnf(const Json& text, const char* param, GenerationParams& p) {
+  if (!text.is_string()) return bad_request(fmt::format("'{}' must be a string (an EBNF grammar)", param), param);
+  auto grammar = structured::Grammar::from_ebnf(text.get<std::string>());
+  if (!grammar) return bad_request(fmt::format("'{}': {}", param, grammar.status().message()), param);
+  p.grammar = *grammar;
+  return std::nullopt;
+}
+
 std::optional<ApiError> compile_choices(const Json& choices, const char* param, GenerationParams& p) {
   std::vector<std::string> strings;
   if (choices.is_array())
@@ -150,9 +159,10 @@ std::optional<ApiError> compile_choices(const Json& choices, const char* param, 
 }
 
 // Structured outputs (docs/server.md): OpenAI's response_format (json_object,
-// json_schema), vLLM's guided_json / guided_choice / guided_regex and
-// structured_outputs {json, choice, regex, json_object}; at most one of them.
-// Grammars are refused by name.
+// json_schema), vLLM's guided_json / guided_choice / guided_regex /
+// guided_grammar and structured_outputs {json, choice, regex, grammar,
+// json_object}; at most one of them. structural_tag and whitespace_pattern
+// are refused by name.
 std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& p) {
   int count = 0;
   if (auto it = j.find("response_format"); it != j.end() && !it->is_null()) {
@@ -186,6 +196,10 @@ std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& 
     MOE_API_TRY(compile_regex(*it, "guided_regex", p));
     ++count;
   }
+  if (auto it = j.find("guided_grammar"); it != j.end() && !it->is_null()) {
+    MOE_API_TRY(compile_ebnf(*it, "guided_grammar", p));
+    ++count;
+  }
   if (auto it = j.find("structured_outputs"); it != j.end() && !it->is_null()) {
     const char* param = "structured_outputs";
     if (!it->is_object()) return bad_request("'structured_outputs' must be an object", param);
@@ -197,12 +211,14 @@ std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& 
         MOE_API_TRY(compile_choices(value, param, p));
       } else if (key == "regex") {
         MOE_API_TRY(compile_regex(value, param, p));
+      } else if (key == "grammar") {
+        MOE_API_TRY(compile_ebnf(value, param, p));
       } else if (key == "json_object") {
         if (value != true) return bad_request("'structured_outputs.json_object' must be a boolean", param);
         p.grammar = structured::Grammar::json_object();
-      } else if (key == "grammar" || key == "structural_tag" || key == "whitespace_pattern") {
-        return bad_request(fmt::format("'structured_outputs.{}' is not supported by this server (json, choice, regex "
-                                       "and json_object are)",
+      } else if (key == "structural_tag" || key == "whitespace_pattern") {
+        return bad_request(fmt::format("'structured_outputs.{}' is not supported by this server (json, choice, regex, "
+                                       "grammar and json_object are)",
                                        key),
                            param);
       } else {
@@ -213,7 +229,7 @@ std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& 
   }
   if (count > 1)
     return bad_request("one structured output at a time: response_format, guided_json, guided_choice, "
-                       "guided_regex or structured_outputs",
+                       "guided_regex, guided_grammar or structured_outputs",
                        "response_format");
   return std::nullopt;
 }

@@ -409,6 +409,16 @@ Expected<std::shared_ptr<const Grammar>> Grammar::from_regex(std::string_view pa
   return std::shared_ptr<const Grammar>(std::move(g));
 }
 
+Expected<std::shared_ptr<const Grammar>> Grammar::from_ebnf(std::string_view grammar) {
+  auto cfg = Cfg::compile(grammar);
+  if (!cfg) return cfg.status();
+  auto g = std::make_shared<Grammar>();
+  add_any_nodes(g->nodes_, g->any_);
+  g->root_ = g->add(Node{.kind = NodeKind::kCfg, .cfg = std::make_shared<const Cfg>(std::move(*cfg))});
+  g->source_ = {{"type", "grammar"}, {"grammar", grammar}};
+  return std::shared_ptr<const Grammar>(std::move(g));
+}
+
 Expected<std::shared_ptr<const Grammar>> Grammar::from_source(const nlohmann::ordered_json& source) {
   if (!source.is_object() || !source.contains("type") || !source["type"].is_string())
     return invalid_argument("a structured-output grammar must be an object with a 'type'");
@@ -425,6 +435,8 @@ Expected<std::shared_ptr<const Grammar>> Grammar::from_source(const nlohmann::or
   }
   if (type == "regex" && source.contains("pattern") && source["pattern"].is_string())
     return from_regex(source["pattern"].get<std::string>());
+  if (type == "grammar" && source.contains("grammar") && source["grammar"].is_string())
+    return from_ebnf(source["grammar"].get<std::string>());
   return invalid_argument("unknown structured-output grammar type '{}'", type);
 }
 

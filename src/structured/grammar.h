@@ -1,6 +1,6 @@
 // Structured outputs' grammars: what a constrained request's output must be
 // (OpenAI's response_format json_object / json_schema, vLLM's guided_json,
-// guided_choice and guided_regex), compiled once per request into a table of nodes that the
+// guided_choice, guided_regex and guided_grammar), compiled once per request into a table of nodes that the
 // byte-level matcher (structured/matcher.h) walks.
 //
 // JSON Schema, the subset served (docs/server.md, "Structured outputs"):
@@ -29,6 +29,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/status.h"
+#include "structured/cfg.h"
 #include "structured/regex.h"
 
 namespace moe::structured {
@@ -64,6 +65,7 @@ enum class NodeKind : uint8_t {
   kAnyOf,     // one of `alternatives` (also a $ref's slot, and "any value": Grammar::any_node)
   kChoice,    // raw text, one of `literals` (guided_choice): not JSON
   kRegex,     // raw text that `pattern` matches whole (guided_regex): not JSON
+  kCfg,       // raw text that `cfg` derives (guided_grammar): not JSON
 };
 
 inline constexpr int kMaxIntegerDigits = 19;
@@ -87,6 +89,7 @@ struct Node {
   int32_t additional = -1;                  // kObject: the node of other keys' values, -1: none allowed
   LiteralTrie literals;                     // kLiterals, kChoice
   std::vector<int32_t> alternatives;        // kAnyOf
+  std::shared_ptr<const Cfg> cfg;           // kCfg
 };
 
 inline constexpr size_t kMaxSchemaNesting = 128;  // of the schema document itself (annotations included)
@@ -107,10 +110,12 @@ class Grammar {
   static Expected<std::shared_ptr<const Grammar>> from_choices(const std::vector<std::string>& choices);
   // vLLM's guided_regex: text (not JSON) the pattern (structured/regex.h) matches whole.
   static Expected<std::shared_ptr<const Grammar>> from_regex(std::string_view pattern);
+  // vLLM's guided_grammar: text (not JSON) the EBNF grammar (structured/cfg.h) derives from its root.
+  static Expected<std::shared_ptr<const Grammar>> from_ebnf(std::string_view grammar);
   // The serialised form from_source() compiles again (disaggregated serving
   // sends it to the prefill and decode instances): {"type": "json_object"},
-  // {"type": "json_schema", "schema": ...}, {"type": "choice", "choices": [...]}
-  // or {"type": "regex", "pattern": "..."}.
+  // {"type": "json_schema", "schema": ...}, {"type": "choice", "choices": [...]},
+  // {"type": "regex", "pattern": "..."} or {"type": "grammar", "grammar": "..."}.
   static Expected<std::shared_ptr<const Grammar>> from_source(const nlohmann::ordered_json& source);
   const nlohmann::ordered_json& source() const { return source_; }
 

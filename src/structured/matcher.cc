@@ -26,7 +26,10 @@ namespace {
 //   kKey      a: the node in the object's keys' trie; [b, c]: the properties
 //             it may name (the object's next one up to its first required one)
 //   kText     raw text (a kRegex node): re: its pattern's state; b, c, cp as a string's UTF-8
-enum Kind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey, kText };
+//   kRule     raw text (a kCfg node), one open rule of a reading: a: the
+//             position of the symbol it reads next (structured/cfg.h); the
+//             reading's stack is the thread's frames; b, c, cp as a string's UTF-8
+enum Kind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey, kText, kRule };
 
 // Phases of an object or an array.
 enum ContainerPhase : uint8_t { kOpen, kStart, kAfterKey, kInValue, kAfterValue, kAfterComma, kInKey, kInExtraKey };
@@ -57,7 +60,8 @@ bool number_accepting(uint8_t phase) {
 
 // Forks nested for one byte: a safety net (anyOf is flattened when compiled,
 // so a value start forks once).
-constexpr int kMaxForkDepth = 32;
+// A grammar's reading forks once per rule it opens before a byte's character.
+constexpr int kMaxForkDepth = 64;
 
 }  // namespace
 
@@ -95,6 +99,11 @@ bool Matcher::advance(std::string_view bytes) {
 
 bool Matcher::thread_accepting(size_t begin, size_t end) const {
   if (end == begin) return true;  // the value is whole
+  if (frames_[begin].kind == kRule) {  // every open rule may end here
+    const Cfg& cfg = *grammar_->node(frames_[begin].node).cfg;
+    return std::all_of(frames_.begin() + static_cast<ptrdiff_t>(begin), frames_.begin() + static_cast<ptrdiff_t>(end),
+                       [&](const Frame& r) { return r.phase != kUtf8 && cfg.nullable_from(r.a); });
+  }
   if (end - begin > 1) return false;
   const Frame& f = frames_[begin];
   if (f.kind == kNumber) return number_accepting(f.phase);
@@ -102,6 +111,7 @@ bool Matcher::thread_accepting(size_t begin, size_t end) const {
   if (f.kind == kText) return f.phase == kChars && grammar_->node(f.node).pattern->accepting(f.re);
   if (f.kind == kValue && grammar_->node(f.node).kind == NodeKind::kRegex)  // raw text not begun: empty
     return grammar_->node(f.node).pattern->accepting(grammar_->node(f.node).pattern->start());
+  if (f.kind == kValue && grammar_->node(f.node).kind == NodeKind::kCfg) return grammar_->node(f.node).cfg->nullable_from(0);
   return false;
 }
 
@@ -140,6 +150,23 @@ Matcher::PlainRuns Matcher::plain_runs() const {
     }
   }
   return runs;
+}
+
+bool Matcher::grammar_readings() const {
+  size_t begin = 0;
+  for (const uint32_t end : ends_) {
+    if (end == begin || frames_[begin].kind != kRule) return false;
+    begin = end;
+  }
+  return !ends_.empty();
+}
+
+Matcher Matcher::only_thread(size_t i) const {
+  Matcher m(*grammar_);
+  const std::span<const Frame> t = thread(i);
+  m.frames_.assign(t.begin(), t.end());
+  m.ends_ = {static_cast<uint32_t>(t.size())};
+  return m;
 }
 
 bool Matcher::accepting() const {
@@ -261,6 +288,11 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
   // A pattern's way on from frame t: some code point of [lo, hi] it takes
   // within a string's length bounds (raw text has none).
   auto pattern_allows = [&](const Frame& t, uint32_t lo, uint32_t hi) {
+    if (t.kind == kRule) {  // the grammar's character class
+      const Cfg& cfg = *g.node(t.node).cfg;
+      return cfg.class_meets(cfg.symbol(t.a).id, lo, std::min(hi, 0xD7FFu)) ||
+             cfg.class_meets(cfg.symbol(t.a).id, std::max(lo, 0xE000u), hi);
+    }
     if (t.re < 0) return true;
     const Node& n = g.node(t.node);
     const bool string = t.kind == kString;
@@ -296,7 +328,8 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
   switch (top.kind) {
     case kValue: {
       const Node& n = g.node(top.node);
-      const bool raw = n.kind == NodeKind::kChoice || n.kind == NodeKind::kRegex;  // not JSON: no whitespace rules
+      const bool raw = n.kind == NodeKind::kChoice || n.kind == NodeKind::kRegex ||
+                       n.kind == NodeKind::kCfg;  // not JSON: no whitespace rules
       if (depth == 1 && !raw && is_whitespace(byte))  // before the output's value
         return ++top.ws <= kMaxLeadingWhitespace ? Step::kConsumed : Step::kReject;
       if (!raw && is_whitespace(byte)) return whitespace();
@@ -322,6 +355,9 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
           return Step::kRedispatch;
         case NodeKind::kRegex:
           top = Frame{.kind = kText, .phase = kChars, .node = top.node, .re = n.pattern->start()};
+          return Step::kRedispatch;
+        case NodeKind::kCfg:
+          top = Frame{.kind = kRule, .phase = kChars, .node = top.node, .a = 0};  // the start: root
           return Step::kRedispatch;
         case NodeKind::kLiterals:
         case NodeKind::kChoice:
@@ -539,6 +575,45 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
       };
       if (top.phase == kUtf8) return utf8_next(byte, top, character);
       return byte < 0x80 ? character(byte) : utf8_first(byte, top);
+    }
+
+    case kRule: {  // one open rule of a grammar's reading
+      const Cfg& cfg = *g.node(top.node).cfg;
+      const Cfg::Symbol& symbol = cfg.symbol(top.a);
+      // A character of the class; refused where the reading could then not go
+      // on within kMaxGrammarDepth (so that the limit is never a dead end).
+      auto character = [&](uint32_t code_point) {
+        if (!cfg.class_has(symbol.id, code_point)) return Step::kReject;
+        ++top.a;
+        thread_local std::vector<int32_t> positions;
+        positions.clear();
+        for (size_t i = start; i < f.size(); ++i) positions.push_back(f[i].a);
+        return cfg.way_on(positions) ? Step::kConsumed : Step::kReject;
+      };
+      if (top.phase == kUtf8) return utf8_next(byte, top, character);
+      switch (symbol.kind) {
+        case Cfg::SymbolKind::kEnd:  // the rule is whole: its caller goes on (none: the output is whole)
+          f.pop_back();
+          return Step::kRedispatch;
+        case Cfg::SymbolKind::kRule: {
+          // Each alternative is a reading of its own; the caller goes on after
+          // the rule unless the rule ends its run (a tail call: no frame kept).
+          const bool tail = cfg.symbol(top.a + 1).kind == Cfg::SymbolKind::kEnd;
+          if (!tail && static_cast<int32_t>(depth) >= kMaxGrammarDepth) return Step::kReject;
+          Frame after = top;
+          ++after.a;
+          std::vector<Frame> tops;
+          for (const int32_t alt : cfg.alternatives(symbol.id)) {
+            if (!tail) tops.push_back(after);
+            tops.push_back(Frame{.kind = kRule, .phase = kChars, .node = top.node, .a = alt});
+          }
+          fork(byte, start, out, tops, !tail);
+          return Step::kForked;
+        }
+        case Cfg::SymbolKind::kClass:
+          return byte < 0x80 ? character(byte) : utf8_first(byte, top);
+      }
+      return Step::kReject;
     }
 
     case kNumber: {

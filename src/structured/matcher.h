@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -74,6 +75,9 @@ class Matcher {
   };
   PlainRuns plain_runs() const;
   size_t num_threads() const { return ends_.size(); }
+  // Whether every thread reads a guided_grammar output (structured/cfg.h):
+  // then what a thread takes depends on its own frames alone.
+  bool grammar_readings() const;
 
   // One parse position: what is being read (kind), where in it (phase), and
   // its counters (their meaning per kind in matcher.cc).
@@ -86,6 +90,12 @@ class Matcher {
     uint32_t cp = 0;   // a string with a pattern: the code point being read (UTF-8, a surrogate pair's high half)
     bool operator==(const Frame&) const = default;
   };
+  // Thread i's frames (bottom first), and a matcher of that thread alone.
+  std::span<const Frame> thread(size_t i) const {
+    const size_t begin = i == 0 ? 0 : ends_[i - 1];
+    return {frames_.data() + begin, ends_[i] - begin};
+  }
+  Matcher only_thread(size_t i) const;
 
  private:
   enum class Step : uint8_t;

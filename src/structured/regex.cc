@@ -9,42 +9,14 @@
 
 #include <fmt/format.h>
 
-#include "tokenizer/utf8.h"
+#include "structured/code_points.h"
 
 namespace moe::structured {
 namespace {
 
-constexpr uint32_t kMaxCodePoint = 0x10FFFF;
 constexpr size_t kMaxNfaStates = 50000;
 constexpr size_t kMaxTableEntries = size_t{1} << 22;
 constexpr size_t kMaxWork = size_t{1} << 21;  // NFA states in the subset construction's sets, summed
-
-// A set of code points as sorted, disjoint, inclusive ranges.
-using Ranges = std::vector<std::pair<uint32_t, uint32_t>>;
-
-Ranges normalized(Ranges r) {
-  std::sort(r.begin(), r.end());
-  Ranges out;
-  for (const auto& [lo, hi] : r) {
-    if (!out.empty() && lo <= out.back().second + 1) {
-      out.back().second = std::max(out.back().second, hi);
-    } else {
-      out.emplace_back(lo, hi);
-    }
-  }
-  return out;
-}
-
-Ranges complement(const Ranges& set) {
-  Ranges out;
-  uint32_t next = 0;
-  for (const auto& [lo, hi] : normalized(set)) {
-    if (lo > next) out.emplace_back(next, lo - 1);
-    next = hi + 1;
-  }
-  if (next <= kMaxCodePoint) out.emplace_back(next, kMaxCodePoint);
-  return out;
-}
 
 const Ranges& digits() {
   static const Ranges r = {{'0', '9'}};
@@ -67,18 +39,6 @@ const Ranges& any_but_line_terminators() {
 const Ranges& anything() {
   static const Ranges r = {{0, kMaxCodePoint}};
   return r;
-}
-
-// UTF-8 to code points; false where `s` is not valid UTF-8.
-bool code_points(std::string_view s, std::vector<uint32_t>& out) {
-  out.clear();
-  if (!tokenizer::is_valid_utf8(s)) return false;
-  for (size_t i = 0; i < s.size();) {
-    char32_t cp;
-    i += tokenizer::decode_utf8(s, i, cp);
-    out.push_back(static_cast<uint32_t>(cp));
-  }
-  return true;
 }
 
 // The parsed pattern: a tree of sets, sequences, alternatives and repeats.

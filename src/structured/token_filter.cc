@@ -112,7 +112,12 @@ void TokenVocabulary::walk(int32_t node, size_t depth, std::vector<Matcher>& lev
 }
 
 void TokenVocabulary::allowed_tokens(const Matcher& matcher, std::vector<uint32_t>& mask,
-                                     PlainTokenCache* cache) const {
+                                     TokenSetCache* cache) const {
+  if (cache && matcher.grammar_readings()) {  // each reading's tokens, from the cache or its own walk
+    mask.assign(plain_mask_.size(), 0);
+    for (size_t i = 0; i < matcher.num_threads(); ++i) cache->add_reading(*this, matcher, i, mask);
+    return;
+  }
   thread_local std::vector<Matcher> level;  // the matcher after each prefix on the walk's path
   if (level.empty()) {
     level.push_back(matcher);
@@ -135,7 +140,7 @@ void TokenVocabulary::allowed_tokens(const Matcher& matcher, std::vector<uint32_
     if (r.room < longest_plain_) {  // its length bounds may bind: left to the walk
       patterns_settled = false;
     } else if (cache) {
-      cache->add_to(*this, r.at, mask);
+      cache->add_pattern(*this, r.at, mask);
     } else {
       add_pattern_tokens(*r.at.regex, r.at.state, mask);
     }
@@ -194,30 +199,45 @@ void TokenVocabulary::walk_pattern(const Regex& regex, int32_t node, int32_t sta
   }
 }
 
-void PlainTokenCache::add_to(const TokenVocabulary& vocabulary, const Matcher::PatternState& p,
-                             std::vector<uint32_t>& mask) {
+template <class IsKey, class Fill>
+void TokenSetCache::add(IsKey&& is_key, Entry key, Fill&& fill, std::vector<uint32_t>& mask) {
   const std::lock_guard lock(mutex_);
-  auto it = std::find_if(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.key == p; });
+  auto it = std::find_if(entries_.begin(), entries_.end(), is_key);
   if (it == entries_.end()) {
     ++misses_;
     if (entries_.size() < kCapacity) {
-      it = entries_.insert(entries_.end(), Entry{.key = p});
+      it = entries_.insert(entries_.end(), std::move(key));
     } else {
       it = std::min_element(entries_.begin(), entries_.end(),
                             [](const Entry& x, const Entry& y) { return x.last_used < y.last_used; });
-      it->key = p;
+      it->pattern = key.pattern;
+      it->reading = std::move(key.reading);
     }
     it->tokens.assign(mask.size(), 0);
-    vocabulary.add_pattern_tokens(*p.regex, p.state, it->tokens);
+    fill(it->tokens);
   }
   it->last_used = ++clock_;
   for (size_t w = 0; w < mask.size(); ++w) mask[w] |= it->tokens[w];
 }
 
+void TokenSetCache::add_pattern(const TokenVocabulary& vocabulary, const Matcher::PatternState& p,
+                                std::vector<uint32_t>& mask) {
+  add([&](const Entry& e) { return e.reading.empty() && e.pattern == p; }, Entry{.pattern = p},
+      [&](std::vector<uint32_t>& tokens) { vocabulary.add_pattern_tokens(*p.regex, p.state, tokens); }, mask);
+}
+
+void TokenSetCache::add_reading(const TokenVocabulary& vocabulary, const Matcher& matcher, size_t thread,
+                                std::vector<uint32_t>& mask) {
+  const std::span<const Matcher::Frame> frames = matcher.thread(thread);
+  add([&](const Entry& e) { return std::equal(e.reading.begin(), e.reading.end(), frames.begin(), frames.end()); },
+      Entry{.reading = {frames.begin(), frames.end()}},
+      [&](std::vector<uint32_t>& tokens) { vocabulary.allowed_tokens(matcher.only_thread(thread), tokens); }, mask);
+}
+
 TokenConstraint::TokenConstraint(std::shared_ptr<const Grammar> grammar,
                                  std::shared_ptr<const TokenVocabulary> vocabulary, std::vector<int32_t> end_ids)
     : grammar_(std::move(grammar)), vocabulary_(std::move(vocabulary)), end_ids_(std::move(end_ids)),
-      matcher_(*grammar_), cache_(std::make_shared<PlainTokenCache>()) {}
+      matcher_(*grammar_), cache_(std::make_shared<TokenSetCache>()) {}
 
 void TokenConstraint::allowed_tokens(std::vector<uint32_t>& mask) const {
   vocabulary_->allowed_tokens(matcher_, mask, cache_.get());

@@ -13,14 +13,17 @@
 // measured in docs/server.md ("Structured outputs") since. In a string with a
 // pattern the set depends on the automaton's state: the plain tokens it takes
 // from a state are found by a walk of the trie with the automaton alone
-// (add_pattern_tokens) and kept per state by the request (PlainTokenCache),
-// since its output revisits a pattern's few states token after token.
+// (add_pattern_tokens) and kept per state by the request (TokenSetCache),
+// since its output revisits a pattern's few states token after token. A
+// guided_grammar output (structured/cfg.h) has every token walked, once per
+// reading (thread) of the output, and each reading's set is kept by the
+// request the same way.
 // TokenConstraint is one sequence's state: the matcher after its output so
 // far, advanced token by token.
 //
 // Threads: a TokenVocabulary is immutable once built (any thread); a
 // TokenConstraint belongs to one thread at a time (the engine loop); a
-// PlainTokenCache may be shared by copies of a constraint on any threads.
+// TokenSetCache may be shared by copies of a constraint on any threads.
 #pragma once
 
 #include <cstdint>
@@ -36,7 +39,7 @@
 
 namespace moe::structured {
 
-class PlainTokenCache;
+class TokenSetCache;
 
 class TokenVocabulary {
  public:
@@ -52,8 +55,9 @@ class TokenVocabulary {
 
   // mask[id / 32] bit id % 32 set for every token `matcher` accepts whole
   // (mask: (size() + 31) / 32 words, cleared first). `cache`, optional: the
-  // plain tokens of the patterns' states, kept from call to call.
-  void allowed_tokens(const Matcher& matcher, std::vector<uint32_t>& mask, PlainTokenCache* cache = nullptr) const;
+  // plain tokens of the patterns' states and the grammar readings' tokens,
+  // kept from call to call.
+  void allowed_tokens(const Matcher& matcher, std::vector<uint32_t>& mask, TokenSetCache* cache = nullptr) const;
   // Sets the bits of the plain tokens whose characters `regex` takes, one
   // step each, from `state` (every step to a live state).
   void add_pattern_tokens(const Regex& regex, int32_t state, std::vector<uint32_t>& mask) const;
@@ -84,14 +88,20 @@ class TokenVocabulary {
   int32_t longest_plain_ = 0;                              // the most code points of a plain token
 };
 
-// The plain tokens of the pattern states one request's output has met (as
-// TokenVocabulary::add_pattern_tokens finds them), the kCapacity most
-// recently used: ~19 KB each at Qwen3's vocabulary.
-class PlainTokenCache {
+// Token sets one request's masks reuse, the kCapacity most recently used
+// (~19 KB each at Qwen3's vocabulary): the plain tokens of a pattern's
+// automaton state (as TokenVocabulary::add_pattern_tokens finds them), and
+// every token one reading of a guided_grammar output takes (keyed by its
+// frames: a repetition's reading is the same token after token).
+class TokenSetCache {
  public:
   static constexpr size_t kCapacity = 8;
   // Sets the bits of `p`'s plain tokens in `mask`, finding them on a miss.
-  void add_to(const TokenVocabulary& vocabulary, const Matcher::PatternState& p, std::vector<uint32_t>& mask);
+  void add_pattern(const TokenVocabulary& vocabulary, const Matcher::PatternState& p, std::vector<uint32_t>& mask);
+  // Sets the bits of every token thread `thread` of `matcher` (a grammar
+  // reading) takes, finding them on a miss.
+  void add_reading(const TokenVocabulary& vocabulary, const Matcher& matcher, size_t thread,
+                   std::vector<uint32_t>& mask);
   size_t misses() const {
     const std::lock_guard lock(mutex_);
     return misses_;
@@ -99,10 +109,16 @@ class PlainTokenCache {
 
  private:
   struct Entry {
-    Matcher::PatternState key;
+    Matcher::PatternState pattern;        // a pattern state's plain tokens, or
+    std::vector<Matcher::Frame> reading;  // (not empty) a grammar reading's tokens
     std::vector<uint32_t> tokens;
     uint64_t last_used = 0;
   };
+  // ORs the tokens of the entry `is_key` picks into `mask`; on a miss a new
+  // entry (or the least recently used) gets `key` and `fill`'s tokens.
+  template <class IsKey, class Fill>
+  void add(IsKey&& is_key, Entry key, Fill&& fill, std::vector<uint32_t>& mask);
+
   mutable std::mutex mutex_;
   std::vector<Entry> entries_;
   uint64_t clock_ = 0;
@@ -132,7 +148,7 @@ class TokenConstraint {
   std::shared_ptr<const TokenVocabulary> vocabulary_;
   std::vector<int32_t> end_ids_;
   Matcher matcher_;
-  std::shared_ptr<PlainTokenCache> cache_;  // shared by the constraint's copies
+  std::shared_ptr<TokenSetCache> cache_;  // shared by the constraint's copies
 };
 
 inline bool mask_has(std::span<const uint32_t> mask, int32_t id) {

@@ -117,7 +117,8 @@ TEST(Protocol, UnsupportedFieldsPassOnlyAtTheirNeutralValue) {
   EXPECT_EQ(param_of(R"(,"length_penalty":0.5)"), "length_penalty");
   EXPECT_EQ(param_of(R"(,"suffix":"end")"), "suffix");
   EXPECT_EQ(param_of(R"(,"best_of":3)"), "best_of");
-  EXPECT_EQ(param_of(R"(,"guided_grammar":"root ::= x")"), "guided_grammar");
+  EXPECT_EQ(param_of(R"(,"guided_grammar":"root ::= x")"), "guided_grammar");  // 'x' is not defined
+  EXPECT_EQ(param_of(R"(,"guided_grammar":"root ::= \"x\"")"), "(accepted)");
   EXPECT_EQ(param_of(R"(,"response_format":{"type":"grammar"})", true), "response_format");
   EXPECT_EQ(param_of(R"(,"tool_choice":"required")", true), "tool_choice");  // without tools
   EXPECT_EQ(param_of(R"(,"tool_choice":{"type":"function","function":{"name":"f"}})", true), "tool_choice");
@@ -609,7 +610,19 @@ TEST(Protocol, StructuredOutputsCompileOrNameWhatIsNotServed) {
             std::string::npos);
   EXPECT_NE(error_of(R"j(,"guided_regex":"a(?!b)")j").find("look-ahead"), std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_regex":7)").find("must be a string"), std::string::npos);
-  EXPECT_NE(error_of(R"(,"structured_outputs":{"grammar":"a"})").find("grammar"), std::string::npos);
+  // EBNF grammars (guided_grammar, structured_outputs.grammar): the whole text.
+  const std::string sql = R"(root ::= \"SELECT \" [a-z]+ (\", \" [a-z]+)* \" FROM t;\")";
+  for (const std::string& fields : {R"(,"guided_grammar":")" + sql + "\"", R"(,"structured_outputs":{"grammar":")" + sql + "\"}"}) {
+    auto g = grammar_of(fields);
+    ASSERT_TRUE(g) << fields;
+    EXPECT_TRUE(matches(g, "SELECT a, bc FROM t;")) << fields;
+    EXPECT_FALSE(matches(g, "SELECT FROM t;")) << fields;
+  }
+  EXPECT_NE(error_of(R"(,"structured_outputs":{"grammar":"a"})").find("'::='"), std::string::npos);
+  EXPECT_NE(error_of(R"(,"guided_grammar":"root ::= e\ne ::= e \"+\" | \"1\"")").find("left recursion"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"(,"guided_grammar":["root ::= \"a\""])").find("must be a string"), std::string::npos);
+  EXPECT_NE(error_of(R"(,"structured_outputs":{"structural_tag":"{}"})").find("structural_tag"), std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_choice":["a"],"guided_json":{})").find("one structured output"), std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_choice":"a")").find("array of strings"), std::string::npos);
 
@@ -650,6 +663,11 @@ TEST(Protocol, StructuredOutputsCompileOrNameWhatIsNotServed) {
   ASSERT_TRUE(regex_back.has_value()) << regex_back.status().to_string();
   EXPECT_TRUE(matches(regex_back->spec.grammar, "ab."));
   EXPECT_FALSE(matches(regex_back->spec.grammar, "ab"));
+  r.spec.grammar = grammar_of(R"(,"guided_grammar":"root ::= (\"ab\")+ \".\"")");  // a grammar as its text
+  auto ebnf_back = disagg::parse_decode_request(disagg::to_json(r).dump());
+  ASSERT_TRUE(ebnf_back.has_value()) << ebnf_back.status().to_string();
+  EXPECT_TRUE(matches(ebnf_back->spec.grammar, "abab."));
+  EXPECT_FALSE(matches(ebnf_back->spec.grammar, "aba."));
   nlohmann::json bad = disagg::to_json(r);
   bad["grammar"] = R"({"type":"regex"})";  // no pattern
   auto refused = disagg::parse_decode_request(bad.dump());

@@ -1,6 +1,6 @@
 // Structured outputs through the official `openai` client on the bundled demo
 // model: response_format json_schema / json_object (pattern and format
-// included), vLLM's guided_choice, guided_regex and structured_outputs,
+// included), vLLM's guided_choice, guided_regex, guided_grammar and structured_outputs,
 // tool_choice "required" / a named function (tool_calls out of a grammar of
 // the tools' parameters), streamed and not, and the 400s for what is not
 // served.
@@ -206,6 +206,51 @@ test('guided_regex and structured_outputs.regex: the whole output matches', asyn
   assert.match(streamed.join(''), whole);
 });
 
+// vLLM's guided_grammar and structured_outputs.grammar (EBNF, as xgrammar
+// and llama.cpp's GBNF read it): the whole text follows the grammar (oracle:
+// a recursive-descent checker written for this grammar), streamed and not.
+test('guided_grammar and structured_outputs.grammar: the whole output follows the grammar', async () => {
+  const grammar = `
+    root   ::= expr " = " [0-9]+
+    expr   ::= term (("+" | "-") term)*   # sums of products
+    term   ::= factor ("*" factor)*
+    factor ::= [0-9]{1,3} | "(" expr ")"
+  `;
+  const follows = (text) => {
+    let i = 0;
+    const factor = () => {
+      if (text[i] === '(') { i++; if (!expr() || text[i] !== ')') return false; i++; return true; }
+      const m = /^[0-9]{1,3}/.exec(text.slice(i));
+      if (!m) return false;
+      i += m[0].length;
+      return !/^[0-9]/.test(text.slice(i));
+    };
+    const term = () => { if (!factor()) return false; while (text[i] === '*') { i++; if (!factor()) return false; } return true; };
+    const expr = () => { if (!term()) return false; while (text[i] === '+' || text[i] === '-') { i++; if (!term()) return false; } return true; };
+    return expr() && /^ = [0-9]+$/.test(text.slice(i));
+  };
+  const r = await client.completions.create({ model, prompt: 'Arithmetic:', max_tokens: 48, temperature: 1, seed: 4,
+                                              n: 8, guided_grammar: grammar });
+  let finished = 0;
+  for (const c of r.choices) {
+    if (c.finish_reason === 'stop') {
+      assert.ok(follows(c.text), c.text);
+      finished++;
+    } else {
+      assert.equal(c.finish_reason, 'length');
+    }
+  }
+  assert.ok(finished >= 1, 'some sampled outputs finish within 48 tokens');
+  const greedy = await client.chat.completions.create({ model, messages, max_tokens: 48, temperature: 0,
+                                                        structured_outputs: { grammar } });
+  const streamed = [];
+  for await (const chunk of await client.chat.completions.create({ model, messages, max_tokens: 48, temperature: 0,
+                                                                   stream: true, guided_grammar: grammar }))
+    streamed.push(chunk.choices[0]?.delta?.content ?? '');
+  assert.equal(streamed.join(''), greedy.choices[0].message.content);
+  if (greedy.choices[0].finish_reason === 'stop') assert.ok(follows(greedy.choices[0].message.content));
+});
+
 test('what is not served is a 400 naming it, and the server goes on', async () => {
   const cases = [
     [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'string', pattern: '(a)\\1' } } } },
@@ -217,7 +262,9 @@ test('what is not served is a 400 naming it, and the server goes on', async () =
     [{ response_format: { type: 'json_schema', json_schema: { name: 'x' } } }, /schema/],
     [{ response_format: { type: 'grammar' } }, /'grammar'/],
     [{ guided_regex: 'a(?=b)' }, /look-ahead/],
-    [{ structured_outputs: { grammar: 'root ::= "a"' } }, /grammar/],
+    [{ structured_outputs: { grammar: 'root ::= item' } }, /'item' is used but not defined/],
+    [{ guided_grammar: 'root ::= e\ne ::= e "+" "1" | "1"' }, /left recursion/],
+    [{ structured_outputs: { structural_tag: '{}' } }, /structural_tag/],
     [{ guided_json: '{not json' }, /not valid JSON/],
     [{ guided_choice: [] }, /choice/],
     [{ guided_choice: ['a'], response_format: { type: 'json_object' } }, /one structured output/],

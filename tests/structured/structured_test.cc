@@ -643,6 +643,12 @@ TEST(TokenFilter, QwenVocabulary) {
   auto at_least = schema(R"({"type": "string", "pattern": "^[a-z ]+$", "minLength": 5})");
   auto cjk = schema(R"({"type": "string", "pattern": "^[\\u4e00-\\u9fff]+$"})");
   auto not_latin = schema(R"({"type": "string", "pattern": "^[^a-zA-Z]*$"})");
+  // guided_grammar: every token walked through the grammar's readings.
+  auto sql = Grammar::from_ebnf(R"G(root ::= "SELECT " cols " FROM " [a-z_]+ (" WHERE " [a-z_]+ " = " [0-9]+)? ";"
+      cols ::= "*" | [a-z_]+ (", " [a-z_]+)*)G");
+  ASSERT_TRUE(sql.has_value()) << sql.status().to_string();
+  auto prose_grammar = Grammar::from_ebnf("root ::= sentence+\nsentence ::= [A-Z] [a-z ,]* [.!?] \" \"?");
+  ASSERT_TRUE(prose_grammar.has_value()) << prose_grammar.status().to_string();
   const std::pair<const Grammar*, const char*> states[] = {
       {patterned.get(), "{\"when\": \"2024-0"},
       {patterned.get(), "{\"when\": \"2024-01-01T00:00:00Z\", \"text\": \"It was"},
@@ -656,6 +662,8 @@ TEST(TokenFilter, QwenVocabulary) {
       {at_least.get(), "\"abcdef"},
       {cjk.get(), "\"中"},
       {not_latin.get(), "\"1 "},
+      {sql->get(), "SELECT na"},
+      {prose_grammar->get(), "It was"},
       {person.get(), ""},
       {person.get(), "{\"name\": \"Jo"},
       {person.get(), "{\"name\": \"Jo\", \"age\": 4"},
@@ -668,7 +676,7 @@ TEST(TokenFilter, QwenVocabulary) {
     ASSERT_TRUE(m.advance(prefix));
     expect_walk_equals_brute_force(*vocab, m);
     constexpr int kRepeats = 5;
-    auto mean_ms = [&](PlainTokenCache* cache, std::vector<uint32_t>& mask) {
+    auto mean_ms = [&](TokenSetCache* cache, std::vector<uint32_t>& mask) {
       const auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < kRepeats; ++i) vocab->allowed_tokens(m, mask, cache);
       return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / kRepeats;
@@ -677,7 +685,7 @@ TEST(TokenFilter, QwenVocabulary) {
     const double ms = mean_ms(nullptr, mask);
     // With a request's cache: the first mask finds the pattern state's plain
     // tokens, the next ones reuse them; the same masks.
-    PlainTokenCache cache;
+    TokenSetCache cache;
     const auto t0 = std::chrono::steady_clock::now();
     vocab->allowed_tokens(m, cached, &cache);
     const double first_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -689,6 +697,27 @@ TEST(TokenFilter, QwenVocabulary) {
     for (uint32_t w : mask) allowed += __builtin_popcount(w);
     fmt::print("mask after '{}': {} tokens allowed, {:.2f} ms; with a cache {:.2f} ms the first, then {:.2f} ms\n",
                prefix, allowed, ms, first_ms, cached_ms);
+  }
+  // Masks along sampled outputs (a TokenConstraint's cache at work): mean ms a
+  // mask over 60 tokens drawn at random among those allowed.
+  for (const auto& [g, name] : {std::pair{*sql, "guided_grammar SQL"}, std::pair{*prose_grammar, "guided_grammar prose"},
+                                std::pair{patterned, "json_schema with a format and a pattern"}}) {
+    TokenConstraint c(g, vocab, {151645});
+    std::mt19937 rng(1);
+    std::vector<uint32_t> mask;
+    double total_ms = 0;
+    int steps = 0;
+    for (; steps < 60; ++steps) {
+      const auto t0 = std::chrono::steady_clock::now();
+      c.allowed_tokens(mask);
+      total_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      std::vector<int32_t> allowed;
+      for (int32_t id = 0; id < vocab->size(); ++id)
+        if (mask_has(mask, id) && id != 151645) allowed.push_back(id);
+      if (allowed.empty()) break;
+      ASSERT_TRUE(c.accept(allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(rng)]));
+    }
+    fmt::print("{}: {} masks along a sampled output, {:.2f} ms each on average\n", name, steps, total_ms / steps);
   }
   // The costliest states found: ~60 threads in strings of different maxLength
   // (an anyOf of them), alone or as one property of sixty; printed, not
