@@ -259,7 +259,7 @@ class SchemaCompiler {
       source = format_pattern(name);
       if (source.empty())
         return invalid_argument("JSON schema 'format' \"{}\" is not supported by this server (date, time, date-time, "
-                                "uuid, email, ipv4 and hostname are)",
+                                "duration, uuid, email, ipv4, ipv6, hostname and uri are)",
                                 name);
       if (name == "hostname") n.max_length = n.max_length < 0 ? 253 : std::min(n.max_length, 253);
     } else {

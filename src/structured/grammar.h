@@ -8,7 +8,7 @@
 // (absent means false, as OpenAI's strict mode and xgrammar's default), items
 // / minItems / maxItems, minLength / maxLength, enum, const, anyOf / oneOf
 // (oneOf served as anyOf), allOf of one schema, pattern (structured/regex.h)
-// or format (date, time, date-time, uuid, email, ipv4, hostname), $ref into #/$defs or
+// or format (date, time, date-time, duration, uuid, email, ipv4, ipv6, hostname, uri), $ref into #/$defs or
 // #/definitions (recursion allowed), true / {} (any value). Annotations
 // (title, description, default, examples, $schema, $id, $comment, strict) are
 // ignored; every other keyword is refused with an error naming it, so a

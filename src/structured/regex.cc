@@ -584,6 +584,22 @@ std::string_view format_pattern(std::string_view format) {
 #define MOE_TIME "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 #define MOE_LABEL "[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 #define MOE_ATOM "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+  // RFC 4291's text forms without an embedded IPv4 address: eight groups, or fewer around one "::".
+#define MOE_H16 "[0-9a-fA-F]{1,4}"
+#define MOE_IPV6                                                                                               \
+  "((" MOE_H16 ":){7}" MOE_H16 "|(" MOE_H16 ":){1,7}:|(" MOE_H16 ":){1,6}:" MOE_H16 "|(" MOE_H16 ":){1,5}(:" \
+  MOE_H16 "){1,2}|(" MOE_H16 ":){1,4}(:" MOE_H16 "){1,3}|(" MOE_H16 ":){1,3}(:" MOE_H16 "){1,4}|(" MOE_H16  \
+  ":){1,2}(:" MOE_H16 "){1,5}|" MOE_H16 ":(:" MOE_H16 "){1,6}|:((:" MOE_H16 "){1,7}|:))"
+  // RFC 3986: scheme://host[:port][/path][?query][#fragment], or scheme:path (no user info, no IP literal).
+#define MOE_PCT "%[0-9A-Fa-f]{2}"
+#define MOE_PCHAR "([A-Za-z0-9._~!$&'()*+,;=:@-]|" MOE_PCT ")"
+#define MOE_TAIL "(\\?([A-Za-z0-9._~!$&'()*+,;=:@/?-]|" MOE_PCT ")*)?(#([A-Za-z0-9._~!$&'()*+,;=:@/?-]|" MOE_PCT ")*)?"
+#define MOE_URI                                                                                                   \
+  "[A-Za-z][A-Za-z0-9+.-]*:(//([A-Za-z0-9._~!$&'()*+,;=-]|" MOE_PCT ")+(:[0-9]{1,5})?(/" MOE_PCHAR "*)*|" MOE_PCHAR \
+  "+(/" MOE_PCHAR "*)*)" MOE_TAIL
+  // RFC 3339 appendix A (ISO 8601 durations, whole numbers): PnYnMnDTnHnMnS with at least one part, or PnW.
+#define MOE_DURATION_DATE "([0-9]+Y([0-9]+M)?([0-9]+D)?|[0-9]+M([0-9]+D)?|[0-9]+D)"
+#define MOE_DURATION_TIME "T([0-9]+H([0-9]+M)?([0-9]+S)?|[0-9]+M([0-9]+S)?|[0-9]+S)"
   static const std::pair<std::string_view, std::string_view> kFormats[] = {
       {"date", "^" MOE_DATE "$"},
       {"time", "^" MOE_TIME "$"},
@@ -592,11 +608,22 @@ std::string_view format_pattern(std::string_view format) {
       {"email", "^" MOE_ATOM "(\\." MOE_ATOM ")*@" MOE_LABEL "(\\." MOE_LABEL ")+$"},
       {"ipv4", "^((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])$"},
       {"hostname", "^" MOE_LABEL "(\\." MOE_LABEL ")*$"},
+      {"ipv6", "^" MOE_IPV6 "$"},
+      {"uri", "^" MOE_URI "$"},
+      {"duration", "^P(" MOE_DURATION_DATE "(" MOE_DURATION_TIME ")?|" MOE_DURATION_TIME "|[0-9]+W)$"},
   };
 #undef MOE_DATE
 #undef MOE_TIME
 #undef MOE_LABEL
 #undef MOE_ATOM
+#undef MOE_H16
+#undef MOE_IPV6
+#undef MOE_PCT
+#undef MOE_PCHAR
+#undef MOE_TAIL
+#undef MOE_URI
+#undef MOE_DURATION_DATE
+#undef MOE_DURATION_TIME
   for (const auto& [name, pattern] : kFormats)
     if (name == format) return pattern;
   return {};

@@ -76,9 +76,10 @@ class Regex {
   int32_t most_min_left_ = 0;
 };
 
-// A JSON Schema string `format` as a pattern: date, time, date-time, uuid,
-// email, ipv4, hostname (RFC 3339's forms with upper-case T and Z; an email
-// of dot-separated atoms). Empty for a format not served.
+// A JSON Schema string `format` as a pattern: date, time, date-time,
+// duration, uuid, email, ipv4, ipv6, hostname, uri (RFC 3339's forms with
+// upper-case T and Z; an email of dot-separated atoms; each a subset of its
+// RFC: regex.cc says which). Empty for a format not served.
 std::string_view format_pattern(std::string_view format);
 
 }  // namespace moe::structured

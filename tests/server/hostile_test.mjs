@@ -86,7 +86,7 @@ const cases = [
   ['min_tokens over max_tokens', completion({ ...ok, max_tokens: 2, min_tokens: 3 }), 400, 'min_tokens'],
   ['length_penalty (beam search, not implemented)', completion({ ...ok, length_penalty: 0.5 }), 400, 'length_penalty'],
   ['response_format with a schema keyword not served', chat({ model, messages: [{ role: 'user', content: 'x' }],
-    max_tokens: 2, response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'string', format: 'ipv6' } } } }),
+    max_tokens: 2, response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'string', format: 'iri' } } } }),
    400, 'response_format'],
   ['a schema nested past the limit', chat({ model, messages: [{ role: 'user', content: 'x' }], max_tokens: 2,
     guided_json: JSON.parse('{"items":'.repeat(100) + '{}' + '}'.repeat(100)) }), 400, 'guided_json'],

@@ -162,7 +162,7 @@ TEST(Grammar, UnsupportedKeywordsAreNamed) {
       {R"({"type": "string", "pattern": "a{3,1}"})", "{n,m}"},
       {R"({"type": "string", "pattern": "[]"})", "no string"},
       {R"({"type": "string", "pattern": "(a|b)*a[ab]{20}"})", "too complex"},
-      {R"({"type": "string", "format": "ipv6"})", "\"ipv6\""},
+      {R"({"type": "string", "format": "iri"})", "\"iri\""},
       {R"({"type": "string", "format": "date", "pattern": "a"})", "together"},
       {R"({"type": "string", "format": "date", "maxLength": 8})", "within"},
       {R"({"type": "integer", "minimum": 0})", "'minimum'"},
@@ -321,13 +321,21 @@ TEST(Regex, FormatsTakeTheirExamples) {
       {"email", {{"a.b+c@example.co", true}, {"a@b", false}, {"a..b@example.com", false}, {"@x.com", false}}},
       {"ipv4", {{"192.168.0.1", true}, {"256.1.1.1", false}, {"01.1.1.1", false}, {"1.1.1", false}}},
       {"hostname", {{"a-b.example.com", true}, {"-a.com", false}, {"a", true}}},
+      {"ipv6", {{"2001:db8::1", true}, {"::", true}, {"::1", true}, {"1::", true}, {"1:2:3:4:5:6:7:8", true},
+                {"1:2:3:4:5:6:7::", true}, {"fe80::1:2", true}, {"1:2:3:4:5:6:7:8:9", false}, {"1::2::3", false},
+                {"12345::1", false}, {"1:2:3:4:5:6:7", false}, {":1", false}, {"g::1", false}}},
+      {"uri", {{"https://example.com", true}, {"http://a.b:8080/p/q?x=1&y=%2F#frag", true}, {"urn:isbn:0451450523", true},
+               {"mailto:a@b.c", true}, {"example.com", false}, {"http://", false}, {"http://a b", false},
+               {"1http://a", false}, {"http://a/%zz", false}}},
+      {"duration", {{"P1Y2M3DT4H5M6S", true}, {"PT1S", true}, {"P3W", true}, {"P1D", true}, {"P", false},
+                    {"PT", false}, {"P1DT", false}, {"1D", false}, {"P1W2D", false}}},
   };
   for (const auto& [format, examples] : cases) {
     auto r = Regex::compile(format_pattern(format));
     ASSERT_TRUE(r.has_value()) << format << ": " << r.status().to_string();
     for (const auto& [text, valid] : examples) EXPECT_EQ(r->matches(text), valid) << format << " '" << text << "'";
   }
-  EXPECT_TRUE(format_pattern("ipv6").empty());
+  EXPECT_TRUE(format_pattern("iri").empty());
 }
 
 // A pattern applies to a string's value, after its JSON escapes: the
@@ -507,14 +515,18 @@ TEST(TokenFilter, WalksInPatternedStringsMatchThePattern) {
   ASSERT_TRUE(vocab);
   auto g = schema(R"({"type": "object", "properties": {
       "when": {"format": "date-time"}, "id": {"format": "uuid"}, "ip": {"format": "ipv4"},
-      "slug": {"type": "string", "pattern": "^[a-z]{1,5}(-[a-z0-9]{1,4}){0,2}$"}},
-      "required": ["when", "id", "ip", "slug"]})");
+      "slug": {"type": "string", "pattern": "^[a-z]{1,5}(-[a-z0-9]{1,4}){0,2}$"},
+      "v6": {"format": "ipv6"}, "link": {"format": "uri", "maxLength": 40}, "span": {"format": "duration"}},
+      "required": ["when", "id", "ip", "slug", "v6", "link", "span"]})");
   TokenConstraint start(g, vocab, {kDemoEos});
   std::mt19937 rng(13);
   const std::pair<const char*, const char*> checks[] = {{"when", format_pattern("date-time").data()},
                                                         {"id", format_pattern("uuid").data()},
                                                         {"ip", format_pattern("ipv4").data()},
-                                                        {"slug", "^[a-z]{1,5}(-[a-z0-9]{1,4}){0,2}$"}};
+                                                        {"slug", "^[a-z]{1,5}(-[a-z0-9]{1,4}){0,2}$"},
+                                                        {"v6", format_pattern("ipv6").data()},
+                                                        {"link", format_pattern("uri").data()},
+                                                        {"span", format_pattern("duration").data()}};
   for (int walk = 0; walk < 8; ++walk) {
     const std::string text = random_walk(start, *vocab, kDemoEos, rng, walk < 2, *g);
     Json j;
