@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <utility>
 
 #include "structured/utf8_lead.h"
@@ -199,11 +200,37 @@ void Matcher::commit(size_t start, Matcher& out) const {
   }
 }
 
+namespace {
+
+// How many handle() calls are open on this thread: a fork's variants feed
+// the byte again, which may fork again.
+thread_local int t_fork_depth = 0;
+
+// A fork's variants and the thread's frames below them, one pair of buffers
+// per nesting level, kept between bytes: no allocation per fork (the token
+// filter forks at trie nodes by the hundred thousand).
+struct ForkScratch {
+  std::vector<Matcher::Frame> tops, base;
+};
+ForkScratch& fork_scratch() {
+  thread_local std::deque<ForkScratch> levels;  // a deque: growing keeps the outer levels' buffers in place
+  while (levels.size() <= static_cast<size_t>(t_fork_depth)) levels.emplace_back();
+  return levels[static_cast<size_t>(t_fork_depth)];
+}
+std::vector<Matcher::Frame>& fork_tops() {
+  std::vector<Matcher::Frame>& tops = fork_scratch().tops;
+  tops.clear();
+  return tops;
+}
+
+}  // namespace
+
 // Each variant replaces the thread's top frame (with one or more frames), and
 // the byte goes through each variant as its own thread.
 void Matcher::fork(uint8_t byte, size_t start, Matcher& out, const std::vector<Frame>& tops, bool pair) const {
   // pair: each variant is two frames (the object in its new phase, then the key's frame)
-  const std::vector<Frame> base(out.frames_.begin() + static_cast<ptrdiff_t>(start), out.frames_.end() - 1);
+  std::vector<Frame>& base = fork_scratch().base;
+  base.assign(out.frames_.begin() + static_cast<ptrdiff_t>(start), out.frames_.end() - 1);
   out.frames_.resize(start);
   const size_t per_variant = pair ? 2 : 1;
   for (size_t v = 0; v + per_variant <= tops.size(); v += per_variant) {
@@ -216,7 +243,7 @@ void Matcher::fork(uint8_t byte, size_t start, Matcher& out, const std::vector<F
 }
 
 void Matcher::feed(uint8_t byte, size_t start, Matcher& out) const {
-  thread_local int fork_depth = 0;
+  int& fork_depth = t_fork_depth;
   if (fork_depth > kMaxForkDepth) {
     out.frames_.resize(start);
     return;
@@ -335,7 +362,7 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
       if (!raw && is_whitespace(byte)) return whitespace();
       switch (n.kind) {
         case NodeKind::kAnyOf: {
-          std::vector<Frame> tops;
+          std::vector<Frame>& tops = fork_tops();
           for (const int32_t alt : n.alternatives) tops.push_back(Frame{.kind = kValue, .ws = top.ws, .node = alt});
           fork(byte, start, out, tops, false);
           return Step::kForked;
@@ -376,7 +403,7 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
         return true;
       };
       auto key = [&]() {
-        std::vector<Frame> tops;
+        std::vector<Frame>& tops = fork_tops();
         int32_t last = top.a;  // the first required property from top.a, else the last one
         while (last < num_properties - 1 && !n.properties[static_cast<size_t>(last)].required) ++last;
         if (top.a < num_properties) {
@@ -602,7 +629,7 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
           if (!tail && static_cast<int32_t>(depth) >= kMaxGrammarDepth) return Step::kReject;
           Frame after = top;
           ++after.a;
-          std::vector<Frame> tops;
+          std::vector<Frame>& tops = fork_tops();
           for (const int32_t alt : cfg.alternatives(symbol.id)) {
             if (!tail) tops.push_back(after);
             tops.push_back(Frame{.kind = kRule, .phase = kChars, .node = top.node, .a = alt});
