@@ -187,6 +187,7 @@ class EbnfParser {
       const auto r = static_cast<int32_t>(names_.size());
       anonymous_rule({{one, Symbol{SymbolKind::kRule, r}}, {}}, name);
       out.push_back({SymbolKind::kRule, r});
+      stars_.push_back(r);
     } else if (max > min) {  // O_1 ::= one O_2 | "", ..., O_k ::= one | ""
       Symbol next{};
       for (int k = max - min; k >= 1; --k) {
@@ -288,9 +289,74 @@ class EbnfParser {
     }
   }
 
+  // Nullable rules (those that may derive the empty string), to a fixed point.
+  std::vector<uint8_t> nullable_rules() const {
+    std::vector<uint8_t> nullable(rules_.size(), 0);
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (size_t r = 0; r < rules_.size(); ++r) {
+        if (nullable[r]) continue;
+        for (const Sequence& alt : rules_[r]) {
+          if (std::all_of(alt.begin(), alt.end(), [&](const Symbol& s) {
+                return s.kind == SymbolKind::kRule && nullable[static_cast<size_t>(s.id)];
+              })) {
+            nullable[r] = 1, changed = true;
+            break;
+          }
+        }
+      }
+    }
+    return nullable;
+  }
+
+  // A repetition of something that may be empty, R ::= one R | "", would
+  // begin with itself; R ::= one' R | "" derives the same strings, where
+  // one' derives what `one` does but the empty string. one' of a rule that
+  // may be empty is a new rule: each alternative s1 ... sn becomes
+  // s1' s2 ... sn | s2' s3 ... sn | ... up to the first si that cannot be
+  // empty (which is its own si'). Built with a work list, not recursion.
+  Status repeat_non_empty() {
+    std::vector<uint8_t> nullable = nullable_rules();
+    std::map<int32_t, int32_t> made;  // rule -> its non-empty rule
+    std::vector<int32_t> work;
+    auto non_empty = [&](const Symbol& s) -> Symbol {
+      if (s.kind != SymbolKind::kRule || !nullable[static_cast<size_t>(s.id)]) return s;
+      auto [it, added] = made.emplace(s.id, static_cast<int32_t>(names_.size()));
+      if (added) {
+        anonymous_rule({}, names_[static_cast<size_t>(s.id)] + " (once not empty)");
+        nullable.push_back(0);
+        work.push_back(s.id);
+      }
+      return {SymbolKind::kRule, it->second};
+    };
+    for (const int32_t r : stars_) {
+      Sequence& loop = rules_[static_cast<size_t>(r)][0];
+      loop[0] = non_empty(loop[0]);
+    }
+    while (!work.empty()) {
+      const int32_t from = work.back();
+      work.pop_back();
+      std::vector<Sequence> alternatives;
+      for (const Sequence& alt : std::vector<Sequence>(rules_[static_cast<size_t>(from)])) {
+        for (size_t i = 0; i < alt.size(); ++i) {
+          Sequence taken{non_empty(alt[i])};
+          taken.insert(taken.end(), alt.begin() + static_cast<ptrdiff_t>(i) + 1, alt.end());
+          if ((symbols_ += taken.size()) > kMaxGrammarSymbols)
+            return invalid_argument("grammar: more than {} symbols once repetitions of what may be empty are "
+                                    "expanded", kMaxGrammarSymbols);
+          alternatives.push_back(std::move(taken));
+          if (alt[i].kind != SymbolKind::kRule || !nullable[static_cast<size_t>(alt[i].id)]) break;
+        }
+      }
+      rules_[static_cast<size_t>(made[from])] = std::move(alternatives);
+    }
+    return Status::ok();
+  }
+
   // Drops alternatives that derive no string, checks for left recursion, and
   // lays the rules out in Cfg's form.
   Expected<Cfg> lay_out(int32_t root) {
+    MOE_RETURN_IF_ERROR(repeat_non_empty());
     const size_t n = rules_.size();
     auto symbol_ok = [&](const Symbol& s, const std::vector<uint8_t>& rule_ok) {
       return s.kind == SymbolKind::kClass ? !classes_[static_cast<size_t>(s.id)].empty()
@@ -315,22 +381,7 @@ class EbnfParser {
       std::erase_if(alternatives, [&](const Sequence& alt) {
         return !std::all_of(alt.begin(), alt.end(), [&](const Symbol& s) { return symbol_ok(s, productive); });
       });
-    // Nullable rules, to a fixed point.
-    std::vector<uint8_t> nullable(n, 0);
-    for (bool changed = true; changed;) {
-      changed = false;
-      for (size_t r = 0; r < n; ++r) {
-        if (nullable[r]) continue;
-        for (const Sequence& alt : rules_[r]) {
-          if (std::all_of(alt.begin(), alt.end(), [&](const Symbol& s) {
-                return s.kind == SymbolKind::kRule && nullable[static_cast<size_t>(s.id)];
-              })) {
-            nullable[r] = 1, changed = true;
-            break;
-          }
-        }
-      }
-    }
+    const std::vector<uint8_t> nullable = nullable_rules();
     // Left recursion: a cycle among "may begin with" edges (a rule after
     // nullable ones in an alternative may begin it too), by depth-first search.
     std::vector<std::vector<int32_t>> begins(n);
@@ -390,6 +441,7 @@ class EbnfParser {
   std::vector<std::string> names_;  // anonymous rules: their text, for errors
   std::vector<uint8_t> defined_;
   std::vector<std::vector<Sequence>> rules_;
+  std::vector<int32_t> stars_;  // the rules R ::= one R | "" of unbounded repetitions
   std::vector<Ranges> classes_;
   std::map<Ranges, int32_t> class_ids_;
 };

@@ -15,7 +15,9 @@
 // Refused with an error naming it: a rule used but not defined or defined
 // twice, no `root`, left recursion (a rule that may begin with itself: its
 // stack would grow without reading), a grammar that derives no string, and
-// grammars past the limits below. Alternatives that derive no string are
+// grammars past the limits below. A repetition of something that may be
+// empty (("a"? "b"?)*) repeats its non-empty part, which derives the same
+// strings without beginning with itself. Alternatives that derive no string are
 // dropped, so that every reading the matcher follows can finish: a
 // constrained model never meets a dead end.
 //

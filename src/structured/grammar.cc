@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "core/check.h"
+#include "structured/number_range.h"
 
 namespace moe::structured {
 namespace {
@@ -14,6 +16,7 @@ using Json = nlohmann::ordered_json;
 constexpr size_t kMaxNodes = 1 << 14;
 constexpr int kMaxDepth = 64;
 constexpr size_t kMaxChoices = 1024;
+constexpr int64_t kMaxSchemaRegexStates = 1 << 16;
 
 }  // namespace
 
@@ -142,8 +145,12 @@ class SchemaCompiler {
     if (type == schema.end()) {  // the type the keywords imply, else any value
       if (schema.contains("properties") || schema.contains("required") || schema.contains("additionalProperties"))
         return compile_type(schema, "object", depth);
-      if (schema.contains("items") || schema.contains("minItems") || schema.contains("maxItems"))
+      if (schema.contains("items") || schema.contains("prefixItems") || schema.contains("additionalItems") ||
+          schema.contains("minItems") || schema.contains("maxItems"))
         return compile_type(schema, "array", depth);
+      if (schema.contains("minimum") || schema.contains("maximum") || schema.contains("exclusiveMinimum") ||
+          schema.contains("exclusiveMaximum"))
+        return compile_type(schema, "number", depth);
       if (schema.contains("minLength") || schema.contains("maxLength") || schema.contains("pattern") ||
           schema.contains("format"))
         return compile_type(schema, "string", depth);
@@ -173,8 +180,10 @@ class SchemaCompiler {
 
   static Status check_keywords(const Json& schema) {
     static const std::set<std::string> served = {
-        "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems", "minLength",
-        "maxLength", "pattern", "format", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"};
+        "type",     "properties", "required",         "additionalProperties", "items",   "prefixItems",
+        "additionalItems", "minItems", "maxItems", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+        "minLength", "maxLength",  "pattern",          "format",               "enum",    "const",
+        "anyOf",    "oneOf",      "allOf",            "$ref"};
     for (const auto& [key, value] : schema.items()) {
       (void)value;
       if (!served.contains(key) && !is_annotation(key))
@@ -242,7 +251,7 @@ class SchemaCompiler {
   }
 
   // A string's `pattern` or `format` (one of them) as its regular expression.
-  static Status string_pattern(const Json& schema, Node& n) {
+  Status string_pattern(const Json& schema, Node& n) {
     auto pattern = schema.find("pattern");
     auto format = schema.find("format");
     if (pattern != schema.end() && format != schema.end())
@@ -267,19 +276,18 @@ class SchemaCompiler {
     }
     if (source.size() > kMaxPatternBytes)
       return invalid_argument("JSON schema 'pattern' is longer than {} bytes", kMaxPatternBytes);
-    auto regex = Regex::compile(source);
+    auto regex = automaton(source, RegexMatch::kSearch);
     if (!regex) return invalid_argument("JSON schema '{}': {}", keyword, regex.status().message());
-    if (!regex->viable(regex->start(), 0, n.min_length, n.max_length))
+    if (!(*regex)->viable((*regex)->start(), 0, n.min_length, n.max_length))
       return invalid_argument("JSON schema '{}' matches no string within 'minLength' / 'maxLength'", keyword);
-    n.pattern = std::make_shared<const Regex>(std::move(*regex));
+    n.pattern = std::move(*regex);
     return Status::ok();
   }
 
   Expected<int32_t> compile_type(const Json& schema, const std::string& type, int depth) {
     if (type == "null") return literals(Json::array({nullptr}));
     if (type == "boolean") return literals(Json::array({true, false}));
-    if (type == "integer") return g_.add(Node{.kind = NodeKind::kInteger});
-    if (type == "number") return g_.add(Node{.kind = NodeKind::kNumber});
+    if (type == "integer" || type == "number") return compile_number(schema, type == "integer");
     if (type == "string") {
       Node n{.kind = NodeKind::kString};
       MOE_ASSIGN_OR_RETURN(n.min_length, count(schema, "minLength", 0));
@@ -289,20 +297,99 @@ class SchemaCompiler {
       MOE_RETURN_IF_ERROR(string_pattern(schema, n));
       return g_.add(std::move(n));
     }
-    if (type == "array") {
-      Node n{.kind = NodeKind::kArray, .items = g_.any_};
-      MOE_ASSIGN_OR_RETURN(n.min_items, count(schema, "minItems", 0));
-      MOE_ASSIGN_OR_RETURN(n.max_items, count(schema, "maxItems", -1));
-      if (n.max_items >= 0 && n.max_items < n.min_items)
-        return invalid_argument("JSON schema 'maxItems' is below 'minItems'");
-      if (auto it = schema.find("items"); it != schema.end()) {
-        if (it->is_array()) return invalid_argument("JSON schema 'items' as an array (tuples) is not supported");
-        MOE_ASSIGN_OR_RETURN(n.items, compile(*it, depth + 1));
-      }
-      return g_.add(std::move(n));
-    }
+    if (type == "array") return compile_array(schema, depth);
     if (type == "object") return compile_object(schema, depth);
     return invalid_argument("JSON schema type '{}' is not a JSON type", type);
+  }
+
+  // The tightest of the lower (upper) bounds; an exclusive one wins a tie.
+  static void tighten(std::optional<NumberBound>& bound, NumberBound b, int sign) {
+    const int c = bound ? compare(b.value, bound->value) * sign : 1;
+    if (c > 0 || (c == 0 && !b.inclusive)) bound = std::move(b);
+  }
+
+  // A bound as the decimal its JSON text writes (0.1 is one tenth).
+  static Expected<Decimal> bound_value(const Json& value, const char* key) {
+    if (!value.is_number()) return invalid_argument("JSON schema '{}' must be a number", key);
+    return Decimal::parse(value.dump(), key);
+  }
+
+  // minimum / maximum / exclusiveMinimum / exclusiveMaximum (numbers; or, as
+  // in draft 4, exclusiveMinimum / exclusiveMaximum true beside minimum / maximum).
+  static Expected<NumberRange> number_range(const Json& schema) {
+    NumberRange range;
+    for (const auto& [key, exclusive_key, sign] : {std::tuple{"minimum", "exclusiveMinimum", 1},
+                                                    std::tuple{"maximum", "exclusiveMaximum", -1}}) {
+      auto& bound = sign > 0 ? range.lower : range.upper;
+      bool draft4_exclusive = false;
+      if (auto it = schema.find(exclusive_key); it != schema.end()) {
+        if (it->is_boolean()) {
+          draft4_exclusive = it->get<bool>();
+          if (draft4_exclusive && !schema.contains(key))
+            return invalid_argument("JSON schema '{}' true needs '{}'", exclusive_key, key);
+        } else {
+          MOE_ASSIGN_OR_RETURN(Decimal value, bound_value(*it, exclusive_key));
+          tighten(bound, NumberBound{std::move(value), false}, sign);
+        }
+      }
+      if (auto it = schema.find(key); it != schema.end()) {
+        MOE_ASSIGN_OR_RETURN(Decimal value, bound_value(*it, key));
+        tighten(bound, NumberBound{std::move(value), !draft4_exclusive}, sign);
+      }
+    }
+    return range;
+  }
+
+  Expected<int32_t> compile_number(const Json& schema, bool integer) {
+    Node n{.kind = integer ? NodeKind::kInteger : NodeKind::kNumber};
+    MOE_ASSIGN_OR_RETURN(const NumberRange range, number_range(schema));
+    if (!range.lower && !range.upper) return g_.add(std::move(n));
+    MOE_ASSIGN_OR_RETURN(const std::string source, number_range_pattern(range, integer));
+    auto regex = automaton(source, RegexMatch::kWhole);
+    if (!regex) return invalid_argument("the JSON schema's bounds: {}", regex.status().message());
+    n.pattern = std::move(*regex);
+    return g_.add(std::move(n));
+  }
+
+  // items / prefixItems (2020-12), or items as an array and additionalItems
+  // (draft 7): the first items by position, the others by one schema (false: none).
+  Expected<int32_t> compile_array(const Json& schema, int depth) {
+    Node n{.kind = NodeKind::kArray, .items = g_.any_};
+    MOE_ASSIGN_OR_RETURN(n.min_items, count(schema, "minItems", 0));
+    MOE_ASSIGN_OR_RETURN(n.max_items, count(schema, "maxItems", -1));
+    if (n.max_items >= 0 && n.max_items < n.min_items)
+      return invalid_argument("JSON schema 'maxItems' is below 'minItems'");
+    auto items = schema.find("items");
+    auto prefix = schema.find("prefixItems");
+    auto additional = schema.find("additionalItems");
+    if (items != schema.end() && items->is_array()) {
+      if (prefix != schema.end())
+        return invalid_argument("JSON schema 'items' as an array beside 'prefixItems' is not supported");
+      prefix = items;
+      items = additional;
+    } else if (additional != schema.end()) {
+      return invalid_argument("JSON schema 'additionalItems' is served only beside 'items' as an array");
+    }
+    if (prefix != schema.end()) {
+      if (!prefix->is_array()) return invalid_argument("JSON schema 'prefixItems' must be an array of schemas");
+      for (const Json& item : *prefix) {
+        MOE_ASSIGN_OR_RETURN(const int32_t node, compile(item, depth + 1));
+        n.prefix_items.push_back(node);
+      }
+    }
+    if (items != schema.end()) {
+      if (*items == false) {
+        n.items = -1;
+        const auto fixed = static_cast<int32_t>(n.prefix_items.size());
+        n.max_items = n.max_items < 0 ? fixed : std::min(n.max_items, fixed);
+        if (n.min_items > n.max_items)
+          return invalid_argument("JSON schema 'minItems' asks for more items than 'prefixItems' lists and 'items' "
+                                  "false allows");
+      } else {
+        MOE_ASSIGN_OR_RETURN(n.items, compile(*items, depth + 1));
+      }
+    }
+    return g_.add(std::move(n));
   }
 
   Expected<int32_t> compile_object(const Json& schema, int depth) {
@@ -335,9 +422,27 @@ class SchemaCompiler {
     return g_.add(std::move(n));
   }
 
+  // A pattern's automaton, compiled once per schema; all of a schema's
+  // automata together hold at most kMaxSchemaRegexStates states (a request
+  // body of bounded numbers or patterns is cheap to write and not to compile).
+  Expected<std::shared_ptr<const Regex>> automaton(const std::string& source, RegexMatch match) {
+    const auto key = std::pair(source, match);
+    if (auto it = automata_.find(key); it != automata_.end()) return it->second;
+    auto regex = Regex::compile(source, match);
+    if (!regex) return regex.status();
+    regex_states_ += regex->num_states();
+    if (regex_states_ > kMaxSchemaRegexStates)
+      return invalid_argument("the JSON schema's patterns, formats and bounds are too large together (over {} "
+                              "automaton states)",
+                              kMaxSchemaRegexStates);
+    return automata_[key] = std::make_shared<const Regex>(std::move(*regex));
+  }
+
   Grammar& g_;
   const Json& document_;
   std::map<std::string, int32_t> refs_;
+  std::map<std::pair<std::string, RegexMatch>, std::shared_ptr<const Regex>> automata_;
+  int64_t regex_states_ = 0;
 };
 
 // The well-known nodes every grammar starts with: any value (an anyOf of the

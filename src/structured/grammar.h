@@ -6,7 +6,9 @@
 // JSON Schema, the subset served (docs/server.md, "Structured outputs"):
 // type (one name or a list), properties / required / additionalProperties
 // (absent means false, as OpenAI's strict mode and xgrammar's default), items
-// / minItems / maxItems, minLength / maxLength, enum, const, anyOf / oneOf
+// / prefixItems (or items as an array with additionalItems) / minItems /
+// maxItems, minimum / maximum / exclusiveMinimum / exclusiveMaximum
+// (structured/number_range.h), minLength / maxLength, enum, const, anyOf / oneOf
 // (oneOf served as anyOf), allOf of one schema, pattern (structured/regex.h)
 // or format (date, time, date-time, duration, uuid, email, ipv4, ipv6, hostname, uri), $ref into #/$defs or
 // #/definitions (recursion allowed), true / {} (any value). Annotations
@@ -56,10 +58,10 @@ class LiteralTrie {
 };
 
 enum class NodeKind : uint8_t {
-  kInteger,   // -?(0|[1-9][0-9]*), at most kMaxIntegerDigits digits
-  kNumber,    // JSON number
+  kInteger,   // -?(0|[1-9][0-9]*), at most kMaxIntegerDigits digits; with bounds, `pattern`'s texts
+  kNumber,    // JSON number; with bounds, `pattern`'s texts (no exponent)
   kString,    // min_length / max_length in code points, pattern
-  kArray,     // items (a node), min_items / max_items
+  kArray,     // prefix_items, then items (a node, -1: none), min_items / max_items
   kObject,    // properties in order, then additional ones
   kLiterals,  // one of `literals` (JSON texts: enum, const, true/false/null)
   kAnyOf,     // one of `alternatives` (also a $ref's slot, and "any value": Grammar::any_node)
@@ -81,8 +83,10 @@ struct Property {
 struct Node {
   NodeKind kind = NodeKind::kAnyOf;
   int32_t min_length = 0, max_length = -1;  // kString (-1: unbounded)
-  std::shared_ptr<const Regex> pattern;     // kString: what its value must match, or null; kRegex
-  int32_t items = -1;                       // kArray
+  std::shared_ptr<const Regex> pattern;     // kString: what its value must match, or null; kRegex;
+                                            // kInteger / kNumber: the texts its bounds allow (number_range.h), or null
+  std::vector<int32_t> prefix_items;        // kArray: the first items' nodes (prefixItems)
+  int32_t items = -1;                       // kArray: the other items' node (-1: no other item)
   int32_t min_items = 0, max_items = -1;    // kArray
   std::vector<Property> properties;         // kObject
   LiteralTrie keys;                         // kObject: each property's key as JSON ("name") -> its index

@@ -15,14 +15,15 @@ namespace {
 //   kObject   a: the next declared property a key may name (earlier ones are
 //             done or skipped; all once another key came); b: the node of the
 //             value after the key read
-//   kArray    a: items begun
+//   kArray    a: items begun (the first ones are the node's prefix_items)
 //   kString   node: a kString node, or -1 (a key); a: code points so far;
 //             b: the next continuation byte's range (lo | hi << 8), or the
 //             \u escape's value so far; c: how many continuation bytes
 //             (UTF-8) or hex digits (\u) remain; with a pattern, re: its
 //             automaton's state after the characters read, cp: the code
 //             point being read
-//   kNumber   flags: 1 for integers; a: digits in the current part
+//   kNumber   flags: 1 for integers; a: digits in the current part; with
+//             bounds (the node's pattern): re: the pattern's state, a: bytes read
 //   kLiteral  a: the node in the literals' trie
 //   kKey      a: the node in the object's keys' trie; [b, c]: the properties
 //             it may name (the object's next one up to its first required one)
@@ -107,7 +108,8 @@ bool Matcher::thread_accepting(size_t begin, size_t end) const {
   }
   if (end - begin > 1) return false;
   const Frame& f = frames_[begin];
-  if (f.kind == kNumber) return number_accepting(f.phase);
+  if (f.kind == kNumber)
+    return f.re >= 0 ? f.a > 0 && grammar_->node(f.node).pattern->accepting(f.re) : number_accepting(f.phase);
   if (f.kind == kLiteral) return grammar_->node(f.node).literals.value(f.a) >= 0;
   if (f.kind == kText) return f.phase == kChars && grammar_->node(f.node).pattern->accepting(f.re);
   if (f.kind == kValue && grammar_->node(f.node).kind == NodeKind::kRegex)  // raw text not begun: empty
@@ -369,7 +371,10 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
         }
         case NodeKind::kInteger:
         case NodeKind::kNumber:
-          top = Frame{.kind = kNumber, .flags = static_cast<uint8_t>(n.kind == NodeKind::kInteger), .node = top.node};
+          top = Frame{.kind = kNumber,
+                      .flags = static_cast<uint8_t>(n.kind == NodeKind::kInteger),
+                      .node = top.node,
+                      .re = n.pattern ? n.pattern->start() : -1};
           return Step::kRedispatch;
         case NodeKind::kString:
           top = Frame{.kind = kString, .node = top.node, .re = n.pattern ? n.pattern->start() : -1};
@@ -457,10 +462,10 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
     case kArray: {
       const Node& n = g.node(top.node);
       auto item = [&]() {
-        ++top.a;
+        const auto i = static_cast<size_t>(top.a++);
         top.phase = kInValue;
         top.ws = 0;
-        f.push_back(Frame{.kind = kValue, .node = n.items});
+        f.push_back(Frame{.kind = kValue, .node = i < n.prefix_items.size() ? n.prefix_items[i] : n.items});
         return Step::kRedispatch;
       };
       if (top.phase != kOpen && is_whitespace(byte)) return whitespace();
@@ -644,6 +649,17 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
     }
 
     case kNumber: {
+      if (top.re >= 0) {  // bounds: the bytes their pattern takes (its digits bounded: no dead end)
+        const Regex& regex = *g.node(top.node).pattern;
+        const int32_t next = byte < 0x80 ? regex.step(top.re, byte) : -1;
+        if (next >= 0) {
+          top.re = next;
+          ++top.a;
+          return Step::kConsumed;
+        }
+        if (top.a > 0 && regex.accepting(top.re)) return complete(), Step::kRedispatch;
+        return Step::kReject;
+      }
       const bool integer = top.flags & 1;
       auto digit = [&](uint8_t phase, int max_digits) {
         if (top.phase != phase) top.a = 0;

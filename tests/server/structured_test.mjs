@@ -13,6 +13,7 @@ import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import Ajv from 'ajv';
+import Ajv2020 from 'ajv/dist/2020.js';
 import addFormats from 'ajv-formats';
 import OpenAI from 'openai';
 import { startServer, repoRoot } from './server_harness.mjs';
@@ -105,11 +106,21 @@ const schemas = [
                                   nested: { allOf: [{ type: 'object', properties: { ok: { type: 'boolean' } },
                                                       required: ['ok'] }] } },
     required: ['when', 'nested'], title: 'annotations are ignored', description: 'x' },
+  // What Pydantic writes for Field(ge=, le=, gt=, lt=) and tuple[...]: bounds and prefixItems.
+  { type: 'object', properties: { age: { type: 'integer', minimum: 18, maximum: 120 },
+                                  score: { type: 'number', exclusiveMinimum: 0, maximum: 1 },
+                                  delta: { type: 'number', minimum: -2.5, exclusiveMaximum: -0.5 },
+                                  pair: { type: 'array', prefixItems: [{ type: 'integer', exclusiveMinimum: -10,
+                                                                         maximum: -3 },
+                                                                       { type: 'string', maxLength: 3 }],
+                                          items: false, minItems: 2 },
+                                  rest: { type: 'array', items: { type: 'number', minimum: 0.001 }, maxItems: 3 } },
+    required: ['age', 'score', 'delta', 'pair', 'rest'] },
 ];
 
 test('every construct served: samples that finish are valid by ajv', async () => {
   for (const [k, sch] of schemas.entries()) {
-    const check = new Ajv({ strict: false }).compile(sch);
+    const check = new Ajv2020({ strict: false }).compile(sch);
     const r = await client.chat.completions.create({ model, messages, temperature: 1, seed: 10 + k, n: 8,
                                                      max_tokens: 200, guided_json: sch });
     let finished = 0;
@@ -272,6 +283,8 @@ test('what is not served is a 400 naming it, and the server goes on', async () =
     [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'object', required: ['x'] } } } },
      /"x"/],
     [{ response_format: { type: 'json_schema', json_schema: { name: 'x' } } }, /schema/],
+    [{ guided_json: { type: 'integer', multipleOf: 5 } }, /'multipleOf'/],
+    [{ guided_json: { type: 'integer', minimum: 5, maximum: 4 } }, /leave no integer/],
     [{ response_format: { type: 'grammar' } }, /'grammar'/],
     [{ guided_regex: 'a(?=b)' }, /look-ahead/],
     [{ structured_outputs: { grammar: 'root ::= item' } }, /'item' is used but not defined/],

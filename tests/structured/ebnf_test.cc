@@ -64,6 +64,11 @@ TEST(Ebnf, RegularGrammarsAgreeWithStdRegex) {
       {"root ::= x{3} | y{2,}\nx ::= \"a\"\ny ::= \"b\"", "a{3}|b{2,}", "ab"},
       {R"(root ::= ("ab" | "a") ("bc" | "c"))", "(ab|a)(bc|c)", "abc"},  // ambiguous: two readings of "abc"
       {"root ::= \"\\x41\\u00e9\\t\" [\\]\\-]", "A\u00e9\t[\\]\\-]", "A\u00e9\t]-"},
+      // Repetitions of what may be empty: the repetition of its non-empty part.
+      {R"(root ::= ("a"? "b"?)* "c")", "(a?b?)*c", "abc"},
+      {"root ::= (opt | \"b\")+ \"c\"?\nopt ::= \"a\"*", "(a*|b)+c?", "abc"},
+      {R"(root ::= ""* "a" ("")*)", "a", "ab"},
+      {"root ::= (x y)*\nx ::= \"a\" | \"\"\ny ::= x x \"b\"?", "((a|)(a|)(a|)b?)*", "ab"},
   };
   for (const auto& [grammar, pattern, alphabet] : cases) {
     SCOPED_TRACE(grammar);
@@ -145,6 +150,7 @@ TEST(Ebnf, ErrorsNameTheProblem) {
       {"start ::= \"a\"", "no 'root' rule"},
       {"root ::= expr\nexpr ::= expr \"+\" \"1\" | \"1\"", "left recursion: the rule 'expr'"},
       {"root ::= pre root \"x\" | \"y\"\npre ::= \"z\"?", "left recursion"},
+      {"root ::= (\"a\"? root)* \"b\"", "left recursion"},  // still begins with itself, once not empty
       {"root ::= [^\\x00-\\U0010FFFF]", "root derives no string"},
       {"root ::= \"a\" root", "root derives no string"},
       {"root \"a\"", "'::='"},
@@ -181,6 +187,7 @@ TEST(Ebnf, NoDeadEnds) {
       "root ::= (\"(\" root \")\")* \"x\"?",
       "root ::= (\"ab\" | \"a\" \"c\"?)* \"!\"",
       "root ::= [^a-z]{1,3} \".\"",
+      "root ::= (\"x\"? (\"y\" | \"\")*)* \"z\"",
       "root ::= obj\nobj ::= \"{\" (pair (\",\" pair)*)? \"}\"\npair ::= \"\\\"\" [a-z]+ \"\\\":\" (obj | [0-9]+)",
   };
   std::mt19937 rng(5);
