@@ -7,8 +7,10 @@
 // regular expression instead (guided_regex): a prefix the matcher calls
 // whole must match it (Regex::matches), and a state that is not whole must
 // take some byte (no dead end); one that starts with byte 2 an EBNF grammar
-// (guided_grammar): no dead end. Every mask is also made with a request's
-// cache of pattern states' plain tokens, twice, and must be the same.
+// (guided_grammar): no dead end; one that starts with byte 3 a structural tag
+// (its JSON, as from_structural_tag reads it): no dead end. Every mask is also
+// made with a request's cache of pattern states' plain tokens and recurring
+// threads' tokens, twice, and must be the same.
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -48,6 +50,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (split == std::string_view::npos) return 0;
   const bool regex_mode = size > 0 && data[0] == 1;
   const bool grammar_mode = size > 0 && data[0] == 2;
+  const bool tag_mode = size > 0 && data[0] == 3;
   std::optional<moe::structured::Regex> regex;
   moe::Expected<std::shared_ptr<const Grammar>> grammar = moe::invalid_argument("none");
   if (regex_mode) {
@@ -59,6 +62,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     regex.emplace(std::move(*compiled));
   } else if (grammar_mode) {
     grammar = Grammar::from_ebnf(input.substr(1, split - 1));
+    if (!grammar) return 0;
+  } else if (tag_mode) {
+    const auto spec = nlohmann::ordered_json::parse(input.substr(1, split - 1), nullptr, /*allow_exceptions=*/false);
+    if (spec.is_discarded()) return 0;
+    grammar = Grammar::from_structural_tag(spec);
     if (!grammar) return 0;
   } else {
     const auto schema = nlohmann::ordered_json::parse(input.substr(0, split), nullptr, /*allow_exceptions=*/false);
@@ -78,7 +86,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         std::fprintf(stderr, "accepted but no match: %.*s\n", static_cast<int>(taken + 1), output.data());
         std::abort();
       }
-    } else if (m.accepting() && !grammar_mode) {
+    } else if (m.accepting() && !grammar_mode && !tag_mode) {
       const auto parsed = nlohmann::json::parse(output.substr(0, taken + 1), nullptr, false);
       if (parsed.is_discarded()) {
         std::fprintf(stderr, "accepted but not JSON: %.*s\n", static_cast<int>(taken + 1), output.data());
@@ -86,7 +94,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
     }
   }
-  if ((regex_mode || grammar_mode) && !m.accepting()) {
+  if ((regex_mode || grammar_mode || tag_mode) && !m.accepting()) {
     bool any = false;
     for (int b = 0; b < 256 && !any; ++b) {
       Matcher next = m;

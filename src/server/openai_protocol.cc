@@ -145,6 +145,23 @@ std::optional<ApiError> compile_ebnf(const Json& text, const char* param, Genera
   return std::nullopt;
 }
 
+// vLLM's structural_tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}, as an object or its text.
+std::optional<ApiError> compile_structural_tag(const Json& spec, const char* param, GenerationParams& p) {
+  if (structured::nesting_exceeds(spec, structured::kMaxSchemaNesting))
+    return bad_request(fmt::format("'{}': the structural tag nests deeper than {} levels", param,
+                                   structured::kMaxSchemaNesting),
+                       param);
+  Json parsed = spec;
+  if (spec.is_string()) {
+    parsed = Json::parse(spec.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+    if (parsed.is_discarded()) return bad_request(fmt::format("'{}' is not valid JSON", param), param);
+  }
+  auto grammar = structured::Grammar::from_structural_tag(parsed);
+  if (!grammar) return bad_request(fmt::format("'{}': {}", param, grammar.status().message()), param);
+  p.grammar = *grammar;
+  return std::nullopt;
+}
+
 std::optional<ApiError> compile_choices(const Json& choices, const char* param, GenerationParams& p) {
   std::vector<std::string> strings;
   if (choices.is_array())
@@ -159,10 +176,10 @@ std::optional<ApiError> compile_choices(const Json& choices, const char* param, 
 }
 
 // Structured outputs (docs/server.md): OpenAI's response_format (json_object,
-// json_schema), vLLM's guided_json / guided_choice / guided_regex /
-// guided_grammar and structured_outputs {json, choice, regex, grammar,
-// json_object}; at most one of them. structural_tag and whitespace_pattern
-// are refused by name.
+// json_schema; vLLM's structural_tag), vLLM's guided_json / guided_choice /
+// guided_regex / guided_grammar / structural_tag and structured_outputs {json,
+// choice, regex, grammar, json_object, structural_tag}; at most one of them.
+// whitespace_pattern is refused by name.
 std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& p) {
   int count = 0;
   if (auto it = j.find("response_format"); it != j.end() && !it->is_null()) {
@@ -178,9 +195,12 @@ std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& 
         return bad_request("'response_format' of type json_schema needs 'json_schema': {\"name\", \"schema\"}", param);
       MOE_API_TRY(compile_schema((*spec)["schema"], param, p));
       ++count;
+    } else if (type == "structural_tag") {
+      MOE_API_TRY(compile_structural_tag(*it, param, p));
+      ++count;
     } else if (type != "text") {
       return bad_request(fmt::format("'response_format' type '{}' is not supported by this server (text, json_object, "
-                                     "json_schema)", type),
+                                     "json_schema, structural_tag)", type),
                          param);
     }
   }
@@ -200,6 +220,10 @@ std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& 
     MOE_API_TRY(compile_ebnf(*it, "guided_grammar", p));
     ++count;
   }
+  if (auto it = j.find("structural_tag"); it != j.end() && !it->is_null()) {
+    MOE_API_TRY(compile_structural_tag(*it, "structural_tag", p));
+    ++count;
+  }
   if (auto it = j.find("structured_outputs"); it != j.end() && !it->is_null()) {
     const char* param = "structured_outputs";
     if (!it->is_object()) return bad_request("'structured_outputs' must be an object", param);
@@ -216,10 +240,11 @@ std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& 
       } else if (key == "json_object") {
         if (value != true) return bad_request("'structured_outputs.json_object' must be a boolean", param);
         p.grammar = structured::Grammar::json_object();
-      } else if (key == "structural_tag" || key == "whitespace_pattern") {
-        return bad_request(fmt::format("'structured_outputs.{}' is not supported by this server (json, choice, regex, "
-                                       "grammar and json_object are)",
-                                       key),
+      } else if (key == "structural_tag") {
+        MOE_API_TRY(compile_structural_tag(value, param, p));
+      } else if (key == "whitespace_pattern") {
+        return bad_request("'structured_outputs.whitespace_pattern' is not supported by this server (json, choice, "
+                           "regex, grammar, json_object and structural_tag are)",
                            param);
       } else {
         continue;  // options (disable_any_whitespace, ...): nothing to apply
@@ -229,7 +254,7 @@ std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& 
   }
   if (count > 1)
     return bad_request("one structured output at a time: response_format, guided_json, guided_choice, "
-                       "guided_regex, guided_grammar or structured_outputs",
+                       "guided_regex, guided_grammar, structural_tag or structured_outputs",
                        "response_format");
   return std::nullopt;
 }

@@ -104,9 +104,18 @@ int32_t Grammar::add(Node node) {
 }
 
 // Compiles one JSON Schema document into a Grammar's nodes.
+// The automata of a grammar's patterns, formats and bounds, each compiled
+// once; together at most kMaxSchemaRegexStates states (a request body of
+// bounded numbers or patterns is cheap to write and not to compile).
+struct SchemaAutomata {
+  std::map<std::pair<std::string, RegexMatch>, std::shared_ptr<const Regex>> compiled;
+  int64_t states = 0;
+};
+
 class SchemaCompiler {
  public:
-  SchemaCompiler(Grammar& g, const Json& document) : g_(g), document_(document) {}
+  SchemaCompiler(Grammar& g, const Json& document, SchemaAutomata& automata)
+      : g_(g), document_(document), automata_(automata) {}
 
   Expected<int32_t> compile(const Json& schema, int depth) {
     if (depth > kMaxDepth) return invalid_argument("the JSON schema nests deeper than {} levels", kMaxDepth);
@@ -422,27 +431,24 @@ class SchemaCompiler {
     return g_.add(std::move(n));
   }
 
-  // A pattern's automaton, compiled once per schema; all of a schema's
-  // automata together hold at most kMaxSchemaRegexStates states (a request
-  // body of bounded numbers or patterns is cheap to write and not to compile).
+  // A pattern's automaton (SchemaAutomata).
   Expected<std::shared_ptr<const Regex>> automaton(const std::string& source, RegexMatch match) {
     const auto key = std::pair(source, match);
-    if (auto it = automata_.find(key); it != automata_.end()) return it->second;
+    if (auto it = automata_.compiled.find(key); it != automata_.compiled.end()) return it->second;
     auto regex = Regex::compile(source, match);
     if (!regex) return regex.status();
-    regex_states_ += regex->num_states();
-    if (regex_states_ > kMaxSchemaRegexStates)
+    automata_.states += regex->num_states();
+    if (automata_.states > kMaxSchemaRegexStates)
       return invalid_argument("the JSON schema's patterns, formats and bounds are too large together (over {} "
                               "automaton states)",
                               kMaxSchemaRegexStates);
-    return automata_[key] = std::make_shared<const Regex>(std::move(*regex));
+    return automata_.compiled[key] = std::make_shared<const Regex>(std::move(*regex));
   }
 
   Grammar& g_;
   const Json& document_;
+  SchemaAutomata& automata_;
   std::map<std::string, int32_t> refs_;
-  std::map<std::pair<std::string, RegexMatch>, std::shared_ptr<const Regex>> automata_;
-  int64_t regex_states_ = 0;
 };
 
 // The well-known nodes every grammar starts with: any value (an anyOf of the
@@ -481,7 +487,8 @@ Expected<std::shared_ptr<const Grammar>> Grammar::from_json_schema(const nlohman
     return invalid_argument("the JSON schema nests deeper than {} levels", kMaxSchemaNesting);
   auto g = std::make_shared<Grammar>();
   add_any_nodes(g->nodes_, g->any_);
-  SchemaCompiler compiler(*g, schema);
+  SchemaAutomata automata;
+  SchemaCompiler compiler(*g, schema, automata);
   MOE_ASSIGN_OR_RETURN(g->root_, compiler.compile(schema, 0));
   MOE_RETURN_IF_ERROR(g->flatten_any_of());
   g->source_ = {{"type", "json_schema"}, {"schema", schema}};
@@ -524,6 +531,118 @@ Expected<std::shared_ptr<const Grammar>> Grammar::from_ebnf(std::string_view gra
   return std::shared_ptr<const Grammar>(std::move(g));
 }
 
+TriggerScanner::TriggerScanner(const std::vector<std::string>& triggers) {
+  for (const std::string& trigger : triggers) {
+    int32_t s = 0;
+    for (const char ch : trigger) {
+      int32_t next = child(s, static_cast<uint8_t>(ch));
+      if (next == 0) {
+        next = static_cast<int32_t>(states_.size());
+        states_[static_cast<size_t>(s)].next.emplace_back(static_cast<uint8_t>(ch), next);
+        states_.emplace_back();
+      }
+      s = next;
+    }
+    states_[static_cast<size_t>(s)].hit = true;
+  }
+  // Failure links breadth first: the longest proper suffix that is a prefix of a trigger.
+  std::vector<int32_t> queue;
+  for (const auto& [byte, next] : states_[0].next) queue.push_back(next);
+  for (size_t i = 0; i < queue.size(); ++i) {
+    const int32_t s = queue[i];
+    for (const auto& [byte, next] : states_[static_cast<size_t>(s)].next) {
+      int32_t f = states_[static_cast<size_t>(s)].fail;
+      while (f != 0 && child(f, byte) == 0) f = states_[static_cast<size_t>(f)].fail;
+      const int32_t target = child(f, byte);
+      State& n = states_[static_cast<size_t>(next)];
+      n.fail = target == next ? 0 : target;
+      n.hit = n.hit || states_[static_cast<size_t>(n.fail)].hit;
+      queue.push_back(next);
+    }
+  }
+}
+
+int32_t TriggerScanner::child(int32_t state, uint8_t byte) const {
+  for (const auto& [b, next] : states_[static_cast<size_t>(state)].next)
+    if (b == byte) return next;
+  return 0;
+}
+
+int32_t TriggerScanner::step(int32_t state, uint8_t byte) const {
+  while (state != 0 && child(state, byte) == 0) state = states_[static_cast<size_t>(state)].fail;
+  state = child(state, byte);
+  return states_[static_cast<size_t>(state)].hit ? -1 : state;
+}
+
+Expected<std::shared_ptr<const Grammar>> Grammar::from_structural_tag(const nlohmann::ordered_json& spec) {
+  const char* shape = "a structural tag is {\"structures\": [{\"begin\", \"schema\", \"end\"}, ...], \"triggers\": [...]}";
+  if (!spec.is_object()) return invalid_argument("{}", shape);
+  if (spec.contains("format"))
+    return invalid_argument("a structural tag's 'format' (xgrammar's format objects) is not supported by this server; "
+                            "{}", shape);
+  const auto structures = spec.find("structures");
+  const auto triggers = spec.find("triggers");
+  if (structures == spec.end() || !structures->is_array() || structures->empty() || triggers == spec.end() ||
+      !triggers->is_array() || triggers->empty())
+    return invalid_argument("{}, both non-empty", shape);
+  if (structures->size() > kMaxStructures)
+    return invalid_argument("a structural tag lists {} structures; at most {} are served", structures->size(),
+                            kMaxStructures);
+  size_t bytes = 0;
+  std::vector<std::string> trigger_texts;
+  for (const Json& t : *triggers) {
+    if (!t.is_string() || t.get<std::string>().empty())
+      return invalid_argument("a structural tag's triggers must be non-empty strings");
+    trigger_texts.push_back(t.get<std::string>());
+    bytes += trigger_texts.back().size();
+  }
+  if (nesting_exceeds(spec, kMaxSchemaNesting))
+    return invalid_argument("the structural tag nests deeper than {} levels", kMaxSchemaNesting);
+  auto g = std::make_shared<Grammar>();
+  add_any_nodes(g->nodes_, g->any_);
+  Node n{.kind = NodeKind::kTagged};
+  std::set<std::string> begins;
+  SchemaAutomata automata;
+  for (const Json& structure : *structures) {
+    if (!structure.is_object() || !structure.contains("begin") || !structure["begin"].is_string() ||
+        structure["begin"].get<std::string>().empty() || (structure.contains("end") && !structure["end"].is_string()))
+      return invalid_argument("a structural tag's structure is {{\"begin\": a non-empty string, \"schema\", \"end\": "
+                              "a string}}");
+    const std::string begin = structure["begin"].get<std::string>();
+    const std::string end = structure.value("end", std::string());
+    bytes += begin.size() + end.size();
+    if (!begins.insert(begin).second)
+      return invalid_argument("a structural tag lists the begin \"{}\" twice", begin);
+    if (std::none_of(trigger_texts.begin(), trigger_texts.end(), [&](const std::string& t) { return begin.starts_with(t); }))
+      return invalid_argument("a structural tag's begin \"{}\" starts with none of its triggers", begin);
+    Json schema = structure.contains("schema") && !structure["schema"].is_null() ? structure["schema"] : Json(true);
+    if (schema.is_string()) {
+      schema = Json::parse(schema.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+      if (schema.is_discarded()) return invalid_argument("a structural tag's schema for \"{}\" is not valid JSON", begin);
+    }
+    SchemaCompiler compiler(*g, schema, automata);
+    auto root = compiler.compile(schema, 0);
+    if (!root) return invalid_argument("a structural tag's schema for \"{}\": {}", begin, root.status().message());
+    n.literals.add(begin, static_cast<int32_t>(n.alternatives.size()));
+    n.alternatives.push_back(*root);
+    n.tag_ends.push_back(end);
+  }
+  if (bytes > kMaxTagBytes)
+    return invalid_argument("a structural tag's triggers, begins and ends are longer than {} bytes together",
+                            kMaxTagBytes);
+  for (const std::string& begin : begins) {  // a begin ending inside another would be ambiguous
+    int32_t node = 0;
+    for (const char ch : begin) node = n.literals.step(node, static_cast<uint8_t>(ch));
+    if (n.literals.has_children(node))
+      return invalid_argument("a structural tag's begin \"{}\" is the start of another begin", begin);
+  }
+  n.triggers = std::make_shared<const TriggerScanner>(trigger_texts);
+  g->root_ = g->add(std::move(n));
+  MOE_RETURN_IF_ERROR(g->flatten_any_of());
+  g->source_ = {{"type", "structural_tag"}, {"structures", *structures}, {"triggers", *triggers}};
+  return std::shared_ptr<const Grammar>(std::move(g));
+}
+
 Expected<std::shared_ptr<const Grammar>> Grammar::from_source(const nlohmann::ordered_json& source) {
   if (!source.is_object() || !source.contains("type") || !source["type"].is_string())
     return invalid_argument("a structured-output grammar must be an object with a 'type'");
@@ -542,6 +661,7 @@ Expected<std::shared_ptr<const Grammar>> Grammar::from_source(const nlohmann::or
     return from_regex(source["pattern"].get<std::string>());
   if (type == "grammar" && source.contains("grammar") && source["grammar"].is_string())
     return from_ebnf(source["grammar"].get<std::string>());
+  if (type == "structural_tag") return from_structural_tag(source);
   return invalid_argument("unknown structured-output grammar type '{}'", type);
 }
 

@@ -1,7 +1,8 @@
 // Structured outputs' grammars: what a constrained request's output must be
 // (OpenAI's response_format json_object / json_schema, vLLM's guided_json,
-// guided_choice, guided_regex and guided_grammar), compiled once per request into a table of nodes that the
-// byte-level matcher (structured/matcher.h) walks.
+// guided_choice, guided_regex, guided_grammar and structural_tag), compiled
+// once per request into a table of nodes that the byte-level matcher
+// (structured/matcher.h) walks.
 //
 // JSON Schema, the subset served (docs/server.md, "Structured outputs"):
 // type (one name or a list), properties / required / additionalProperties
@@ -68,6 +69,8 @@ enum class NodeKind : uint8_t {
   kChoice,    // raw text, one of `literals` (guided_choice): not JSON
   kRegex,     // raw text that `pattern` matches whole (guided_regex): not JSON
   kCfg,       // raw text that `cfg` derives (guided_grammar): not JSON
+  kTagged,    // raw text (structural_tag): free text holding no trigger, and structures: a begin
+              // string (`literals`), a JSON value of its schema (`alternatives`), its end (`tag_ends`)
 };
 
 inline constexpr int kMaxIntegerDigits = 19;
@@ -94,11 +97,33 @@ struct Node {
   LiteralTrie literals;                     // kLiterals, kChoice
   std::vector<int32_t> alternatives;        // kAnyOf
   std::shared_ptr<const Cfg> cfg;           // kCfg
+  std::vector<std::string> tag_ends;        // kTagged: each structure's end string
+  std::shared_ptr<const class TriggerScanner> triggers;  // kTagged
 };
 
 inline constexpr size_t kMaxSchemaNesting = 128;  // of the schema document itself (annotations included)
 inline constexpr size_t kMaxAlternatives = 64;    // an anyOf's, once flattened (the matcher's thread cap)
 inline constexpr size_t kMaxPatternBytes = 4096;  // a pattern's source
+inline constexpr size_t kMaxStructures = 64;      // a structural tag's
+inline constexpr size_t kMaxTagBytes = 16384;     // a structural tag's triggers, begins and ends together
+
+// Free text's watch for a structural tag's triggers: an Aho-Corasick
+// automaton over bytes (state 0: nothing of a trigger read).
+class TriggerScanner {
+ public:
+  explicit TriggerScanner(const std::vector<std::string>& triggers);
+  // The state after `byte`, or -1 when a trigger ends with it.
+  int32_t step(int32_t state, uint8_t byte) const;
+
+ private:
+  struct State {
+    std::vector<std::pair<uint8_t, int32_t>> next;
+    int32_t fail = 0;
+    bool hit = false;  // a trigger ends here (or at a suffix of here)
+  };
+  int32_t child(int32_t state, uint8_t byte) const;
+  std::vector<State> states_{State{}};
+};
 
 // Whether `value` nests arrays and objects deeper than `max_depth` (checked
 // without recursion, before anything copies or walks a hostile document).
@@ -116,10 +141,17 @@ class Grammar {
   static Expected<std::shared_ptr<const Grammar>> from_regex(std::string_view pattern);
   // vLLM's guided_grammar: text (not JSON) the EBNF grammar (structured/cfg.h) derives from its root.
   static Expected<std::shared_ptr<const Grammar>> from_ebnf(std::string_view grammar);
+  // vLLM's structural_tag: {"structures": [{"begin", "schema", "end"}, ...],
+  // "triggers": [...]}. The output is free text in which no trigger occurs,
+  // except as the start of a structure: its begin string (each begins with a
+  // trigger), a JSON value its schema allows, its end string; then free text
+  // again. The output may end in free text.
+  static Expected<std::shared_ptr<const Grammar>> from_structural_tag(const nlohmann::ordered_json& spec);
   // The serialised form from_source() compiles again (disaggregated serving
   // sends it to the prefill and decode instances): {"type": "json_object"},
   // {"type": "json_schema", "schema": ...}, {"type": "choice", "choices": [...]},
-  // {"type": "regex", "pattern": "..."} or {"type": "grammar", "grammar": "..."}.
+  // {"type": "regex", "pattern": "..."}, {"type": "grammar", "grammar": "..."} or
+  // {"type": "structural_tag", "structures": [...], "triggers": [...]}.
   static Expected<std::shared_ptr<const Grammar>> from_source(const nlohmann::ordered_json& source);
   const nlohmann::ordered_json& source() const { return source_; }
 

@@ -31,7 +31,12 @@ namespace {
 //   kRule     raw text (a kCfg node), one open rule of a reading: a: the
 //             position of the symbol it reads next (structured/cfg.h); the
 //             reading's stack is the thread's frames; b, c, cp as a string's UTF-8
-enum Kind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey, kText, kRule };
+//   kTag      raw text (a kTagged node, structural_tag): phase kChars / kUtf8:
+//             free text (d: the trigger scanner's state; b, c, cp as a
+//             string's UTF-8); kBegin: a structure's begin (a: the node in the
+//             begins' trie); kInValue: its JSON value above; kEndString: its
+//             end (b: the structure, a: the end's bytes read)
+enum Kind : uint8_t { kValue, kObject, kArray, kString, kNumber, kLiteral, kKey, kText, kRule, kTag };
 
 // Phases of an object or an array.
 enum ContainerPhase : uint8_t { kOpen, kStart, kAfterKey, kInValue, kAfterValue, kAfterComma, kInKey, kInExtraKey };
@@ -39,6 +44,11 @@ enum ContainerPhase : uint8_t { kOpen, kStart, kAfterKey, kInValue, kAfterValue,
 enum StringPhase : uint8_t { kQuote, kChars, kEscape, kHex, kUtf8 };
 constexpr uint8_t kLowSurrogateNext = 2;
 constexpr uint8_t kExtraKey = 4;  // a key read as an extra one (additionalProperties): not a declared key
+constexpr uint8_t kTextOnly = 8;  // free text whose next byte was forked off as a structure's begin: text here
+// A structural tag's phases besides free text's kChars / kUtf8 and kInValue:
+// a structure's begin, and its end.
+constexpr uint8_t kBegin = 16;
+constexpr uint8_t kEndString = 17;
 // Phases of a number: the accepting ones are kIntDigits, kZero, kFracDigits, kExpDigits.
 enum NumberPhase : uint8_t { kNumStart, kMinus, kIntDigits, kZero, kDot, kFracDigits, kExp, kExpSign, kExpDigits };
 
@@ -106,6 +116,13 @@ bool Matcher::thread_accepting(size_t begin, size_t end) const {
     return std::all_of(frames_.begin() + static_cast<ptrdiff_t>(begin), frames_.begin() + static_cast<ptrdiff_t>(end),
                        [&](const Frame& r) { return r.phase != kUtf8 && cfg.nullable_from(r.a); });
   }
+  if (frames_[begin].kind == kTag) {  // in free text, or where a structure with no end string may be whole
+    const Frame& tag = frames_[begin];
+    if (tag.phase == kChars) return true;
+    if (tag.phase != kInValue && tag.phase != kEndString) return false;
+    if (!grammar_->node(tag.node).tag_ends[static_cast<size_t>(tag.b)].empty()) return false;
+    return tag.phase == kEndString || thread_accepting(begin + 1, end);
+  }
   if (end - begin > 1) return false;
   const Frame& f = frames_[begin];
   if (f.kind == kNumber)
@@ -115,6 +132,7 @@ bool Matcher::thread_accepting(size_t begin, size_t end) const {
   if (f.kind == kValue && grammar_->node(f.node).kind == NodeKind::kRegex)  // raw text not begun: empty
     return grammar_->node(f.node).pattern->accepting(grammar_->node(f.node).pattern->start());
   if (f.kind == kValue && grammar_->node(f.node).kind == NodeKind::kCfg) return grammar_->node(f.node).cfg->nullable_from(0);
+  if (f.kind == kValue && grammar_->node(f.node).kind == NodeKind::kTagged) return true;  // no text yet
   return false;
 }
 
@@ -155,10 +173,12 @@ Matcher::PlainRuns Matcher::plain_runs() const {
   return runs;
 }
 
-bool Matcher::grammar_readings() const {
+bool Matcher::threads_recur() const {
   size_t begin = 0;
   for (const uint32_t end : ends_) {
-    if (end == begin || frames_[begin].kind != kRule) return false;
+    if (end == begin) return false;
+    const Frame& bottom = frames_[begin];
+    if (bottom.kind != kRule && !(bottom.kind == kTag && end - begin == 1)) return false;
     begin = end;
   }
   return !ends_.empty();
@@ -284,7 +304,9 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
     f.pop_back();
     if (f.size() == start) return;
     Frame& parent = f.back();
-    if (parent.kind == kArray) {
+    if (parent.kind == kTag) {  // a structure's value: its end string next
+      parent.phase = kEndString;
+    } else if (parent.kind == kArray) {
       parent.phase = kAfterValue;
     } else if (parent.phase == kInValue) {
       parent.phase = kAfterValue;
@@ -357,8 +379,8 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
   switch (top.kind) {
     case kValue: {
       const Node& n = g.node(top.node);
-      const bool raw = n.kind == NodeKind::kChoice || n.kind == NodeKind::kRegex ||
-                       n.kind == NodeKind::kCfg;  // not JSON: no whitespace rules
+      const bool raw = n.kind == NodeKind::kChoice || n.kind == NodeKind::kRegex || n.kind == NodeKind::kCfg ||
+                       n.kind == NodeKind::kTagged;  // not JSON: no whitespace rules
       if (depth == 1 && !raw && is_whitespace(byte))  // before the output's value
         return ++top.ws <= kMaxLeadingWhitespace ? Step::kConsumed : Step::kReject;
       if (!raw && is_whitespace(byte)) return whitespace();
@@ -394,6 +416,9 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
         case NodeKind::kLiterals:
         case NodeKind::kChoice:
           top = Frame{.kind = kLiteral, .node = top.node};
+          return Step::kRedispatch;
+        case NodeKind::kTagged:
+          top = Frame{.kind = kTag, .phase = kChars, .node = top.node, .d = 0};
           return Step::kRedispatch;
       }
       return Step::kReject;
@@ -646,6 +671,56 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
           return byte < 0x80 ? character(byte) : utf8_first(byte, top);
       }
       return Step::kReject;
+    }
+
+    case kTag: {  // structural_tag: free text, or a structure's begin, JSON value and end
+      const Node& n = g.node(top.node);
+      switch (top.phase) {
+        case kChars:
+        case kUtf8: {
+          if (top.phase == kChars && !(top.flags & kTextOnly) && n.literals.step(0, byte) >= 0) {
+            std::vector<Frame>& tops = fork_tops();  // a structure may begin here, or the byte is text
+            Frame text = top, begin = top;
+            text.flags |= kTextOnly;
+            begin.phase = kBegin;
+            begin.a = 0;
+            tops.push_back(text);
+            tops.push_back(begin);
+            fork(byte, start, out, tops, false);
+            return Step::kForked;
+          }
+          top.flags &= ~kTextOnly;
+          top.d = n.triggers->step(top.d, byte);
+          if (top.d < 0) return Step::kReject;  // free text holds no trigger
+          if (top.phase == kUtf8) return utf8_next(byte, top, [](uint32_t) { return Step::kConsumed; });
+          return byte < 0x80 ? Step::kConsumed : utf8_first(byte, top);
+        }
+        case kBegin: {
+          const int32_t next = n.literals.step(top.a, byte);
+          if (next < 0) return Step::kReject;
+          top.a = next;
+          const int32_t structure = n.literals.value(next);
+          if (structure < 0) return Step::kConsumed;  // no begin is the start of another: whole here
+          top.phase = kInValue;
+          top.b = structure;
+          top.a = 0;
+          f.push_back(Frame{.kind = kValue, .node = n.alternatives[static_cast<size_t>(structure)]});
+          return Step::kConsumed;
+        }
+        case kEndString: {
+          const std::string& end = n.tag_ends[static_cast<size_t>(top.b)];
+          if (static_cast<size_t>(top.a) < end.size()) {
+            if (byte != static_cast<uint8_t>(end[static_cast<size_t>(top.a)])) return Step::kReject;
+            if (static_cast<size_t>(++top.a) < end.size()) return Step::kConsumed;
+            top = Frame{.kind = kTag, .phase = kChars, .node = top.node, .d = 0};  // free text again
+            return Step::kConsumed;
+          }
+          top = Frame{.kind = kTag, .phase = kChars, .node = top.node, .d = 0};  // no end string
+          return Step::kRedispatch;
+        }
+        default:
+          return Step::kReject;
+      }
     }
 
     case kNumber: {

@@ -75,9 +75,11 @@ class Matcher {
   };
   PlainRuns plain_runs() const;
   size_t num_threads() const { return ends_.size(); }
-  // Whether every thread reads a guided_grammar output (structured/cfg.h):
-  // then what a thread takes depends on its own frames alone.
-  bool grammar_readings() const;
+  // Whether every thread reads raw text whose states recur: a guided_grammar
+  // reading (structured/cfg.h), or a structural tag's free text, begin or
+  // end (not a structure's JSON value). What a thread takes depends on its
+  // own frames alone, so the request's cache (TokenSetCache) keeps each one's tokens.
+  bool threads_recur() const;
 
   // One parse position: what is being read (kind), where in it (phase), and
   // its counters (their meaning per kind in matcher.cc).

@@ -113,7 +113,7 @@ void TokenVocabulary::walk(int32_t node, size_t depth, std::vector<Matcher>& lev
 
 void TokenVocabulary::allowed_tokens(const Matcher& matcher, std::vector<uint32_t>& mask,
                                      TokenSetCache* cache) const {
-  if (cache && matcher.grammar_readings()) {  // each reading's tokens, from the cache or its own walk
+  if (cache && matcher.threads_recur()) {  // each thread's tokens, from the cache or its own walk
     mask.assign(plain_mask_.size(), 0);
     for (size_t i = 0; i < matcher.num_threads(); ++i) cache->add_reading(*this, matcher, i, mask);
     return;

@@ -17,7 +17,8 @@
 // since its output revisits a pattern's few states token after token. A
 // guided_grammar output (structured/cfg.h) has every token walked, once per
 // reading (thread) of the output, and each reading's set is kept by the
-// request the same way.
+// request the same way; so has a structural tag's free text (keyed by its
+// trigger scanner's state: the same token after token).
 // TokenConstraint is one sequence's state: the matcher after its output so
 // far, advanced token by token.
 //
@@ -55,7 +56,7 @@ class TokenVocabulary {
 
   // mask[id / 32] bit id % 32 set for every token `matcher` accepts whole
   // (mask: (size() + 31) / 32 words, cleared first). `cache`, optional: the
-  // plain tokens of the patterns' states and the grammar readings' tokens,
+  // plain tokens of the patterns' states and the recurring threads' tokens,
   // kept from call to call.
   void allowed_tokens(const Matcher& matcher, std::vector<uint32_t>& mask, TokenSetCache* cache = nullptr) const;
   // Sets the bits of the plain tokens whose characters `regex` takes, one
@@ -91,15 +92,16 @@ class TokenVocabulary {
 // Token sets one request's masks reuse, the kCapacity most recently used
 // (~19 KB each at Qwen3's vocabulary): the plain tokens of a pattern's
 // automaton state (as TokenVocabulary::add_pattern_tokens finds them), and
-// every token one reading of a guided_grammar output takes (keyed by its
-// frames: a repetition's reading is the same token after token).
+// every token one thread takes where threads recur (Matcher::threads_recur;
+// keyed by its frames: a repetition's reading, or free text, is the same
+// token after token).
 class TokenSetCache {
  public:
   static constexpr size_t kCapacity = 8;
   // Sets the bits of `p`'s plain tokens in `mask`, finding them on a miss.
   void add_pattern(const TokenVocabulary& vocabulary, const Matcher::PatternState& p, std::vector<uint32_t>& mask);
-  // Sets the bits of every token thread `thread` of `matcher` (a grammar
-  // reading) takes, finding them on a miss.
+  // Sets the bits of every token thread `thread` of `matcher` (one whose
+  // states recur) takes, finding them on a miss.
   void add_reading(const TokenVocabulary& vocabulary, const Matcher& matcher, size_t thread,
                    std::vector<uint32_t>& mask);
   size_t misses() const {
@@ -110,7 +112,7 @@ class TokenSetCache {
  private:
   struct Entry {
     Matcher::PatternState pattern;        // a pattern state's plain tokens, or
-    std::vector<Matcher::Frame> reading;  // (not empty) a grammar reading's tokens
+    std::vector<Matcher::Frame> reading;  // (not empty) a recurring thread's tokens
     std::vector<uint32_t> tokens;
     uint64_t last_used = 0;
   };

