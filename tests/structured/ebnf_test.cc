@@ -18,6 +18,7 @@
 #include "structured/matcher.h"
 #include "structured/token_filter.h"
 #include "tokenizer/tokenizer.h"
+#include "tests/structured/byte_walk.h"
 
 namespace moe::structured {
 namespace {
@@ -197,22 +198,7 @@ TEST(Ebnf, NoDeadEnds) {
     ASSERT_TRUE(g);
     for (int walk = 0; walk < 30; ++walk) {
       Matcher m(*g);
-      std::string out;
-      for (int step = 0; step < 48 && !(m.accepting() && rng() % 3 == 0); ++step) {
-        std::vector<uint8_t> next;
-        for (int b = 0; b < 256; ++b) {
-          Matcher copy = m;
-          const char c = static_cast<char>(b);
-          if (copy.advance(std::string_view(&c, 1))) next.push_back(static_cast<uint8_t>(b));
-        }
-        if (next.empty()) {
-          ASSERT_TRUE(m.accepting()) << "a dead end after '" << out << "'";
-          break;
-        }
-        const char c = static_cast<char>(next[std::uniform_int_distribution<size_t>(0, next.size() - 1)(rng)]);
-        ASSERT_TRUE(m.advance(std::string_view(&c, 1)));
-        out += c;
-      }
+      ASSERT_TRUE(byte_walk(m, rng, {.max_steps = 48, .stop_one_in = 3}));
     }
   }
 }

@@ -21,6 +21,7 @@
 #include "structured/token_filter.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
+#include "tests/structured/byte_walk.h"
 
 namespace moe::structured {
 namespace {
@@ -411,22 +412,9 @@ TEST(Grammar, PatternedStringsHaveNoDeadEnds) {
     ASSERT_TRUE(g.has_value()) << g.status().to_string();
     for (int walk = 0; walk < 40; ++walk) {
       Matcher m(**g);
-      std::string text;
-      for (int step = 0; step < 64 && !(m.accepting() && step > 0 && rng() % 2 == 0); ++step) {
-        std::vector<uint8_t> next;
-        for (int b = 0; b < 256; ++b) {
-          Matcher copy = m;
-          const char c = static_cast<char>(b);
-          if (copy.advance(std::string_view(&c, 1))) next.push_back(static_cast<uint8_t>(b));
-        }
-        if (next.empty()) {
-          ASSERT_TRUE(m.accepting()) << "a dead end after '" << text << "'";
-          break;
-        }
-        const char c = static_cast<char>(next[std::uniform_int_distribution<size_t>(0, next.size() - 1)(rng)]);
-        ASSERT_TRUE(m.advance(std::string_view(&c, 1)));
-        text += c;
-      }
+      const auto walked = byte_walk(m, rng);
+      ASSERT_TRUE(walked);
+      const std::string& text = *walked;
       if (m.accepting()) {
         Json value;
         ASSERT_NO_THROW(value = Json::parse(text)) << text;
@@ -586,22 +574,9 @@ TEST(Grammar, BoundedNumbersHaveNoDeadEnds) {
     ASSERT_TRUE(g.has_value()) << g.status().to_string();
     for (int walk = 0; walk < 60; ++walk) {
       Matcher m(**g);
-      std::string text;
-      for (int step = 0; step < 400 && !(m.accepting() && rng() % 8 == 0); ++step) {
-        std::vector<uint8_t> next;
-        for (int b = 0; b < 256; ++b) {
-          Matcher copy = m;
-          const char c = static_cast<char>(b);
-          if (copy.advance(std::string_view(&c, 1))) next.push_back(static_cast<uint8_t>(b));
-        }
-        if (next.empty()) {
-          ASSERT_TRUE(m.accepting()) << "a dead end after '" << text << "'";
-          break;
-        }
-        const char c = static_cast<char>(next[std::uniform_int_distribution<size_t>(0, next.size() - 1)(rng)]);
-        ASSERT_TRUE(m.advance(std::string_view(&c, 1)));
-        text += c;
-      }
+      const auto walked = byte_walk(m, rng, {.max_steps = 400, .stop_one_in = 8});
+      ASSERT_TRUE(walked);
+      const std::string& text = *walked;
       if (!m.accepting()) continue;
       EXPECT_TRUE(Json::accept(text)) << text;
       // The values' own texts, as written.
@@ -975,24 +950,12 @@ TEST(Grammar, StructuralTagWalksAgreeWithTheDefinition) {
   int structures = 0;
   for (int walk = 0; walk < 150; ++walk) {
     Matcher m(*g);
-    std::string text;
-    for (int step = 0; step < 60 && !(m.accepting() && rng() % 16 == 0); ++step) {
-      if (walk < 6 && step % 10 == 3) expect_walk_equals_brute_force(*vocab, m);
-      std::vector<uint8_t> next, liked;
-      for (int b = 0; b < 256; ++b) {
-        Matcher copy = m;
-        const char c = static_cast<char>(b);
-        if (!copy.advance(std::string_view(&c, 1))) continue;
-        next.push_back(static_cast<uint8_t>(b));
-        if (favoured.find(c) != std::string::npos) liked.push_back(static_cast<uint8_t>(b));
-      }
-      ASSERT_FALSE(next.empty() && !m.accepting()) << "a dead end after '" << text << "'";
-      if (next.empty()) break;
-      const auto& pool = !liked.empty() && rng() % 4 != 0 ? liked : next;
-      const char c = static_cast<char>(pool[std::uniform_int_distribution<size_t>(0, pool.size() - 1)(rng)]);
-      ASSERT_TRUE(m.advance(std::string_view(&c, 1)));
-      text += c;
-    }
+    const auto walked = byte_walk(m, rng, {.max_steps = 60, .stop_one_in = 16, .favoured = favoured,
+                                           .each_step = [&](const Matcher& at, int step) {
+                                             if (walk < 6 && step % 10 == 3) expect_walk_equals_brute_force(*vocab, at);
+                                           }});
+    ASSERT_TRUE(walked);
+    const std::string& text = *walked;
     if (!m.accepting()) continue;
     EXPECT_TRUE(tag_oracle(text)) << text;
     structures += text.find("<f=a>") != std::string::npos || text.find('@') != std::string::npos;
