@@ -108,17 +108,25 @@ std::optional<ApiError> read_logit_bias(const Json& j, const RequestLimits& limi
   return std::nullopt;
 }
 
-// A JSON schema as a grammar; vLLM takes the schema as an object or as its text.
-std::optional<ApiError> compile_schema(const Json& schema, const char* param, GenerationParams& p) {
-  if (structured::nesting_exceeds(schema, structured::kMaxSchemaNesting))  // before any copy (recursive)
-    return bad_request(fmt::format("'{}': the JSON schema nests deeper than {} levels", param,
+// A JSON document given as itself or as its text (vLLM takes both), its
+// nesting checked before any copy (copies recurse).
+std::optional<ApiError> read_document(const Json& value, const char* param, const char* what, Json& out) {
+  if (structured::nesting_exceeds(value, structured::kMaxSchemaNesting))
+    return bad_request(fmt::format("'{}': the {} nests deeper than {} levels", param, what,
                                    structured::kMaxSchemaNesting),
                        param);
-  Json parsed = schema;
-  if (schema.is_string()) {
-    parsed = Json::parse(schema.get<std::string>(), nullptr, /*allow_exceptions=*/false);
-    if (parsed.is_discarded()) return bad_request(fmt::format("'{}' is not valid JSON", param), param);
+  out = value;
+  if (value.is_string()) {
+    out = Json::parse(value.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+    if (out.is_discarded()) return bad_request(fmt::format("'{}' is not valid JSON", param), param);
   }
+  return std::nullopt;
+}
+
+// A JSON schema as a grammar.
+std::optional<ApiError> compile_schema(const Json& schema, const char* param, GenerationParams& p) {
+  Json parsed;
+  MOE_API_TRY(read_document(schema, param, "JSON schema", parsed));
   if (!parsed.is_object() && !parsed.is_boolean())
     return bad_request(fmt::format("'{}' must be a JSON schema (an object)", param), param);
   auto grammar = structured::Grammar::from_json_schema(parsed);
@@ -145,17 +153,10 @@ std::optional<ApiError> compile_ebnf(const Json& text, const char* param, Genera
   return std::nullopt;
 }
 
-// vLLM's structural_tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}, as an object or its text.
+// vLLM's structural_tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}.
 std::optional<ApiError> compile_structural_tag(const Json& spec, const char* param, GenerationParams& p) {
-  if (structured::nesting_exceeds(spec, structured::kMaxSchemaNesting))
-    return bad_request(fmt::format("'{}': the structural tag nests deeper than {} levels", param,
-                                   structured::kMaxSchemaNesting),
-                       param);
-  Json parsed = spec;
-  if (spec.is_string()) {
-    parsed = Json::parse(spec.get<std::string>(), nullptr, /*allow_exceptions=*/false);
-    if (parsed.is_discarded()) return bad_request(fmt::format("'{}' is not valid JSON", param), param);
-  }
+  Json parsed;
+  MOE_API_TRY(read_document(spec, param, "structural tag", parsed));
   auto grammar = structured::Grammar::from_structural_tag(parsed);
   if (!grammar) return bad_request(fmt::format("'{}': {}", param, grammar.status().message()), param);
   p.grammar = *grammar;
