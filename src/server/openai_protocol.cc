@@ -124,12 +124,13 @@ std::optional<ApiError> read_document(const Json& value, const char* param, cons
 }
 
 // A JSON schema as a grammar.
-std::optional<ApiError> compile_schema(const Json& schema, const char* param, GenerationParams& p) {
+std::optional<ApiError> compile_schema(const Json& schema, const char* param, const structured::JsonOptions& options,
+                                       GenerationParams& p) {
   Json parsed;
   MOE_API_TRY(read_document(schema, param, "JSON schema", parsed));
   if (!parsed.is_object() && !parsed.is_boolean())
     return bad_request(fmt::format("'{}' must be a JSON schema (an object)", param), param);
-  auto grammar = structured::Grammar::from_json_schema(parsed);
+  auto grammar = structured::Grammar::from_json_schema(parsed, options);
   if (!grammar) return bad_request(fmt::format("'{}': {}", param, grammar.status().message()), param);
   p.grammar = *grammar;
   return std::nullopt;
@@ -154,10 +155,11 @@ std::optional<ApiError> compile_ebnf(const Json& text, const char* param, Genera
 }
 
 // vLLM's structural_tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}.
-std::optional<ApiError> compile_structural_tag(const Json& spec, const char* param, GenerationParams& p) {
+std::optional<ApiError> compile_structural_tag(const Json& spec, const char* param,
+                                               const structured::JsonOptions& options, GenerationParams& p) {
   Json parsed;
   MOE_API_TRY(read_document(spec, param, "structural tag", parsed));
-  auto grammar = structured::Grammar::from_structural_tag(parsed);
+  auto grammar = structured::Grammar::from_structural_tag(parsed, options);
   if (!grammar) return bad_request(fmt::format("'{}': {}", param, grammar.status().message()), param);
   p.grammar = *grammar;
   return std::nullopt;
@@ -183,21 +185,34 @@ std::optional<ApiError> compile_choices(const Json& choices, const char* param, 
 // whitespace_pattern is refused by name.
 std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& p) {
   int count = 0;
+  // structured_outputs' options for the JSON written, whichever field asks for JSON.
+  structured::JsonOptions options;
+  if (auto it = j.find("structured_outputs"); it != j.end() && it->is_object()) {
+    for (const auto& [key, field] : {std::pair{"disable_any_whitespace", &structured::JsonOptions::any_whitespace},
+                                     std::pair{"disable_additional_properties",
+                                               &structured::JsonOptions::additional_properties}}) {
+      const auto value = it->find(key);
+      if (value == it->end() || value->is_null()) continue;
+      if (!value->is_boolean())
+        return bad_request(fmt::format("'structured_outputs.{}' must be a boolean", key), "structured_outputs");
+      options.*field = !value->get<bool>();
+    }
+  }
   if (auto it = j.find("response_format"); it != j.end() && !it->is_null()) {
     const char* param = "response_format";
     if (!it->is_object() || !it->contains("type") || !(*it)["type"].is_string())
       return bad_request("'response_format' must be an object with a 'type'", param);
     const std::string type = (*it)["type"].get<std::string>();
     if (type == "json_object") {
-      p.grammar = structured::Grammar::json_object(), ++count;
+      p.grammar = structured::Grammar::json_object(options), ++count;
     } else if (type == "json_schema") {
       const auto spec = it->find("json_schema");
       if (spec == it->end() || !spec->is_object() || !spec->contains("schema"))
         return bad_request("'response_format' of type json_schema needs 'json_schema': {\"name\", \"schema\"}", param);
-      MOE_API_TRY(compile_schema((*spec)["schema"], param, p));
+      MOE_API_TRY(compile_schema((*spec)["schema"], param, options, p));
       ++count;
     } else if (type == "structural_tag") {
-      MOE_API_TRY(compile_structural_tag(*it, param, p));
+      MOE_API_TRY(compile_structural_tag(*it, param, options, p));
       ++count;
     } else if (type != "text") {
       return bad_request(fmt::format("'response_format' type '{}' is not supported by this server (text, json_object, "
@@ -206,7 +221,7 @@ std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& 
     }
   }
   if (auto it = j.find("guided_json"); it != j.end() && !it->is_null()) {
-    MOE_API_TRY(compile_schema(*it, "guided_json", p));
+    MOE_API_TRY(compile_schema(*it, "guided_json", options, p));
     ++count;
   }
   if (auto it = j.find("guided_choice"); it != j.end() && !it->is_null()) {
@@ -222,7 +237,7 @@ std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& 
     ++count;
   }
   if (auto it = j.find("structural_tag"); it != j.end() && !it->is_null()) {
-    MOE_API_TRY(compile_structural_tag(*it, "structural_tag", p));
+    MOE_API_TRY(compile_structural_tag(*it, "structural_tag", options, p));
     ++count;
   }
   if (auto it = j.find("structured_outputs"); it != j.end() && !it->is_null()) {
@@ -231,7 +246,7 @@ std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& 
     for (const auto& [key, value] : it->items()) {
       if (value.is_null() || (key == "json_object" && value == false)) continue;
       if (key == "json") {
-        MOE_API_TRY(compile_schema(value, param, p));
+        MOE_API_TRY(compile_schema(value, param, options, p));
       } else if (key == "choice") {
         MOE_API_TRY(compile_choices(value, param, p));
       } else if (key == "regex") {
@@ -240,15 +255,16 @@ std::optional<ApiError> read_structured_output(const Json& j, GenerationParams& 
         MOE_API_TRY(compile_ebnf(value, param, p));
       } else if (key == "json_object") {
         if (value != true) return bad_request("'structured_outputs.json_object' must be a boolean", param);
-        p.grammar = structured::Grammar::json_object();
+        p.grammar = structured::Grammar::json_object(options);
       } else if (key == "structural_tag") {
-        MOE_API_TRY(compile_structural_tag(value, param, p));
+        MOE_API_TRY(compile_structural_tag(value, param, options, p));
       } else if (key == "whitespace_pattern") {
         return bad_request("'structured_outputs.whitespace_pattern' is not supported by this server (json, choice, "
                            "regex, grammar, json_object and structural_tag are)",
                            param);
       } else {
-        continue;  // options (disable_any_whitespace, ...): nothing to apply
+        continue;  // options: disable_any_whitespace and disable_additional_properties read above, the others
+                   // (disable_fallback, ...) choose among backends: nothing to apply
       }
       ++count;
     }

@@ -425,8 +425,9 @@ class SchemaCompiler {
     }
     if (auto it = schema.find("additionalProperties"); it != schema.end() && *it != false) {
       MOE_ASSIGN_OR_RETURN(n.additional, compile(*it, depth + 1));
-    } else if (!schema.contains("properties") && !schema.contains("additionalProperties")) {
-      n.additional = g_.any_;  // {"type": "object"} alone: any object
+    } else if (!schema.contains("properties") && !schema.contains("additionalProperties") &&
+               g_.options_.additional_properties) {
+      n.additional = g_.any_;  // {"type": "object"} alone: any object (unless disable_additional_properties)
     }
     return g_.add(std::move(n));
   }
@@ -474,24 +475,35 @@ static void add_any_nodes(std::vector<Node>& nodes, int32_t& any) {
   nodes[static_cast<size_t>(any)].alternatives = {object, array, string, number, words};
 }
 
-std::shared_ptr<const Grammar> Grammar::json_object() {
+void Grammar::set_options(JsonOptions options) {
+  options_ = options;
+  if (!options.any_whitespace) source_["disable_any_whitespace"] = true;
+  if (!options.additional_properties) source_["disable_additional_properties"] = true;
+}
+
+std::shared_ptr<const Grammar> Grammar::json_object(JsonOptions options) {
   auto g = std::make_shared<Grammar>();
   add_any_nodes(g->nodes_, g->any_);
   g->root_ = g->any_ + 1;  // the any-object node
   g->source_ = {{"type", "json_object"}};
+  options.additional_properties = true;  // any object is what it asks for
+  g->set_options(options);
   return g;
 }
 
-Expected<std::shared_ptr<const Grammar>> Grammar::from_json_schema(const nlohmann::ordered_json& schema) {
+Expected<std::shared_ptr<const Grammar>> Grammar::from_json_schema(const nlohmann::ordered_json& schema,
+                                                                   JsonOptions options) {
   if (nesting_exceeds(schema, kMaxSchemaNesting))
     return invalid_argument("the JSON schema nests deeper than {} levels", kMaxSchemaNesting);
   auto g = std::make_shared<Grammar>();
   add_any_nodes(g->nodes_, g->any_);
+  g->options_ = options;
   SchemaAutomata automata;
   SchemaCompiler compiler(*g, schema, automata);
   MOE_ASSIGN_OR_RETURN(g->root_, compiler.compile(schema, 0));
   MOE_RETURN_IF_ERROR(g->flatten_any_of());
   g->source_ = {{"type", "json_schema"}, {"schema", schema}};
+  g->set_options(options);
   return std::shared_ptr<const Grammar>(std::move(g));
 }
 
@@ -574,7 +586,8 @@ int32_t TriggerScanner::step(int32_t state, uint8_t byte) const {
   return states_[static_cast<size_t>(state)].hit ? -1 : state;
 }
 
-Expected<std::shared_ptr<const Grammar>> Grammar::from_structural_tag(const nlohmann::ordered_json& spec) {
+Expected<std::shared_ptr<const Grammar>> Grammar::from_structural_tag(const nlohmann::ordered_json& spec,
+                                                                      JsonOptions options) {
   const char* shape = "a structural tag is {\"structures\": [{\"begin\", \"schema\", \"end\"}, ...], \"triggers\": [...]}";
   if (!spec.is_object()) return invalid_argument("{}", shape);
   if (spec.contains("format"))
@@ -600,6 +613,7 @@ Expected<std::shared_ptr<const Grammar>> Grammar::from_structural_tag(const nloh
     return invalid_argument("the structural tag nests deeper than {} levels", kMaxSchemaNesting);
   auto g = std::make_shared<Grammar>();
   add_any_nodes(g->nodes_, g->any_);
+  g->options_ = options;
   Node n{.kind = NodeKind::kTagged};
   std::set<std::string> begins;
   SchemaAutomata automata;
@@ -640,6 +654,7 @@ Expected<std::shared_ptr<const Grammar>> Grammar::from_structural_tag(const nloh
   g->root_ = g->add(std::move(n));
   MOE_RETURN_IF_ERROR(g->flatten_any_of());
   g->source_ = {{"type", "structural_tag"}, {"structures", *structures}, {"triggers", *triggers}};
+  g->set_options(options);
   return std::shared_ptr<const Grammar>(std::move(g));
 }
 
@@ -647,8 +662,10 @@ Expected<std::shared_ptr<const Grammar>> Grammar::from_source(const nlohmann::or
   if (!source.is_object() || !source.contains("type") || !source["type"].is_string())
     return invalid_argument("a structured-output grammar must be an object with a 'type'");
   const std::string type = source["type"].get<std::string>();
-  if (type == "json_object") return json_object();
-  if (type == "json_schema" && source.contains("schema")) return from_json_schema(source["schema"]);
+  const JsonOptions options{.any_whitespace = source.value("disable_any_whitespace", false) != true,
+                            .additional_properties = source.value("disable_additional_properties", false) != true};
+  if (type == "json_object") return json_object(options);
+  if (type == "json_schema" && source.contains("schema")) return from_json_schema(source["schema"], options);
   if (type == "choice" && source.contains("choices") && source["choices"].is_array()) {
     std::vector<std::string> choices;
     for (const Json& c : source["choices"]) {
@@ -661,7 +678,7 @@ Expected<std::shared_ptr<const Grammar>> Grammar::from_source(const nlohmann::or
     return from_regex(source["pattern"].get<std::string>());
   if (type == "grammar" && source.contains("grammar") && source["grammar"].is_string())
     return from_ebnf(source["grammar"].get<std::string>());
-  if (type == "structural_tag") return from_structural_tag(source);
+  if (type == "structural_tag") return from_structural_tag(source, options);
   return invalid_argument("unknown structured-output grammar type '{}'", type);
 }
 

@@ -129,12 +129,23 @@ class TriggerScanner {
 // without recursion, before anything copies or walks a hostile document).
 bool nesting_exceeds(const nlohmann::ordered_json& value, size_t max_depth);
 
+// vLLM's structured_outputs options for the JSON a grammar writes.
+struct JsonOptions {
+  // Off (disable_any_whitespace): xgrammar's separators and nothing else:
+  // one space after ',' and ':', no other whitespace outside strings.
+  bool any_whitespace = true;
+  // Off (disable_additional_properties): an object schema that says nothing
+  // of other keys takes none, even without 'properties' ({"type": "object"}: {}).
+  bool additional_properties = true;
+};
+
 class Grammar {
  public:
   // OpenAI's response_format {"type": "json_object"}: any JSON object.
-  static std::shared_ptr<const Grammar> json_object();
+  static std::shared_ptr<const Grammar> json_object(JsonOptions options = {});
   // A JSON Schema; the error names the keyword that is not served.
-  static Expected<std::shared_ptr<const Grammar>> from_json_schema(const nlohmann::ordered_json& schema);
+  static Expected<std::shared_ptr<const Grammar>> from_json_schema(const nlohmann::ordered_json& schema,
+                                                                   JsonOptions options = {});
   // vLLM's guided_choice: exactly one of these strings (1 to 1024 of them, none empty).
   static Expected<std::shared_ptr<const Grammar>> from_choices(const std::vector<std::string>& choices);
   // vLLM's guided_regex: text (not JSON) the pattern (structured/regex.h) matches whole.
@@ -146,16 +157,20 @@ class Grammar {
   // except as the start of a structure: its begin string (each begins with a
   // trigger), a JSON value its schema allows, its end string; then free text
   // again. The output may end in free text.
-  static Expected<std::shared_ptr<const Grammar>> from_structural_tag(const nlohmann::ordered_json& spec);
+  static Expected<std::shared_ptr<const Grammar>> from_structural_tag(const nlohmann::ordered_json& spec,
+                                                                      JsonOptions options = {});
   // The serialised form from_source() compiles again (disaggregated serving
   // sends it to the prefill and decode instances): {"type": "json_object"},
   // {"type": "json_schema", "schema": ...}, {"type": "choice", "choices": [...]},
   // {"type": "regex", "pattern": "..."}, {"type": "grammar", "grammar": "..."} or
-  // {"type": "structural_tag", "structures": [...], "triggers": [...]}.
+  // {"type": "structural_tag", "structures": [...], "triggers": [...]}; JSON
+  // ones with "disable_any_whitespace" / "disable_additional_properties": true
+  // where those options are set.
   static Expected<std::shared_ptr<const Grammar>> from_source(const nlohmann::ordered_json& source);
   const nlohmann::ordered_json& source() const { return source_; }
 
   int32_t root() const { return root_; }
+  const JsonOptions& json_options() const { return options_; }
   const Node& node(int32_t i) const { return nodes_[static_cast<size_t>(i)]; }
 
  private:
@@ -167,6 +182,8 @@ class Grammar {
   int32_t root_ = -1;
   int32_t any_ = -1;
   nlohmann::ordered_json source_;
+  JsonOptions options_;
+  void set_options(JsonOptions options);  // and writes them into source_
 };
 
 }  // namespace moe::structured

