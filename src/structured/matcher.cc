@@ -725,6 +725,10 @@ Matcher::Step Matcher::handle(uint8_t byte, size_t start, Matcher& out) const {
         }
         case kEndString: {
           const std::string& end = n.tag_ends[static_cast<size_t>(top.b)];
+          // Whitespace between the value and its end as between JSON tokens, where the end does not
+          // itself start with whitespace (which would make two readings of it).
+          if (top.a == 0 && !end.empty() && !is_whitespace(static_cast<uint8_t>(end[0])) && is_whitespace(byte))
+            return whitespace();
           if (static_cast<size_t>(top.a) < end.size()) {
             if (byte != static_cast<uint8_t>(end[static_cast<size_t>(top.a)])) return Step::kReject;
             if (static_cast<size_t>(++top.a) < end.size()) return Step::kConsumed;

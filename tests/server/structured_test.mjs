@@ -321,9 +321,9 @@ test('structural_tag: free text, and a structure after every trigger', async () 
   let structures = 0;
   for (const c of r.choices) {
     let text = c.message.content;
-    if (c.finish_reason === 'length') text = text.replace(/e(=\s*\d*)?$/, '');  // a structure the cut left open
-    // The value as JSON between structures: no whitespace, one space, or a newline and an indent first.
-    const structure = /e=(?: |\n[ \t]{0,20})?(0|[1-9]\d*);/g;
+    if (c.finish_reason === 'length') text = text.replace(/e(=\s*\d*\s*)?$/, '');  // a structure the cut left open
+    // The value as JSON between tokens: no whitespace, one space, or a newline and an indent around it.
+    const structure = /e=(?: |\n[ \t]{0,20})?(0|[1-9]\d*)(?: |\n[ \t]{0,20})?;/g;
     const values = [...text.matchAll(structure)].map((m) => Number(m[1]));
     for (const v of values) assert.ok(v >= 0 && v <= 99, `${v} in ${JSON.stringify(c.message.content)}`);
     structures += values.length;

@@ -849,10 +849,11 @@ const char* kTag = R"({"type": "structural_tag",
 TEST(Grammar, StructuralTagsTakeFreeTextAndStructures) {
   auto g = structural_tag(kTag);
   for (const char* text : {"", "plain text", "x <f=a>{\"x\":1}</f> y", "<f=bb>\"ab\"tail", "h\u00e9llo \u2713 <f",
-                           "<f=a> {\"x\": 2}</f><f=bb>\"\"", "@12;@0;", "a < f= <f b"})
+                           "<f=a> {\"x\": 2}</f><f=bb>\"\"", "@12;@0;", "a < f= <f b", "<f=a>{\"x\": 1}\n</f>",
+                           "@\n  7 ;"})
     EXPECT_TRUE(matches(*g, text)) << text;
   for (const char* text : {"a <f=c>", "<f=a>{\"x\":1}", "<f=a>{\"x\":1}</g>", "text <f=", "<f=bb>\"abcd\"", "@-1;",
-                           "@1", "x@", "<f=a>{\"y\":1}</f>", "\xff"})
+                           "@1", "x@", "<f=a>{\"y\":1}</f>", "\xff", "@7  ;", "<f=a>{\"x\": 1}\n\n</f>"})
     EXPECT_FALSE(matches(*g, text)) << text;
   EXPECT_TRUE(begins(*g, "<f=a>{\"x\":1}"));
   EXPECT_FALSE(begins(*g, "<f=c"));
@@ -904,9 +905,18 @@ bool tag_oracle(const std::string& text) {
         return false;
     return true;
   };
-  auto value_ok = [](int structure, const std::string& json) {
+  // Whitespace between JSON tokens: none, one space, or a newline and an indent of at most 20.
+  auto gap_ok = [](std::string_view ws) {
+    return ws.empty() || ws == " " ||
+           (ws[0] == '\n' && ws.size() <= 21 && ws.substr(1).find_first_not_of(" \t") == std::string_view::npos);
+  };
+  // A structure's value with the whitespace around it (after it only where its end is not empty).
+  auto value_ok = [&](int structure, const std::string& json, bool gap_after) {
     const size_t first = json.find_first_not_of(" \n\t\r");
-    if (first == std::string::npos || first > 8) return false;
+    if (first == std::string::npos || !gap_ok(std::string_view(json).substr(0, first))) return false;
+    const size_t last = json.find_last_not_of(" \n\t\r") + 1;
+    const std::string_view after = std::string_view(json).substr(last);
+    if (!after.empty() && (!gap_after || !gap_ok(after))) return false;
     const Json v = Json::parse(json, nullptr, false);
     if (v.is_discarded()) return false;
     if (structure == 0) return v.is_object() && v.size() == 1 && v.contains("x") && v["x"].is_number_integer();
@@ -928,7 +938,8 @@ bool tag_oracle(const std::string& text) {
         if (text.compare(k, begin.size(), begin) != 0) continue;
         const size_t value = k + begin.size();
         for (size_t e = value + 1; e <= text.size() && !result; ++e) {
-          if (text.compare(e, end.size(), end) != 0 || !value_ok(s, text.substr(value, e - value))) continue;
+          if (text.compare(e, end.size(), end) != 0 || !value_ok(s, text.substr(value, e - value), !end.empty()))
+            continue;
           result = ok(e + end.size());
         }
       }
@@ -945,7 +956,7 @@ TEST(Grammar, StructuralTagWalksAgreeWithTheDefinition) {
   auto g = structural_tag(kTag);
   auto vocab = load_vocabulary(kDemo, 4096);
   ASSERT_TRUE(vocab);
-  const std::string favoured = "<f=ab>/{}\"x:1 0@;-";
+  const std::string favoured = "<f=ab>/{}\"x:1 0@;-\n";
   std::mt19937 rng(31);
   int structures = 0;
   for (int walk = 0; walk < 150; ++walk) {
