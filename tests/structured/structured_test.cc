@@ -944,7 +944,8 @@ bool tag_oracle(const std::string& text) {
         }
       }
     }
-    return memo[pos] = result;
+    memo[pos] = result;
+    return result;
   };
   return tokenizer::is_valid_utf8(text) && ok(0);
 }
