@@ -1,10 +1,10 @@
 #include "structured/number_range.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cctype>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "structured/grammar.h"
 
@@ -121,10 +121,14 @@ Re point(const Tail& t) {
 }
 
 // Up to n digits (n >= 0).
-std::string up_to(int n) { return n > 0 ? fmt::format("[0-9]{{0,{}}}", n) : ""; }
+std::string up_to(int n) {
+  return n > 0 ? fmt::format("[0-9]{{0,{}}}", n) : "";
+}
 
 // 1 to n digits, any of them.
-Tail any_digits(int n) { return {true, n > 0 ? Re(fmt::format("[0-9]{{1,{}}}", n)) : Re()}; }
+Tail any_digits(int n) {
+  return {true, n > 0 ? Re(fmt::format("[0-9]{{1,{}}}", n)) : Re()};
+}
 
 // 1 to n digits, not all zeros: the zeros before the first other digit, then up to the rest.
 Re not_all_zeros(int n) {
@@ -153,15 +157,17 @@ Tail at_most(std::string_view b, bool inclusive, int left) {
 
 // 0.a <= 0.s <= 0.b, where 0.a <= 0.b.
 Tail between(std::string_view a, bool a_inclusive, std::string_view b, bool b_inclusive, int left) {
-  if (b.empty()) return at_most(b, a_inclusive && b_inclusive, left);  // a is empty too: zeros, if both take 0
+  if (b.empty())
+    return at_most(b, a_inclusive && b_inclusive, left);  // a is empty too: zeros, if both take 0
   const int a0 = a.empty() ? 0 : a[0] - '0', b0 = b[0] - '0';
   const std::string_view a_rest = a.empty() ? a : a.substr(1), b_rest = b.substr(1);
   const bool none = a.empty() && a_inclusive;  // no digits: zero
   if (a0 == b0)
     return {none, then(std::string(1, b[0]), between(a_rest, a_inclusive, b_rest, b_inclusive, left - 1))};
-  return {none, either({then(std::string(1, static_cast<char>('0' + a0)), at_least(a_rest, a_inclusive, left - 1)),
-                        a0 + 1 <= b0 - 1 ? Re(digit_class(a0 + 1, b0 - 1) + up_to(left - 1)) : Re(),
-                        then(std::string(1, b[0]), at_most(b_rest, b_inclusive, left - 1))})};
+  return {none,
+          either({then(std::string(1, static_cast<char>('0' + a0)), at_least(a_rest, a_inclusive, left - 1)),
+                  a0 + 1 <= b0 - 1 ? Re(digit_class(a0 + 1, b0 - 1) + up_to(left - 1)) : Re(),
+                  then(std::string(1, b[0]), at_most(b_rest, b_inclusive, left - 1))})};
 }
 
 struct Magnitude {
@@ -207,14 +213,16 @@ Re magnitudes(Magnitude lo, std::optional<Magnitude> hi, bool integer) {
   if (low.size() > static_cast<size_t>(kMaxIntegerDigits)) return std::nullopt;
   const bool high_written = hi && hi->value.integer.size() <= static_cast<size_t>(kMaxIntegerDigits);
   if (high_written && hi->value.integer == low) {  // one integer part: the fractions between the bounds'
-    const Re p = point(between(lo.value.fraction, lo.inclusive, hi->value.fraction, hi->inclusive, kMaxFractionDigits));
+    const Re p = point(
+        between(lo.value.fraction, lo.inclusive, hi->value.fraction, hi->inclusive, kMaxFractionDigits));
     return p ? Re(low + *p) : Re();
   }
   const Re low_point = point(at_least(lo.value.fraction, lo.inclusive, kMaxFractionDigits));
   Re inner;
   if (!high_written) {
     inner = integers(plus_one(low), std::nullopt);
-  } else if (compare_magnitudes(Decimal{.integer = plus_one(low)}, Decimal{.integer = hi->value.integer}) < 0) {
+  } else if (compare_magnitudes(Decimal{.integer = plus_one(low)}, Decimal{.integer = hi->value.integer}) <
+             0) {
     inner = integers(plus_one(low), minus_one(hi->value.integer));
   }
   Re high;
@@ -222,7 +230,8 @@ Re magnitudes(Magnitude lo, std::optional<Magnitude> hi, bool integer) {
     const Re p = point(at_most(hi->value.fraction, hi->inclusive, kMaxFractionDigits));
     if (p) high = hi->value.integer + *p;
   }
-  return either({low_point ? Re(low + *low_point) : Re(), inner ? Re(*inner + *point(any_digits(kMaxFractionDigits))) : Re(), high});
+  return either({low_point ? Re(low + *low_point) : Re(),
+                 inner ? Re(*inner + *point(any_digits(kMaxFractionDigits))) : Re(), high});
 }
 
 }  // namespace
@@ -288,7 +297,9 @@ Expected<std::string> number_range_pattern(const NumberRange& range, bool intege
     v.negative = false;
     return Magnitude{std::move(v), b.inclusive};
   };
-  const auto negative = [](const std::optional<NumberBound>& b) { return b && b->value.negative && !b->value.is_zero(); };
+  const auto negative = [](const std::optional<NumberBound>& b) {
+    return b && b->value.negative && !b->value.is_zero();
+  };
   Re non_negative, negatives;
   // Numbers >= 0: from the lower bound or zero, to the upper bound.
   if (!negative(upper) && !(upper && upper->value.is_zero() && !upper->inclusive)) {
@@ -303,9 +314,10 @@ Expected<std::string> number_range_pattern(const NumberRange& range, bool intege
   }
   const Re pattern = either({negatives, non_negative});
   if (!pattern)
-    return invalid_argument("the JSON schema's bounds (minimum, maximum, exclusiveMinimum, exclusiveMaximum) leave "
-                            "no {} with at most {} integer digits",
-                            integer ? "integer" : "number", kMaxIntegerDigits);
+    return invalid_argument(
+        "the JSON schema's bounds (minimum, maximum, exclusiveMinimum, exclusiveMaximum) leave "
+        "no {} with at most {} integer digits",
+        integer ? "integer" : "number", kMaxIntegerDigits);
   return *pattern;
 }
 

@@ -4,6 +4,8 @@
 // cannot end), which a constrained model would meet.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <functional>
 #include <optional>
 #include <random>
@@ -11,16 +13,14 @@
 #include <string_view>
 #include <vector>
 
-#include <gtest/gtest.h>
-
 #include "structured/matcher.h"
 
 namespace moe::structured {
 
 struct ByteWalk {
   int max_steps = 64;
-  int stop_one_in = 2;          // where the output may end (after a byte), the walk stops with this odds
-  std::string_view favoured;    // drawn from 3 times in 4 when the matcher takes some of them
+  int stop_one_in = 2;        // where the output may end (after a byte), the walk stops with this odds
+  std::string_view favoured;  // drawn from 3 times in 4 when the matcher takes some of them
   std::function<void(const Matcher&, int step)> each_step;  // before each step
 };
 
