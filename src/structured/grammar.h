@@ -58,6 +58,24 @@ class LiteralTrie {
   std::vector<Node> nodes_{Node{}};
 };
 
+// Free text's watch for a structural tag's triggers: an Aho-Corasick
+// automaton over bytes (state 0: nothing of a trigger read).
+class TriggerScanner {
+ public:
+  explicit TriggerScanner(const std::vector<std::string>& triggers);
+  // The state after `byte`, or -1 when a trigger ends with it.
+  int32_t step(int32_t state, uint8_t byte) const;
+
+ private:
+  struct State {
+    std::vector<std::pair<uint8_t, int32_t>> next;
+    int32_t fail = 0;
+    bool hit = false;  // a trigger ends here (or at a suffix of here)
+  };
+  int32_t child(int32_t state, uint8_t byte) const;
+  std::vector<State> states_{State{}};
+};
+
 enum class NodeKind : uint8_t {
   kInteger,   // -?(0|[1-9][0-9]*), at most kMaxIntegerDigits digits; with bounds, `pattern`'s texts
   kNumber,    // JSON number; with bounds, `pattern`'s texts (no exponent)
@@ -98,7 +116,7 @@ struct Node {
   std::vector<int32_t> alternatives;        // kAnyOf
   std::shared_ptr<const Cfg> cfg;           // kCfg
   std::vector<std::string> tag_ends;        // kTagged: each structure's end string
-  std::shared_ptr<const class TriggerScanner> triggers;  // kTagged
+  std::shared_ptr<const TriggerScanner> triggers;  // kTagged
 };
 
 inline constexpr size_t kMaxSchemaNesting = 128;  // of the schema document itself (annotations included)
@@ -106,24 +124,6 @@ inline constexpr size_t kMaxAlternatives = 64;    // an anyOf's, once flattened 
 inline constexpr size_t kMaxPatternBytes = 4096;  // a pattern's source
 inline constexpr size_t kMaxStructures = 64;      // a structural tag's
 inline constexpr size_t kMaxTagBytes = 16384;     // a structural tag's triggers, begins and ends together
-
-// Free text's watch for a structural tag's triggers: an Aho-Corasick
-// automaton over bytes (state 0: nothing of a trigger read).
-class TriggerScanner {
- public:
-  explicit TriggerScanner(const std::vector<std::string>& triggers);
-  // The state after `byte`, or -1 when a trigger ends with it.
-  int32_t step(int32_t state, uint8_t byte) const;
-
- private:
-  struct State {
-    std::vector<std::pair<uint8_t, int32_t>> next;
-    int32_t fail = 0;
-    bool hit = false;  // a trigger ends here (or at a suffix of here)
-  };
-  int32_t child(int32_t state, uint8_t byte) const;
-  std::vector<State> states_{State{}};
-};
 
 // Whether `value` nests arrays and objects deeper than `max_depth` (checked
 // without recursion, before anything copies or walks a hostile document).
