@@ -147,6 +147,9 @@ Expected<uint64_t> Engine::submit_prefilled(EngineRequest request, PrefilledProm
     if (!constraint.accept(prompt.first_token))
       return invalid_argument("the first token {} is not one the request's grammar allows", prompt.first_token);
   }
+  const auto& allowed = request.sampling.allowed_token_ids;
+  if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), prompt.first_token) == allowed.end())
+    return invalid_argument("the first token {} is not in the request's allowed_token_ids", prompt.first_token);
   if (!prompt.last_hidden.empty() && static_cast<int64_t>(prompt.last_hidden.size()) != mtp_hidden_size())
     return invalid_argument("the prefilled MTP state has {} values; this engine's {}", prompt.last_hidden.size(),
                             drafter_ ? fmt::format("MTP layer takes {}", mtp_hidden_size()) : "has no MTP layer");
@@ -268,6 +271,11 @@ void Engine::admit(uint64_t id, Active active) {
     active.constraint.emplace(active.request.grammar, options_.vocabulary, std::move(end_ids));
     active.awaiting_grammar = active.request.grammar_after_token >= 0;
     if (prefilled) constrain_token(active, first_token);  // checked by submit_prefilled
+  }
+  if (!sampling.allowed_token_ids.empty()) {
+    active.allowed_mask.assign(static_cast<size_t>(mask_words_per_row(vocab_size_)), 0u);
+    for (int32_t t : sampling.allowed_token_ids)  // (in the vocabulary: validate_sampling)
+      active.allowed_mask[static_cast<size_t>(t) / 32] |= 1u << (static_cast<uint32_t>(t) % 32);
   }
   auto [it, inserted] = active_.emplace(id, std::move(active));
   CHECK(inserted, "request id {} twice", id);
@@ -445,8 +453,7 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
       add_chunk_adjustments(sampling, row, a.request.sampling, scheduler_.tokens_of(chunk.id),
                             static_cast<size_t>(a.num_output_tokens), drafts, stop_ids, vocab_size_);
     }
-    if (a.constraint)
-      active_.at(chunk.id).grammar_conflict = !add_constraint_masks(sampling, row, chunk_entries, a, drafts);
+    if (a.masks_tokens()) active_.at(chunk.id).mask_conflict = !add_token_masks(sampling, row, chunk_entries, a, drafts);
     if (a.request.num_logprobs >= 0) {
       logprob_chunks.push_back({chunk.id, num_runs - 1, static_cast<int64_t>(sampling.fetch_rows.size())});
       for (int32_t j = 0; j <= chunk.num_drafts; ++j) sampling.fetch_rows.push_back(row + j);
@@ -498,31 +505,35 @@ bool Engine::constrain_token(Active& a, int32_t token) {
   return a.constraint->accept(token);
 }
 
-// A constrained chunk's rows: each gets the mask of the tokens its grammar
-// allows next (StepSampling::mask_rows; every other token's logit becomes
-// -inf after the adjustments). Row j follows drafts [0, j); after a draft the
-// grammar refuses, the rows keep the last mask (their samples are dropped
-// with the draft). Rows before the grammar applies (grammar_after_token) are
-// left alone. False when the grammar allows only tokens the request's own
-// adjustments ban (-inf: min_tokens before the output is whole) in the first
-// row.
-bool Engine::add_constraint_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
-                                  std::span<const int32_t> drafts) const {
+// A masked chunk's rows (Active::masks_tokens): each gets the mask of the
+// tokens its grammar allows next, and'ed with allowed_token_ids' mask
+// (StepSampling::mask_rows; every other token's logit becomes -inf after the
+// adjustments). Row j follows drafts [0, j); after a draft the grammar
+// refuses, the rows keep the last mask (their samples are dropped with the
+// draft). Rows before the grammar applies (grammar_after_token) get the
+// allowed tokens' mask alone, or none. False when the first row's mask allows
+// only tokens the request's own adjustments ban (-inf: min_tokens before the
+// output is whole, bad_words).
+bool Engine::add_token_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
+                             std::span<const int32_t> drafts) const {
   bool any_allowed = true;
-  structured::TokenConstraint state = *a.constraint;
+  std::optional<structured::TokenConstraint> state = a.constraint;
   bool awaiting = a.awaiting_grammar;
   std::vector<uint32_t> mask;
   const auto words = static_cast<size_t>(mask_words_per_row(vocab_size_));
   bool follows = true;
   for (size_t j = 0; j <= drafts.size(); ++j) {
     const int32_t row = first_row + static_cast<int32_t>(j);
-    if (awaiting) {
-      if (j < drafts.size()) awaiting = drafts[j] != a.request.grammar_after_token;
-      continue;
-    }
-    if (follows) {
-      state.allowed_tokens(mask);
+    const bool grammar = state && !awaiting;
+    if (awaiting && j < drafts.size()) awaiting = drafts[j] != a.request.grammar_after_token;
+    if (!grammar && a.allowed_mask.empty()) continue;
+    if (!grammar) {
+      mask = a.allowed_mask;
+    } else if (follows) {
+      state->allowed_tokens(mask);
       mask.resize(words, 0u);  // (the vocabulary has the model's size: checked at submission)
+      if (!a.allowed_mask.empty())
+        for (size_t w = 0; w < words; ++w) mask[w] &= a.allowed_mask[w];
     }
     sampling.mask_rows.push_back(row);
     sampling.mask_words.insert(sampling.mask_words.end(), mask.begin(), mask.end());
@@ -535,7 +546,7 @@ bool Engine::add_constraint_masks(StepSampling& sampling, int32_t first_row, siz
       }
       any_allowed = allowed > 0;
     }
-    if (j < drafts.size() && follows) follows = state.accept(drafts[j]);
+    if (grammar && j < drafts.size() && follows) follows = state->accept(drafts[j]);
   }
   return any_allowed;
 }
@@ -659,15 +670,16 @@ void Engine::step() {
     EngineOutput out;
     out.id = u.id;
     out.token = u.token;
-    // A token outside the grammar ends the request with an error, never a
+    // A token outside the masks ends the request with an error, never a
     // wrong or cut output: an end token where the output is not whole (the
     // grammar can go no further: a matcher limit), or any token where every
-    // allowed one was banned (min_tokens, logit_bias -inf).
-    if (a.constraint && u.token >= 0 && (std::exchange(a.grammar_conflict, false) || !constrain_token(a, u.token))) {
+    // allowed one was banned (min_tokens, bad_words).
+    if (a.masks_tokens() && u.token >= 0 &&
+        (std::exchange(a.mask_conflict, false) || (a.constraint && !constrain_token(a, u.token)))) {
       out.token = -1;
       out.error = invalid_argument(
-          "the output cannot go on within the request's grammar (a limit of docs/server.md's structured outputs, "
-          "or min_tokens / logit_bias banning every token it allows)");
+          "the output cannot go on within the request's grammar or allowed_token_ids (a limit of docs/server.md's "
+          "structured outputs, or min_tokens / bad_words banning every token they allow)");
       out.finish = FinishReason::kAbort;
       if (u.finish == FinishReason::kNone) scheduler_.abort(u.id);  // else the scheduler has let it go
       finish(u.id, std::move(out));

@@ -201,7 +201,11 @@ class Engine {
     bool prompt_logprobs_sent = false;
     std::optional<structured::TokenConstraint> constraint;  // request.grammar: after the output so far
     bool awaiting_grammar = false;  // request.grammar_after_token not generated yet
-    bool grammar_conflict = false;  // this step: every token the grammar allows is banned (min_tokens, logit_bias)
+    // sampling.allowed_token_ids as a token mask (StepSampling's words); empty: none.
+    std::vector<uint32_t> allowed_mask;
+    // This step: every token the masks allow is banned (min_tokens, bad_words).
+    bool mask_conflict = false;
+    bool masks_tokens() const { return constraint.has_value() || !allowed_mask.empty(); }
   };
   // A step's logprobs, per request that asked for them: one per token of its
   // run (accepted drafts, then the sample), in order.
@@ -216,8 +220,8 @@ class Engine {
   Status run_forward(const StepPlan& plan, const model::ForwardBatch& batch,
                      std::vector<std::vector<int32_t>>& runs, StepLogprobs& logprobs, Tensor& hidden);
   bool may_speculate(uint64_t id) const;
-  bool add_constraint_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
-                            std::span<const int32_t> drafts) const;
+  bool add_token_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
+                       std::span<const int32_t> drafts) const;
   static bool constrain_token(Active& a, int32_t token);
   Status check_grammar(const EngineRequest& request) const;
   void record_speculation(const StepPlan& plan, std::span<const std::vector<int32_t>> runs);

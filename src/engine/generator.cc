@@ -26,10 +26,10 @@ Status validate_requests(const std::vector<GenerationRequest>& requests, int64_t
       if (id < 0 || id >= vocab_size)
         return invalid_argument("request {}: token id {} is outside the vocabulary [0, {})", i, id, vocab_size);
     MOE_RETURN_IF_ERROR(validate_sampling(r.sampling, vocab_size).with_context(fmt::format("request {}", i)));
-    if (r.sampling.adjusts_logits())
+    if (r.sampling.adjusts_logits() || !r.sampling.allowed_token_ids.empty())
       return invalid_argument(
-          "request {}: penalties, logit_bias and min_tokens are applied by the serving engine "
-          "(Engine), not by the offline generator",
+          "request {}: penalties, logit_bias, min_tokens, bad_words and allowed_token_ids are applied by the "
+          "serving engine (Engine), not by the offline generator",
           i);
     const int64_t len = static_cast<int64_t>(r.prompt.size()) + r.max_tokens;
     total_pages += pages_needed(len, page_size);

@@ -31,6 +31,15 @@ Status validate_sampling(const SamplingParams& p, int64_t vocab_size) {
     if (!(bias >= -100.0f && bias <= 100.0f))
       return invalid_argument("logit_bias values must be in [-100, 100], got {} for token {}", bias, token);
   }
+  auto outside = [&](int32_t t) { return t < 0 || (vocab_size > 0 && t >= vocab_size); };
+  for (const auto& word : p.bad_words) {
+    if (word.empty()) return invalid_argument("bad_words holds a word of no tokens");
+    for (int32_t t : word)
+      if (outside(t)) return invalid_argument("bad_words names token {}, outside the vocabulary [0, {})", t, vocab_size);
+  }
+  for (int32_t t : p.allowed_token_ids)
+    if (outside(t))
+      return invalid_argument("allowed_token_ids names token {}, outside the vocabulary [0, {})", t, vocab_size);
   return Status::ok();
 }
 
@@ -45,6 +54,13 @@ std::vector<ops::LogitAdjustment> logit_adjustments(int32_t row, const SamplingP
     return it->second;
   };
   constexpr float kBanned = -std::numeric_limits<float>::infinity();
+  const std::span<const int32_t> output = tokens.last(num_output);
+  for (const auto& word : p.bad_words) {
+    const size_t prefix = word.size() - 1;
+    if (in_vocab(word.back()) && prefix <= output.size() &&
+        std::equal(word.begin(), word.end() - 1, output.end() - static_cast<std::ptrdiff_t>(prefix)))
+      entry(word.back()).bias = kBanned;
+  }
   if (static_cast<int64_t>(num_output) < p.min_tokens)
     for (int32_t t : stop_ids)
       if (in_vocab(t)) entry(t).bias = kBanned;

@@ -43,11 +43,18 @@ struct SamplingParams {
   float repetition_penalty = 1.0f;                    // (0, 2]
   int min_tokens = 0;                                 // >= 0
   std::vector<std::pair<int32_t, float>> logit_bias;  // (token id, bias in [-100, 100])
+  // vLLM's bad_words, as token sequences (non-empty): the last token of each
+  // is banned wherever the output so far ends with the others (a one-token
+  // word: always).
+  std::vector<std::vector<int32_t>> bad_words;
+  // vLLM's allowed_token_ids: every other token is masked out, as a structured
+  // output's mask is (and together with it). Empty: no such restriction.
+  std::vector<int32_t> allowed_token_ids;
 
   bool is_greedy() const { return temperature == 0.0f; }
   bool adjusts_logits() const {
     return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f ||
-           min_tokens > 0 || !logit_bias.empty();
+           min_tokens > 0 || !logit_bias.empty() || !bad_words.empty();
   }
 };
 
@@ -94,10 +101,11 @@ struct SampledStep {
 };
 
 // Checks ranges; the message names the parameter (it reaches API users).
-// With vocab_size > 0, also that logit_bias names tokens of the vocabulary.
+// With vocab_size > 0, also that logit_bias, bad_words and allowed_token_ids
+// name tokens of the vocabulary.
 Status validate_sampling(const SamplingParams& params, int64_t vocab_size = 0);
 
-// The adjustments above for logits row `row` of a sequence whose prompt and
+// The adjustments above (and bad_words' bans, first) for logits row `row` of a sequence whose prompt and
 // output so far are `tokens` (the output is the last num_output of them), as
 // one entry per touched token of the vocabulary (ascending ids); `stop_ids`
 // are the tokens min_tokens bans (eos unless ignored, and the request's stop

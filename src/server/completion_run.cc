@@ -314,7 +314,7 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
   c.emitted = std::max(c.emitted, safe);
   if (config_.chat) {
     json d = json::object();
-    if (!c.sent_role) d["role"] = "assistant", c.sent_role = true;
+    if (!c.sent_role) d["role"] = config_.chat_role, c.sent_role = true;
     std::string content = delta;
     if (config_.reasoning_qwen3) {
       auto [reasoning, text] = c.splitter.feed(delta);
@@ -341,6 +341,7 @@ void CompletionRun::stream_choice(size_t index, bool final_chunk) {
         for (const auto& call : calls) d["tool_calls"].push_back(tool_call_json(index, c.num_tool_calls++, call, true));
       }
     }
+    if (first_chunk) content = echo + content;  // chat echo: the final message's content first
     const bool parsed = config_.reasoning_qwen3 || config_.parse_tool_calls || !config_.forced_tools.empty();
     if (!parsed || !content.empty() || d.empty()) d["content"] = content;
     choice["delta"] = d;
@@ -428,7 +429,7 @@ void CompletionRun::complete() {
     Choice& c = choices_[i];
     json choice = {{"index", i}};
     if (config_.chat) {
-      json message = {{"role", "assistant"}};
+      json message = {{"role", config_.chat_role}};
       std::string content = c.text;
       if (config_.reasoning_qwen3) {
         auto [r1, c1] = c.splitter.feed(c.text);
@@ -457,6 +458,9 @@ void CompletionRun::complete() {
       const bool after_reasoning = !message.value("reasoning_content", json()).is_null();
       message["content"] = (blank && c.num_tool_calls > 0) || (content.empty() && after_reasoning) ? json(nullptr)
                                                                                                  : json(content);
+      const std::string& echo = config_.prompts[c.prompt].echo_text;  // chat echo: the final message's content first
+      if (!echo.empty())
+        message["content"] = echo + (message["content"].is_null() ? "" : message["content"].get<std::string>());
       choice["message"] = message;
     } else {
       choice["text"] = config_.prompts[c.prompt].echo_text + c.text;

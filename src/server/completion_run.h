@@ -50,7 +50,9 @@ class ReasoningSplitter {
 // One prompt of a run (a completions batch has several; chat has one).
 struct RunPrompt {
   std::vector<int32_t> ids;
-  std::string echo_text;  // completions with echo: prepended to each of its choices
+  // With echo: prepended to each of its choices' text (completions: the
+  // prompt; chat: the final message's content, vLLM's chat echo).
+  std::string echo_text;
   int max_tokens = 0;     // each of its choices' budget
   bool opens_reasoning = false;  // chat: the prompt ends with <think> (the output starts as reasoning)
   int32_t grammar_after_token = -1;  // a structured output's grammar applies after it (EngineRequest)
@@ -64,6 +66,9 @@ struct RunConfig {
   GenerationParams params;
   std::vector<RunPrompt> prompts;  // choice k is choice k % n of prompt k / n
   bool reasoning_qwen3 = false;
+  // Chat: the response message's role (vLLM's: the final message's when the
+  // prompt adds no generation prompt).
+  std::string chat_role = "assistant";
   // Completions with echo and logprobs: the prompt's tokens lead the logprobs
   // (the first with a null logprob), as OpenAI's legacy API and vLLM.
   bool echo_logprobs = false;

@@ -151,6 +151,22 @@ GenerationSpec read_spec(Reader& r) {
     r.fail("'logit_bias_ids' and 'logit_bias_values' differ in length");
   for (size_t i = 0; i < bias_ids.size() && i < bias_values.size(); ++i)
     s.sampling.logit_bias.emplace_back(bias_ids[i], bias_values[i]);
+  // bad_words as their tokens end to end and each word's length.
+  const std::vector<int32_t> bad_ids = r.ints("bad_words_ids", 1 << 20, 0, kMaxTokenId, false);
+  const std::vector<int32_t> bad_lengths = r.ints("bad_words_lengths", 1 << 20, 1, kMaxTokenId, false);
+  size_t bad_at = 0;
+  for (int32_t n : bad_lengths) {
+    if (static_cast<size_t>(n) > bad_ids.size() - bad_at) {
+      r.fail("'bad_words_lengths' add up to more than 'bad_words_ids' holds");
+      break;
+    }
+    s.sampling.bad_words.emplace_back(bad_ids.begin() + static_cast<std::ptrdiff_t>(bad_at),
+                                      bad_ids.begin() + static_cast<std::ptrdiff_t>(bad_at + n));
+    bad_at += static_cast<size_t>(n);
+  }
+  if (r.status().is_ok() && bad_at != bad_ids.size())
+    r.fail("'bad_words_lengths' add up to less than 'bad_words_ids' holds");
+  s.sampling.allowed_token_ids = r.ints("allowed_token_ids", 1 << 20, 0, kMaxTokenId, false);
   s.ignore_eos = r.boolean("ignore_eos");
   s.stop_token_ids = r.ints("stop_token_ids", 1024, 0, kMaxTokenId, false);
   s.num_logprobs = static_cast<int>(r.integer("num_logprobs", -1, 1 << 20, false, -1));
@@ -189,6 +205,9 @@ const std::set<std::string> kSpecFields = {"request_id",
                                            "min_tokens",
                                            "logit_bias_ids",
                                            "logit_bias_values",
+                                           "bad_words_ids",
+                                           "bad_words_lengths",
+                                           "allowed_token_ids",
                                            "frequency_penalty",
                                            "repetition_penalty",
                                            "grammar",
@@ -255,6 +274,16 @@ json to_json(const GenerationSpec& s) {
     j["logit_bias_ids"] = ids;
     j["logit_bias_values"] = values;
   }
+  if (!sampling.bad_words.empty()) {
+    json ids = json::array(), lengths = json::array();
+    for (const auto& word : sampling.bad_words) {
+      for (int32_t id : word) ids.push_back(id);
+      lengths.push_back(word.size());
+    }
+    j["bad_words_ids"] = ids;
+    j["bad_words_lengths"] = lengths;
+  }
+  if (!sampling.allowed_token_ids.empty()) j["allowed_token_ids"] = sampling.allowed_token_ids;
   return j;
 }
 

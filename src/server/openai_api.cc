@@ -133,7 +133,28 @@ std::optional<ApiError> OpenAiApi::prepare_chat(const ChatRequest& chat, RunProm
                                               special.eos, chat.chat_template_kwargs);
   auto text = chat_template_->render(context);
   if (!text) return bad_request("the chat template failed on these messages: " + text.status().message(), "messages");
+  const nlohmann::ordered_json& final_message = chat.messages.back();
+  const nlohmann::ordered_json& final_content = final_message.contains("content") ? final_message["content"] : nullptr;
+  if (chat.continue_final_message) {
+    if (!final_content.is_string())
+      return bad_request("'continue_final_message' needs text content in the final message", "messages");
+    auto continued = tokenizer::continue_final_message(*text, final_content.get<std::string>());
+    if (!continued) return bad_request(continued.status().message(), "continue_final_message");
+    text = std::move(continued);
+  }
+  // vLLM's chat echo: the final message's content, when it has the response's role.
+  if (chat.echo && final_content.is_string() && final_message["role"] == chat_role(chat))
+    out.echo_text = final_content.get<std::string>();
   out.ids = tokenizer_->encode(*text, /*parse_special=*/true);
+  if (chat.continue_final_message) {
+    // The output goes on inside the final message: inside its reasoning when
+    // the prompt's last <think> is still open.
+    const size_t open = text->rfind("<think>"), close = text->rfind("</think>");
+    out.opens_reasoning = open != std::string::npos && (close == std::string::npos || close < open);
+    if (options_.reasoning_parser_qwen3 && out.opens_reasoning)
+      out.grammar_after_token = tokenizer_->token_to_id("</think>").value_or(-1);
+    return std::nullopt;
+  }
   // Qwen3-*-Thinking-2507's and Qwen3.5's templates open the reasoning in the prompt.
   const size_t end = text->find_last_not_of(" \t\r\n");
   const std::string_view trimmed = std::string_view(*text).substr(0, end == std::string::npos ? 0 : end + 1);
@@ -143,6 +164,38 @@ std::optional<ApiError> OpenAiApi::prepare_chat(const ChatRequest& chat, RunProm
   // enable_thinking false), else once the model writes </think>.
   if (options_.reasoning_parser_qwen3 && !trimmed.ends_with("</think>"))
     out.grammar_after_token = tokenizer_->token_to_id("</think>").value_or(-1);
+  return std::nullopt;
+}
+
+// The response message's role: vLLM's, the final message's when the prompt
+// adds no generation prompt.
+std::string OpenAiApi::chat_role(const ChatRequest& chat) {
+  return chat.add_generation_prompt ? "assistant" : chat.messages.back()["role"].get<std::string>();
+}
+
+// vLLM's bad_words as token sequences: each word with its leading whitespace
+// removed, then also after a space (the word inside text) where that
+// tokenizes to as many tokens as the word alone and starts differently.
+std::optional<ApiError> OpenAiApi::tokenize_bad_words(const GenerationParams& params,
+                                                      std::vector<std::vector<int32_t>>& out) const {
+  if (params.bad_words.empty()) return std::nullopt;
+  if (!tokenizer_) return bad_request("'bad_words' needs the model's tokenizer", "bad_words");
+  size_t num_tokens = 0;
+  for (const std::string& word : params.bad_words) {
+    const std::string bare = tokenizer::strip_whitespace(word, true, false);
+    std::vector<int32_t> alone = tokenizer_->encode(bare, /*parse_special=*/true);
+    if (alone.empty()) return bad_request("'bad_words' entries must tokenize to at least one token", "bad_words");
+    std::vector<int32_t> spaced = tokenizer_->encode(" " + bare, /*parse_special=*/true);
+    const bool also_spaced = !spaced.empty() && spaced.size() == alone.size() && spaced[0] != alone[0];
+    num_tokens += alone.size() + (also_spaced ? spaced.size() : 0);
+    out.push_back(std::move(alone));
+    if (also_spaced) out.push_back(std::move(spaced));
+  }
+  const RequestLimits& limits = options_.limits;
+  if (static_cast<int>(out.size()) > limits.max_bad_words || num_tokens > static_cast<size_t>(limits.max_bad_words_tokens))
+    return bad_request(fmt::format("'bad_words' tokenize to {} token sequences of {} tokens; at most {} of {} in all",
+                                   out.size(), num_tokens, limits.max_bad_words, limits.max_bad_words_tokens),
+                       "bad_words");
   return std::nullopt;
 }
 
@@ -174,7 +227,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   GenerationParams params;
   std::vector<RunPrompt> prompts;
   bool parse_tool_calls = false, echo_logprobs = false;
-  std::string forced_tools, forced_tool;
+  std::string forced_tools, forced_tool, role = "assistant";
   nlohmann::ordered_json tools;
   if (chat) {
     auto parsed = parse_chat_request(request.body, limits);
@@ -186,6 +239,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
     if (parse_tool_calls) tools = r.tools;
     if (r.tool_choice == "required" || r.tool_choice == "function") forced_tools = r.tool_choice, forced_tool = r.forced_tool;
     if (auto e = prepare_chat(r, prompts.emplace_back())) return reply_error(*e);
+    role = chat_role(r);
   } else {
     auto parsed = parse_completion_request(request.body, limits);
     if (auto* e = std::get_if<ApiError>(&parsed)) return reply_error(*e);
@@ -210,6 +264,12 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
       return reply_error(bad_request(fmt::format("logit_bias names token {}, outside the vocabulary [0, {})", token,
                                                  engine_.vocab_size()),
                                      "logit_bias"));
+  for (int32_t token : params.sampling.allowed_token_ids)
+    if (token >= engine_.vocab_size())
+      return reply_error(bad_request(fmt::format("allowed_token_ids names token {}, outside the vocabulary [0, {})",
+                                                 token, engine_.vocab_size()),
+                                     "allowed_token_ids"));
+  if (auto e = tokenize_bad_words(params, params.sampling.bad_words)) return reply_error(*e);
   const int64_t num_choices = static_cast<int64_t>(prompts.size()) * params.n;
   if (num_choices > limits.max_waiting)
     return reply_error(bad_request(fmt::format("this request has {} choices ({} prompt(s) x n = {}); the server queues "
@@ -252,6 +312,7 @@ void OpenAiApi::handle_completion(const HttpRequest& request, const std::shared_
   config.params = params;
   config.prompts = std::move(prompts);
   config.reasoning_qwen3 = chat && options_.reasoning_parser_qwen3;
+  config.chat_role = role;
   config.parse_tool_calls = parse_tool_calls;
   config.forced_tools = forced_tools;
   config.forced_tool = forced_tool;

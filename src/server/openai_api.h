@@ -52,6 +52,9 @@ class OpenAiApi {
   void handle_completion(const HttpRequest& request, const std::shared_ptr<HttpExchange>& exchange, bool chat,
                          const std::string& request_id);
   std::optional<ApiError> prepare_chat(const ChatRequest& chat, RunPrompt& out) const;
+  static std::string chat_role(const ChatRequest& chat);
+  std::optional<ApiError> tokenize_bad_words(const GenerationParams& params,
+                                             std::vector<std::vector<int32_t>>& out) const;
   std::optional<ApiError> prepare_completion(const PromptInput& prompt, bool echo, bool skip_special,
                                              RunPrompt& out) const;
   HttpResponse handle_tokenize(const HttpRequest& request) const;

@@ -71,12 +71,39 @@ std::optional<ApiError> reject_unsupported(const Json& j) {
           "{\"name\": ...}}",
           "tool_choice");
   }
-  for (const char* key : {"guided_whitespace_pattern", "bad_words", "allowed_token_ids"}) {
-    if (auto it = j.find(key); it != j.end() && !it->is_null()) return unsupported(key, "null");
+  if (auto it = j.find("guided_whitespace_pattern"); it != j.end() && !it->is_null())
+    return unsupported("guided_whitespace_pattern", "null");
+  if (auto it = j.find("use_beam_search"); it != j.end() && !it->is_null() && *it != false)  // vLLM's
+    return unsupported("use_beam_search", "false");
+  return std::nullopt;
+}
+
+// vLLM's bad_words (strings; the server tokenizes them) and allowed_token_ids
+// (distinct ids, sorted; ids outside the vocabulary are refused at submission).
+std::optional<ApiError> read_token_restrictions(const Json& j, const RequestLimits& limits, GenerationParams& p) {
+  if (auto it = j.find("bad_words"); it != j.end() && !it->is_null()) {
+    const auto error = [] { return bad_request("'bad_words' must be an array of non-empty strings", "bad_words"); };
+    if (!it->is_array()) return error();
+    if (static_cast<int>(it->size()) > limits.max_bad_words)
+      return bad_request(fmt::format("'bad_words' may hold at most {} words", limits.max_bad_words), "bad_words");
+    for (const auto& word : *it) {
+      if (!word.is_string() || word.get_ref<const std::string&>().empty()) return error();
+      p.bad_words.push_back(word.get<std::string>());
+    }
   }
-  // vLLM's beam search and chat continuation.
-  for (const char* key : {"use_beam_search", "continue_final_message"}) {
-    if (auto it = j.find(key); it != j.end() && !it->is_null() && *it != false) return unsupported(key, "false");
+  if (auto it = j.find("allowed_token_ids"); it != j.end() && !it->is_null()) {
+    const auto error = [] {
+      return bad_request("'allowed_token_ids' must be a non-empty array of token ids", "allowed_token_ids");
+    };
+    if (!it->is_array() || it->empty()) return error();
+    std::vector<int32_t>& ids = p.sampling.allowed_token_ids;
+    for (const auto& id : *it) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max())
+        return error();
+      ids.push_back(id.get<int32_t>());
+    }
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   }
   return std::nullopt;
 }
@@ -307,6 +334,7 @@ std::optional<ApiError> read_common(const Json& j, const RequestLimits& limits, 
                                    p.sampling.min_tokens, *p.max_tokens),
                        "min_tokens");
   MOE_API_TRY(read_logit_bias(j, limits, p.sampling.logit_bias));
+  MOE_API_TRY(read_token_restrictions(j, limits, p));
   v.reset();
   MOE_API_TRY(read_int(j, "prompt_logprobs", 0, limits.max_logprobs, v));
   if (v) p.prompt_logprobs = static_cast<int>(*v);
@@ -517,8 +545,12 @@ std::variant<ChatRequest, ApiError> parse_chat_request(const std::string& body, 
   if (top && !logprobs) return bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs");
   if (logprobs) r.params.logprobs = static_cast<int>(top.value_or(0));
   MOE_API_TRY(read_bool(*j, "add_generation_prompt", r.add_generation_prompt));
-  if (auto it = j->find("echo"); it != j->end() && !it->is_null() && *it != false)  // vLLM's chat echo
-    return bad_request("'echo' is not supported for chat by this server (send false or leave it out)", "echo");
+  MOE_API_TRY(read_bool(*j, "continue_final_message", r.continue_final_message));
+  if (r.continue_final_message && r.add_generation_prompt)
+    return bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true (send "
+                       "\"add_generation_prompt\": false to continue the final message)",
+                       "continue_final_message");
+  MOE_API_TRY(read_bool(*j, "echo", r.echo));
   if (auto it = j->find("chat_template_kwargs"); it != j->end() && !it->is_null()) {
     if (!it->is_object()) return bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs");
     r.chat_template_kwargs = *it;

@@ -40,6 +40,10 @@ struct RequestLimits {
   int max_logprobs = 20;
   int max_stop_strings = 16;
   int max_logit_bias = 1024;  // tokens in one request's logit_bias
+  // vLLM's bad_words: the words, and (after tokenization, up to two token
+  // sequences a word) the sequences and their tokens together, as vLLM's.
+  int max_bad_words = 128;
+  int max_bad_words_tokens = 1024;
   int max_model_len = 4096;
   // The engine queues at most this many requests (--max-waiting): one with more
   // choices (prompts x n) could never be admitted, so it is a 400, not a 503.
@@ -55,6 +59,8 @@ struct GenerationParams {
   engine::SamplingParams sampling;
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token_ids;
+  // vLLM's bad_words, as text: the server tokenizes them into sampling.bad_words.
+  std::vector<std::string> bad_words;
   int n = 1;
   int logprobs = -1;  // -1: none; else the number of top alternatives
   int prompt_logprobs = -1;  // vLLM's extension: -1 none; else each prompt token's logprob and top k
@@ -91,6 +97,12 @@ struct ChatRequest {
   std::string forced_tool;
   nlohmann::ordered_json chat_template_kwargs = nlohmann::ordered_json::object();
   bool add_generation_prompt = true;
+  // vLLM's: the prompt ends inside the final message (its text continued,
+  // no end-of-turn after it); needs add_generation_prompt false.
+  bool continue_final_message = false;
+  // vLLM's chat echo: the final message's content leads each choice's content
+  // when it has the response's role (add_generation_prompt false).
+  bool echo = false;
 };
 
 // Parses `body`; invalid JSON, wrong types and out-of-range values give a 400.

@@ -509,4 +509,19 @@ nlohmann::ordered_json make_chat_context(const nlohmann::ordered_json& messages,
   return context;
 }
 
+Expected<std::string> continue_final_message(const std::string& rendered, const std::string& final_content) {
+  const std::string stripped = strip_whitespace(final_content, true, true);
+  const std::string left_stripped = strip_whitespace(final_content, true, false);
+  const size_t at = rendered.rfind(stripped);
+  if (at == std::string::npos)
+    return invalid_argument(
+        "continue_final_message: the final message does not appear in the rendered chat (the chat template "
+        "changes its text)");
+  // The rendering kept the message whole from there (its trailing whitespace
+  // too, and it had no leading whitespace): cut after it; else after its
+  // stripped text.
+  const bool whole = rendered.compare(at, left_stripped.size(), final_content) == 0;
+  return rendered.substr(0, at + (whole ? left_stripped.size() : stripped.size()));
+}
+
 }  // namespace moe::tokenizer

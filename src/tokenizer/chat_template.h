@@ -79,4 +79,17 @@ nlohmann::ordered_json make_chat_context(const nlohmann::ordered_json& messages,
                                          const std::string& eos_token,
                                          const nlohmann::ordered_json& kwargs = nlohmann::ordered_json::object());
 
+// Python's str.strip() / lstrip() / rstrip() without arguments: the
+// whitespace (str.isspace) at the chosen ends removed.
+std::string strip_whitespace(std::string_view s, bool left, bool right);
+
+// transformers' continue_final_message: `rendered` (a conversation rendered
+// without a generation prompt) cut right after the last occurrence of its
+// final message's text `final_content`, stripped of whitespace, so that what
+// the template puts after a message (its end of turn) is gone and the model
+// continues the text. Trailing whitespace of the message stays when the
+// rendering kept it there. An error when the stripped text does not occur
+// (the template rewrote it).
+Expected<std::string> continue_final_message(const std::string& rendered, const std::string& final_content);
+
 }  // namespace moe::tokenizer

@@ -449,3 +449,9 @@ void add_global_functions(Object& globals) {
 }
 
 }  // namespace moe::tokenizer::tmpl
+
+namespace moe::tokenizer {
+
+std::string strip_whitespace(std::string_view s, bool left, bool right) { return tmpl::strip(s, tmpl::Value(), left, right); }
+
+}  // namespace moe::tokenizer

@@ -206,6 +206,44 @@ TEST(Sampler, AdjustmentsFollowTheirDefinitions) {
   EXPECT_GT(probs[2], expected_distribution(base, p)[2]);
 }
 
+// bad_words: a word's last token is banned where its other tokens end the
+// output (not the prompt); a one-token word always; logit_bias cannot lift a
+// ban. Validation names the field.
+TEST(Sampler, BadWordsBanTheirLastTokenAfterTheirPrefix) {
+  const std::vector<float> base = testing_oracle::standard_logits();  // 8 tokens
+  const std::vector<int32_t> tokens = {4, 2, 5, 3};                   // prompt {4, 2}, output {5, 3}
+  SamplingParams p;
+  p.bad_words = {{1}, {5, 3, 6}, {3, 7}, {2, 5, 0}, {4, 2, 5, 3, 2}, {9, 9}};
+  p.logit_bias = {{1, 50.0f}};
+  EXPECT_TRUE(p.adjusts_logits());
+  std::vector<float> v = base;
+  adjust_logits(v, p, tokens, 2, {});
+  std::vector<float> want = base;
+  const float banned = -std::numeric_limits<float>::infinity();
+  want[1] = banned;  // one token, biased or not
+  want[6] = banned;  // 5 3 ends the output
+  want[7] = banned;  // 3 ends the output
+  EXPECT_EQ(v, want) << "{2, 5, 0} and {4, 2, 5, 3, 2} reach into the prompt; 9 is outside the vocabulary";
+  v = base;
+  adjust_logits(v, p, tokens, 4, {});  // all four tokens are output now: 4 2 5 3 ends it
+  want[2] = banned;
+  EXPECT_EQ(v, want);
+  for (const auto& [words, field] : std::vector<std::pair<std::vector<std::vector<int32_t>>, std::string>>{
+           {{{1}, {}}, "bad_words"}, {{{1, 8}}, "bad_words"}, {{{-1}}, "bad_words"}}) {
+    SamplingParams bad;
+    bad.bad_words = words;
+    const Status s = validate_sampling(bad, 8);
+    EXPECT_FALSE(s.is_ok());
+    EXPECT_NE(s.message().find(field), std::string::npos) << s.to_string();
+  }
+  SamplingParams allowed;
+  allowed.allowed_token_ids = {0, 8};
+  EXPECT_NE(validate_sampling(allowed, 8).message().find("allowed_token_ids"), std::string::npos);
+  allowed.allowed_token_ids = {0, 7};
+  EXPECT_TRUE(validate_sampling(allowed, 8).is_ok());
+  EXPECT_FALSE(allowed.adjusts_logits()) << "a mask, not an adjustment";
+}
+
 // Token masks: a masked row keeps exactly the tokens whose bits are set (bit
 // t % 32 of word t / 32, the last word partly used) after its adjustments;
 // other rows are left alone; the sampler then picks among the kept tokens.

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <limits>
 #include <set>
@@ -735,6 +736,154 @@ TEST(EngineSpeculation, StructuredOutputsConflictingWithMinTokensEndInAnError) {
   EXPECT_EQ(banned.tokens[0], std::vector<int32_t>(free.tokens[0].begin(), free.tokens[0].end() - 1))
       << "the choice's tokens, then the error instead of eos";
   EXPECT_EQ(banned.metrics.kv_cache_usage_perc, 0.0);
+}
+
+// The best token the model's own logits (a full logprobs row, most probable
+// first, ties by id) give among those `permitted` keeps: the argmax a
+// greedy request with bans or masks must take.
+int32_t best_permitted(const TokenLogprobs& row, const std::function<bool(int32_t)>& permitted) {
+  for (const auto& [id, logprob] : row.top)
+    if (permitted(id)) return id;
+  return -1;
+}
+
+// vLLM's bad_words and allowed_token_ids through the engine on the demo model,
+// with and without drafts. Oracle: every greedy token is the argmax of the
+// model's logits over the tokens the definitions permit there -- bad_words: not
+// the last token of a word whose other tokens end the output so far;
+// allowed_token_ids: in the set -- and each word and set did take the model's
+// argmax somewhere; no bad word occurs in an output, sampled included; greedy
+// outputs with drafts equal plain.
+TEST(EngineSpeculation, BadWordsAndAllowedTokensTakeTheBestPermittedTokenWithAndWithoutDrafts) {
+  auto l = load(demo_dir(), demo_mtp_dir(), false);
+  const int64_t vocab = l->config.vocab_size;
+  std::vector<EngineRequest> requests = engine_requests(demo_requests(30));
+  const EngineRun free = run_engine(*l, requests, 0);
+  // Each word is taken from the output under the words before it, at its
+  // `at`-th token, so that it would occur.
+  auto add_word = [&](EngineRequest& r, size_t at, size_t length) {
+    const std::vector<int32_t> out = run_engine(*l, {r}, 0).tokens[0];
+    r.sampling.bad_words.emplace_back(out.begin() + static_cast<std::ptrdiff_t>(at - length + 1),
+                                      out.begin() + static_cast<std::ptrdiff_t>(at + 1));
+  };
+  // Request 0: a two-token word, a three-token word, a one-token word.
+  add_word(requests[0], 4, 2);
+  add_word(requests[0], 12, 3);
+  add_word(requests[0], 20, 1);
+  // Request 1: every other token id, and the free output's second token left out.
+  for (int32_t t = 0; t < vocab; t += 2)
+    if (t != free.tokens[1][1]) requests[1].sampling.allowed_token_ids.push_back(t);
+  // Request 2: both, the allowed set holding its free output and a few hundred
+  // more, but its 7th token.
+  std::set<int32_t> allowed(free.tokens[2].begin(), free.tokens[2].end());
+  for (int32_t t = 3; t < vocab; t += 13) allowed.insert(t);
+  allowed.erase(free.tokens[2][6]);
+  requests[2].sampling.allowed_token_ids.assign(allowed.begin(), allowed.end());
+  add_word(requests[2], 9, 2);
+  add_word(requests[2], 16, 1);
+  EngineRequest sampled = requests[2];
+  sampled.sampling.temperature = 0.9f, sampled.sampling.seed = 4;
+  requests.push_back(sampled);
+  std::vector<EngineRequest> with_logprobs = requests;
+  for (auto& r : with_logprobs) r.num_logprobs = static_cast<int>(vocab);
+  const EngineRun plain = run_engine(*l, with_logprobs, 0);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "request " << i);
+    const SamplingParams& p = requests[i].sampling;
+    const std::vector<int32_t>& out = plain.tokens[i];
+    std::set<size_t> took_argmax;  // bad words (by index), and the allowed set (bad_words.size())
+    ASSERT_EQ(out.size(), static_cast<size_t>(requests[i].max_tokens));
+    ASSERT_EQ(plain.logprobs[i].size(), out.size());
+    for (size_t t = 0; t < out.size(); ++t) {
+      auto ends_output = [&](const std::vector<int32_t>& word) {  // the word's other tokens end out[0, t)
+        const size_t n = word.size() - 1;
+        return n <= t && std::equal(word.begin(), word.end() - 1, out.begin() + static_cast<std::ptrdiff_t>(t - n));
+      };
+      auto permitted = [&](int32_t id) {
+        if (!p.allowed_token_ids.empty() &&
+            !std::binary_search(p.allowed_token_ids.begin(), p.allowed_token_ids.end(), id))
+          return false;
+        for (const auto& word : p.bad_words)
+          if (word.back() == id && ends_output(word)) return false;
+        return true;
+      };
+      EXPECT_TRUE(permitted(out[t])) << "token " << t;
+      if (i + 1 == requests.size()) continue;  // (sampled)
+      EXPECT_EQ(out[t], best_permitted(plain.logprobs[i][t], permitted)) << "token " << t;
+      // Where a restriction took the model's own argmax.
+      const int32_t argmax = plain.logprobs[i][t].top[0].first;
+      for (size_t w = 0; w < p.bad_words.size(); ++w)
+        if (p.bad_words[w].back() == argmax && ends_output(p.bad_words[w])) took_argmax.insert(w);
+      if (!p.allowed_token_ids.empty() &&
+          !std::binary_search(p.allowed_token_ids.begin(), p.allowed_token_ids.end(), argmax))
+        took_argmax.insert(p.bad_words.size());
+    }
+    if (i + 1 < requests.size()) {  // every word and every allowed set changed the output somewhere
+      EXPECT_EQ(took_argmax.size(), p.bad_words.size() + (p.allowed_token_ids.empty() ? 0 : 1));
+    }
+  }
+  EXPECT_EQ(plain.metrics.kv_cache_usage_perc, 0.0);
+  // Words are matched in the output only (vLLM's): one that the prompt's last
+  // token and the first output token would make bans nothing.
+  EngineRequest prompt_word = engine_requests(demo_requests(30))[2];
+  const std::vector<int32_t> pair = {prompt_word.prompt.back(), free.tokens[2][0]};
+  ASSERT_EQ(std::search(free.tokens[2].begin(), free.tokens[2].end(), pair.begin(), pair.end()), free.tokens[2].end());
+  prompt_word.sampling.bad_words = {pair};
+  EXPECT_EQ(run_engine(*l, {prompt_word}, 0).tokens[0], free.tokens[2]);
+  for (int k : {1, 3}) {
+    const EngineRun spec = run_engine(*l, requests, k);
+    for (size_t i = 0; i + 1 < requests.size(); ++i)
+      EXPECT_EQ(spec.tokens[i], plain.tokens[i]) << "k " << k << " request " << i;
+    EXPECT_GT(spec.metrics.spec_decode_num_accepted_tokens_total, 0) << "k " << k;
+    EXPECT_EQ(spec.metrics.kv_cache_usage_perc, 0.0) << "pages leaked, k " << k;
+  }
+}
+
+// allowed_token_ids with a grammar: the masks are and'ed (the output spells a
+// choice with the allowed tokens only); a mask every token of which the
+// request's own bans take (min_tokens with only eos allowed; a bad word that is
+// the one allowed token) ends the request with an error at that token.
+TEST(EngineSpeculation, AllowedTokensMeetTheGrammarAndTheirConflictsEndInAnError) {
+  auto l = load(demo_dir(), demo_mtp_dir(), false);
+  auto tok = tokenizer::Tokenizer::load(demo_dir());
+  ASSERT_TRUE(tok.has_value());
+  constexpr int32_t kEos = 2;
+  auto vocabulary = structured::TokenVocabulary::from_tokenizer(*tok, l->config.vocab_size);
+  auto choice = structured::Grammar::from_choices({"The fortune", "A computer is"});
+  ASSERT_TRUE(choice.has_value());
+  EngineRequest r = engine_requests(demo_requests(20))[0];
+  r.grammar = *choice, r.ignore_eos = false;
+  const EngineRun free = run_engine(*l, {r}, 0, vocabulary, kEos);
+  ASSERT_EQ(free.finish[0], FinishReason::kStop);
+  std::string free_text;
+  for (int32_t t : free.tokens[0]) free_text += vocabulary->bytes(t);
+  // Ban (by leaving out) every token holding the first letter of the free choice.
+  const char letter = free_text[0];
+  EngineRequest masked = r;
+  for (int32_t t = 0; t < l->config.vocab_size; ++t)
+    if (vocabulary->bytes(t).find(letter) == std::string::npos) masked.sampling.allowed_token_ids.push_back(t);
+  for (int k : {0, 2}) {
+    const EngineRun run = run_engine(*l, {masked}, k, vocabulary, kEos);
+    ASSERT_EQ(run.finish[0], FinishReason::kStop) << "k " << k;
+    std::string text;
+    for (int32_t t : run.tokens[0]) {
+      EXPECT_EQ(vocabulary->bytes(t).find(letter), std::string::npos) << t;
+      if (t != kEos) text += vocabulary->bytes(t);
+    }
+    EXPECT_EQ(text, free_text.starts_with("The") ? "A computer is" : "The fortune") << "k " << k;
+    EXPECT_EQ(run.metrics.kv_cache_usage_perc, 0.0);
+  }
+  EngineRequest only_eos = engine_requests(demo_requests(20))[0];
+  only_eos.ignore_eos = false, only_eos.sampling.allowed_token_ids = {kEos}, only_eos.sampling.min_tokens = 3;
+  EngineRequest banned_word = engine_requests(demo_requests(20))[1];
+  banned_word.sampling.allowed_token_ids = {401, 402};
+  banned_word.sampling.bad_words = {{401}, {402, 402}};  // 402 then 402 once it was chosen
+  const EngineRun conflicts = run_engine(*l, {only_eos, banned_word}, 0, vocabulary, kEos);
+  EXPECT_EQ(conflicts.finish[0], FinishReason::kAbort);
+  EXPECT_TRUE(conflicts.tokens[0].empty());
+  EXPECT_EQ(conflicts.finish[1], FinishReason::kAbort);
+  EXPECT_EQ(conflicts.tokens[1], std::vector<int32_t>{402});
+  EXPECT_EQ(conflicts.metrics.kv_cache_usage_perc, 0.0);
 }
 
 // Without a vocabulary the engine refuses a structured request at submission.

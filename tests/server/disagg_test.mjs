@@ -46,6 +46,8 @@ function makeRequests() {
       else if (kind <= 1) req.response_format = { type: 'json_schema', json_schema: { name: 'f', schema: fortuneSchema } };
       else req.guided_choice = ['yes', 'no', 'a fortune cookie'];
     }
+    if (i % 11 === 3) req.bad_words = ['the', 'you will'];  // vLLM's sampling restrictions travel too
+    if (i % 13 === 6 && i % 9 !== 4) req.allowed_token_ids = Array.from({ length: 1300 }, (_, t) => 3 * t + (i % 3));
     req.stream = kind % 2 === 1;
     if (req.stream) req.stream_options = { include_usage: true };
     out.push(req);

@@ -168,6 +168,57 @@ TEST(Protocol, LogitsAdjustmentsAreReadAndRangeChecked) {
   EXPECT_EQ(param_of(R"(,"min_tokens":8)"), "(accepted)");
 }
 
+// vLLM's bad_words (text, tokenized by the server) and allowed_token_ids
+// (distinct, sorted), chat's continue_final_message (only without a generation
+// prompt) and echo; malformed values are a 400 naming the field.
+TEST(Protocol, TokenRestrictionsAndChatContinuationAreRead) {
+  auto r = parse_completion_request(R"({"prompt":"x","bad_words":[" a b","c"],"allowed_token_ids":[9,3,9,0]})", {});
+  ASSERT_TRUE(std::holds_alternative<CompletionRequest>(r)) << std::get<ApiError>(r).message;
+  const GenerationParams& p = std::get<CompletionRequest>(r).params;
+  EXPECT_EQ(p.bad_words, (std::vector<std::string>{" a b", "c"}));
+  EXPECT_EQ(p.sampling.allowed_token_ids, (std::vector<int32_t>{0, 3, 9}));
+  auto param_of = [](const std::string& fields, bool chat = false) {
+    const std::string body = chat ? R"({"messages":[{"role":"user","content":"x"}])" + fields + "}"
+                                  : R"({"prompt":"x")" + fields + "}";
+    if (chat) {
+      auto c = parse_chat_request(body, {});
+      return std::holds_alternative<ApiError>(c) ? std::get<ApiError>(c).param : std::string("(accepted)");
+    }
+    auto c = parse_completion_request(body, {});
+    return std::holds_alternative<ApiError>(c) ? std::get<ApiError>(c).param : std::string("(accepted)");
+  };
+  RequestLimits limits;
+  std::string many = R"(,"bad_words":[)";
+  for (int i = 0; i <= limits.max_bad_words; ++i) many += (i ? ",\"w" : "\"w") + std::to_string(i) + "\"";
+  many += "]";
+  for (const auto& [fields, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"(,"bad_words":"a")", "bad_words"},
+           {R"(,"bad_words":["a",""])", "bad_words"},
+           {R"(,"bad_words":[1])", "bad_words"},
+           {many, "bad_words"},
+           {R"(,"bad_words":null,"allowed_token_ids":null)", "(accepted)"},
+           {R"(,"bad_words":[])", "(accepted)"},
+           {R"(,"allowed_token_ids":[])", "allowed_token_ids"},
+           {R"(,"allowed_token_ids":[1,-2])", "allowed_token_ids"},
+           {R"(,"allowed_token_ids":[1.5])", "allowed_token_ids"},
+           {R"(,"allowed_token_ids":[3000000000])", "allowed_token_ids"},
+           {R"(,"allowed_token_ids":{"1":1})", "allowed_token_ids"}})
+    EXPECT_EQ(param_of(fields), param) << fields;
+  EXPECT_EQ(param_of(R"(,"continue_final_message":true)", true), "continue_final_message");
+  EXPECT_EQ(param_of(R"(,"continue_final_message":true,"add_generation_prompt":true)", true), "continue_final_message");
+  EXPECT_EQ(param_of(R"(,"continue_final_message":"yes","add_generation_prompt":false)", true),
+            "continue_final_message");
+  EXPECT_EQ(param_of(R"(,"echo":1)", true), "echo");
+  auto chat = parse_chat_request(
+      R"({"messages":[{"role":"assistant","content":"x"}],"continue_final_message":true,"add_generation_prompt":false,)"
+      R"("echo":true})",
+      {});
+  ASSERT_TRUE(std::holds_alternative<ChatRequest>(chat)) << std::get<ApiError>(chat).message;
+  EXPECT_TRUE(std::get<ChatRequest>(chat).continue_final_message);
+  EXPECT_TRUE(std::get<ChatRequest>(chat).echo);
+  EXPECT_FALSE(std::get<ChatRequest>(chat).add_generation_prompt);
+}
+
 TEST(Protocol, ErrorsNameTheParameter) {
   RequestLimits limits;
   limits.max_n = 4;
@@ -567,6 +618,19 @@ TEST(DisaggProtocol, DecodeRequestCarriesTheLogitsAdjustments) {
   uneven["logit_bias_ids"] = {1, 2};
   uneven["logit_bias_values"] = {1.0};
   EXPECT_FALSE(disagg::parse_decode_request(uneven.dump()).has_value());
+  // bad_words and allowed_token_ids, as the engine keeps them.
+  r.spec.sampling.bad_words = {{7}, {1, 2, 3}, {4, 4}};
+  r.spec.sampling.allowed_token_ids = {0, 4, 7, 12};
+  back = disagg::parse_decode_request(disagg::to_json(r).dump());
+  ASSERT_TRUE(back.has_value()) << back.status().to_string();
+  EXPECT_EQ(back->spec.sampling.bad_words, r.spec.sampling.bad_words);
+  EXPECT_EQ(back->spec.sampling.allowed_token_ids, r.spec.sampling.allowed_token_ids);
+  EXPECT_EQ(disagg::to_engine_request(back->spec).sampling.bad_words, r.spec.sampling.bad_words);
+  for (const auto& lengths : {nlohmann::json{1, 3}, nlohmann::json{1, 3, 3}, nlohmann::json{1, 0, 5}}) {
+    nlohmann::json broken = disagg::to_json(r);
+    broken["bad_words_lengths"] = lengths;  // adding up to less, to more, a word of none
+    EXPECT_FALSE(disagg::parse_decode_request(broken.dump()).has_value()) << lengths;
+  }
 }
 
 // Structured outputs: each spelling gives a grammar; a schema's error names
@@ -646,7 +710,7 @@ TEST(Protocol, StructuredOutputsCompileOrNameWhatIsNotServed) {
             std::string::npos);
   EXPECT_NE(error_of(R"(,"structured_outputs":{"whitespace_pattern":" *"})").find("whitespace_pattern"), std::string::npos);
   // structured_outputs' options apply to the JSON, whichever field asks for it.
-  for (const std::string& fields : {R"(,"structured_outputs":{"json":{"type":"object"},"disable_any_whitespace":true})",
+  for (const char* fields : {R"(,"structured_outputs":{"json":{"type":"object"},"disable_any_whitespace":true})",
                                     R"(,"guided_json":{"type":"object"},"structured_outputs":{"disable_any_whitespace":true})",
                                     R"(,"response_format":{"type":"json_object"},"structured_outputs":{"disable_any_whitespace":true})"}) {
     auto g = grammar_of(fields);

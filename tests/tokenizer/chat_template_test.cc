@@ -55,6 +55,28 @@ TEST(ChatTemplate, PythonStripHonoursItsArgument) {
   EXPECT_EQ(*t->render(nlohmann::ordered_json::object()), "[a \n]");
 }
 
+// transformers' continue_final_message: the rendering cut after the final
+// message's last occurrence -- after the whole message where the rendering
+// kept it so, else after its stripped text; an error where the template
+// rewrote the text.
+TEST(ChatTemplate, ContinueFinalMessageCutsAfterTheMessage) {
+  auto cut = [](const std::string& rendered, const std::string& content) {
+    auto r = continue_final_message(rendered, content);
+    return r ? *r : "error: " + r.status().message();
+  };
+  EXPECT_EQ(cut("<u>Hi</u><a>Hi there</a>\n", "Hi there"), "<u>Hi</u><a>Hi there");
+  EXPECT_EQ(cut("<a>Hi</a><a>Hi</a>", "Hi"), "<a>Hi</a><a>Hi") << "the last occurrence";
+  EXPECT_EQ(cut("<a>Well  </a>", "Well  "), "<a>Well  ") << "trailing whitespace kept by the template";
+  EXPECT_EQ(cut("<a>Well</a>", "Well  "), "<a>Well") << "trimmed by the template";
+  EXPECT_EQ(cut("<a>Well \n</a>", " Well \n"), "<a>Well") << "leading whitespace: the stripped text";
+  EXPECT_EQ(cut("<a>Well\u00a0</a>", "Well\u00a0"), "<a>Well\u00a0") << "Unicode whitespace, kept";
+  EXPECT_EQ(cut("<a>\u00a0Well\u00a0</a>", "\u00a0Well\u00a0"), "<a>\u00a0Well") << "Unicode whitespace, leading";
+  EXPECT_EQ(cut("<a>\u00a0Well\u00a0</a>", "Well\u00a0\u2003"), "<a>\u00a0Well");
+  EXPECT_NE(cut("<a>WELL</a>", "Well").find("error"), std::string::npos);
+  EXPECT_EQ(strip_whitespace(" \t\x1c a b \u3000", true, true), "a b");
+  EXPECT_EQ(strip_whitespace("  a  ", true, false), "a  ");
+}
+
 TEST(ChatTemplate, ContextHelperSetsTransformersVariables) {
   const auto context = make_chat_context(nlohmann::ordered_json::array({{{"role", "user"}, {"content", "hi"}}}),
                                          nullptr, true, "", "<|im_end|>", {{"enable_thinking", false}});
