@@ -19,6 +19,19 @@
 namespace moe::server {
 namespace {
 
+// The parameter a 400 names for a one-message chat or a "x" completion with
+// `fields` added, or "(accepted)".
+std::string param_of(const std::string& fields, bool chat = false) {
+  const std::string body =
+      chat ? R"({"messages":[{"role":"user","content":"x"}])" + fields + "}" : R"({"prompt":"x")" + fields + "}";
+  if (chat) {
+    auto r = parse_chat_request(body, {});
+    return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r).param : std::string("(accepted)");
+  }
+  auto r = parse_completion_request(body, {});
+  return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r).param : std::string("(accepted)");
+}
+
 TEST(Protocol, ParsesCompletionFieldsAndDefaults) {
   auto r = parse_completion_request(
       R"({"model":"m","prompt":[1,2,3],"max_tokens":7,"temperature":0.5,"top_p":0.9,"top_k":-1,"min_p":0.1,
@@ -94,16 +107,6 @@ TEST(Protocol, CompletionPromptsComeOneOrAsABatch) {
 }
 
 TEST(Protocol, UnsupportedFieldsPassOnlyAtTheirNeutralValue) {
-  auto param_of = [](const std::string& fields, bool chat = false) {
-    const std::string body = chat ? R"({"messages":[{"role":"user","content":"x"}])" + fields + "}"
-                                  : R"({"prompt":"x")" + fields + "}";
-    if (chat) {
-      auto r = parse_chat_request(body, {});
-      return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r).param : std::string("(accepted)");
-    }
-    auto r = parse_completion_request(body, {});
-    return std::holds_alternative<ApiError>(r) ? std::get<ApiError>(r).param : std::string("(accepted)");
-  };
   // What clients send by default is accepted.
   for (
       const char* neutral :
@@ -177,16 +180,6 @@ TEST(Protocol, TokenRestrictionsAndChatContinuationAreRead) {
   const GenerationParams& p = std::get<CompletionRequest>(r).params;
   EXPECT_EQ(p.bad_words, (std::vector<std::string>{" a b", "c"}));
   EXPECT_EQ(p.sampling.allowed_token_ids, (std::vector<int32_t>{0, 3, 9}));
-  auto param_of = [](const std::string& fields, bool chat = false) {
-    const std::string body = chat ? R"({"messages":[{"role":"user","content":"x"}])" + fields + "}"
-                                  : R"({"prompt":"x")" + fields + "}";
-    if (chat) {
-      auto c = parse_chat_request(body, {});
-      return std::holds_alternative<ApiError>(c) ? std::get<ApiError>(c).param : std::string("(accepted)");
-    }
-    auto c = parse_completion_request(body, {});
-    return std::holds_alternative<ApiError>(c) ? std::get<ApiError>(c).param : std::string("(accepted)");
-  };
   RequestLimits limits;
   std::string many = R"(,"bad_words":[)";
   for (int i = 0; i <= limits.max_bad_words; ++i) many += (i ? ",\"w" : "\"w") + std::to_string(i) + "\"";
