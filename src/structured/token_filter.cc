@@ -62,7 +62,7 @@ std::shared_ptr<const TokenVocabulary> TokenVocabulary::from_tokenizer(const tok
                                                                        int64_t vocab_size) {
   std::vector<std::string> bytes(static_cast<size_t>(vocab_size));
   for (int32_t id = 0; id < vocab_size; ++id)
-    if (tokenizer.is_valid_id(id) && !tokenizer.is_added_token(id)) bytes[static_cast<size_t>(id)] = tokenizer.token_bytes(id);
+    if (tokenizer.is_valid_id(id) && !tokenizer.is_special(id)) bytes[static_cast<size_t>(id)] = tokenizer.token_bytes(id);
   return std::make_shared<const TokenVocabulary>(std::move(bytes));
 }
 

@@ -47,8 +47,11 @@ class TokenVocabulary {
   // token_bytes[id]: the bytes token `id` decodes to; empty for tokens a
   // constrained output never takes (special tokens, ids the tokenizer lacks).
   explicit TokenVocabulary(std::vector<std::string> token_bytes);
-  // The model's `vocab_size` ids, spelt by `tokenizer`; added tokens (special
-  // or not: <think>, <tool_call>, ...) and ids past the tokenizer stay empty.
+  // The model's `vocab_size` ids, spelt by `tokenizer`. Added tokens that are
+  // not special (Qwen3's <tool_call>, <think>, ...) are text like the others:
+  // the output's text holds them, so a grammar may take them (a structural
+  // tag's begin, say). Special tokens (skipped in the text: eos, <|im_start|>
+  // ...) and ids past the tokenizer stay empty.
   static std::shared_ptr<const TokenVocabulary> from_tokenizer(const tokenizer::Tokenizer& tokenizer,
                                                                int64_t vocab_size);
   int32_t size() const { return static_cast<int32_t>(token_bytes_.size()); }

