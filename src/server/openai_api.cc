@@ -7,6 +7,7 @@
 #include "core/logging.h"
 #include "server/completion_run.h"
 #include "server/metrics_text.h"
+#include "server/responses_api.h"
 
 namespace moe::server {
 
@@ -82,8 +83,8 @@ void OpenAiApi::handle(HttpRequest request, std::shared_ptr<HttpExchange> exchan
   const bool models = path == "/v1/models" || path.starts_with(kModelPrefix);
   if (path == "/health" || path == "/metrics" || models) {
     if (!is_get) return reply(method_not_allowed(path, "GET"));
-  } else if (path == "/v1/completions" || path == "/v1/chat/completions" || path == "/tokenize" ||
-             path == "/detokenize") {
+  } else if (path == "/v1/completions" || path == "/v1/chat/completions" || path == "/v1/responses" ||
+             path == "/tokenize" || path == "/detokenize") {
     if (!is_post) return reply(method_not_allowed(path, "POST"));
   } else {
     return reply(not_found(path));
@@ -103,6 +104,17 @@ void OpenAiApi::handle(HttpRequest request, std::shared_ptr<HttpExchange> exchan
   if (path == "/detokenize") return reply(handle_detokenize(request));
   if (!engine_.healthy())
     return reply({503, "application/json", error_json("the engine has failed", "service_unavailable"), {}});
+  if (path == "/v1/responses") {  // served as the chat request it makes, its answer made a Response
+    auto chat = responses_to_chat(request.body);
+    if (auto* e = std::get_if<ApiError>(&chat)) {
+      ApiError error = *e;
+      error.headers.insert(error.headers.end(), id_header.begin(), id_header.end());
+      return exchange->respond(error.to_response());
+    }
+    auto responses = make_responses_exchange(exchange, responses_shell(request.body), "resp_" + request_id);
+    request.body = std::get<nlohmann::ordered_json>(chat).dump();
+    return handle_completion(request, responses, /*chat=*/true, request_id);
+  }
   handle_completion(request, exchange, path == "/v1/chat/completions", request_id);
 }
 

@@ -84,3 +84,26 @@ test('enable_thinking false closes the reasoning in the prompt: all content', as
   for (const stream of [false, true])
     assert.deepEqual(await chat(stream, extra), { reasoning: null, content: text }, `stream ${stream}`);
 });
+
+test('the Responses API: the reasoning is a reasoning item, streamed as reasoning_text events', async () => {
+  const { accumulateResponse } = await import('openai/lib/responses/ResponseAccumulator');
+  const { text } = await oracle({});
+  const expected = await chat(false, {});
+  const params = { model, input: messages, temperature: 0, max_output_tokens: 24, ignore_eos: true };
+  const r = await client.responses.create(params);
+  const wanted = [];
+  if (expected.reasoning) wanted.push({ type: 'reasoning', text: expected.reasoning });
+  if (expected.content) wanted.push({ type: 'message', text: expected.content });
+  const items = (output) => output.map((i) => ({ type: i.type, text: (i.content ?? []).map((c) => c.text).join('') }));
+  assert.deepEqual(items(r.output), wanted, text);
+  let snapshot = null;
+  let final = null;
+  for await (const event of await client.responses.create({ ...params, stream: true })) {
+    if (event.type === 'response.incomplete' || event.type === 'response.completed') final = event.response;
+    else snapshot = accumulateResponse(event, snapshot);
+  }
+  assert.deepEqual(items(snapshot.output), wanted);
+  assert.deepEqual(items(final.output), wanted);
+  const plain = await client.responses.create({ ...params, chat_template_kwargs: { enable_thinking: false } });
+  assert.deepEqual(plain.output.map((i) => i.type), ['message']);
+});
