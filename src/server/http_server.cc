@@ -70,9 +70,10 @@ class Session : public std::enable_shared_from_this<Session>, public HttpExchang
       self->queue(head + "\r\n", false);
     });
   }
-  void send_event(std::string data) override {
-    net::post(stream_.get_executor(), [self = shared_from_this(), data = std::move(data)] {
-      const std::string event = "data: " + data + "\n\n";
+  void send_event(std::string data) override { send_named_event({}, std::move(data)); }
+  void send_named_event(std::string name, std::string data) override {
+    net::post(stream_.get_executor(), [self = shared_from_this(), name = std::move(name), data = std::move(data)] {
+      const std::string event = (name.empty() ? "" : "event: " + name + "\n") + "data: " + data + "\n\n";
       self->queue(fmt::format("{:x}\r\n{}\r\n", event.size(), event), false);
     });
   }

@@ -56,6 +56,12 @@ class HttpExchange {
   // written as "data: <data>\n\n", then the end.
   virtual void start_events(int status, HeaderList headers) = 0;
   virtual void send_event(std::string data) = 0;
+  // An event with a name ("event: <name>" before its data, as the Responses
+  // API's streams have); where the exchange keeps no names, its data alone.
+  virtual void send_named_event(std::string name, std::string data) {
+    (void)name;
+    send_event(std::move(data));
+  }
   virtual void end_events() = 0;
   // `fn` runs (on an I/O thread) if the client disconnects before the response
   // ends; at once if it already has.

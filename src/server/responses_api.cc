@@ -390,7 +390,8 @@ class ResponsesExchange final : public HttpExchange {
 
   void emit(Json event) {
     event["sequence_number"] = sequence_++;
-    client_->send_event(event.dump(-1, ' ', false, Json::error_handler_t::replace));
+    std::string type = event["type"].get<std::string>();
+    client_->send_named_event(std::move(type), event.dump(-1, ' ', false, Json::error_handler_t::replace));
   }
 
   // Text of the open item's kind; another kind closes the open one first.
