@@ -66,6 +66,10 @@ Engine::Engine(std::unique_ptr<ModelRunner> runner, EngineOptions options, std::
       scheduler_(options_.scheduler),
       seed_source_(std::random_device{}()) {
   CHECK(!drafter_ || runner_->supports_hidden_states(), "speculative decoding needs a runner with hidden states");
+  const int mask_threads = options_.mask_threads > 0
+                               ? options_.mask_threads
+                               : std::min(8, std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
+  if (mask_threads > 1) mask_pool_ = std::make_unique<ThreadPool>(mask_threads);
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -434,6 +438,7 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
     int64_t first_row;  // its first fetched row
   };
   std::vector<LogprobChunk> logprob_chunks;
+  std::vector<MaskJob> mask_jobs;
   size_t num_runs = 0;
   for (size_t c = 0; c < plan.chunks.size(); ++c) {
     const ScheduledChunk& chunk = plan.chunks[c];
@@ -453,12 +458,15 @@ Status Engine::run_forward(const StepPlan& plan, const model::ForwardBatch& batc
       add_chunk_adjustments(sampling, row, a.request.sampling, scheduler_.tokens_of(chunk.id),
                             static_cast<size_t>(a.num_output_tokens), drafts, stop_ids, vocab_size_);
     }
-    if (a.masks_tokens()) active_.at(chunk.id).mask_conflict = !add_token_masks(sampling, row, chunk_entries, a, drafts);
+    if (a.masks_tokens())
+      mask_jobs.push_back({.id = chunk.id, .first_row = row, .entries_begin = chunk_entries,
+                           .entries_end = sampling.adjustments.size(), .drafts = drafts, .rows = {}, .words = {}});
     if (a.request.num_logprobs >= 0) {
       logprob_chunks.push_back({chunk.id, num_runs - 1, static_cast<int64_t>(sampling.fetch_rows.size())});
       for (int32_t j = 0; j <= chunk.num_drafts; ++j) sampling.fetch_rows.push_back(row + j);
     }
   }
+  run_mask_jobs(mask_jobs, sampling);
   const auto num_logprob_rows = static_cast<int64_t>(sampling.fetch_rows.size());
   for (auto r = static_cast<int32_t>(sampling.rows.size());
        r < static_cast<int32_t>(batch.logits_rows.size()); ++r)
@@ -511,21 +519,21 @@ bool Engine::constrain_token(Active& a, int32_t token) {
 // adjustments). Row j follows drafts [0, j); after a draft the grammar
 // refuses, the rows keep the last mask (their samples are dropped with the
 // draft). Rows before the grammar applies (grammar_after_token) get the
-// allowed tokens' mask alone, or none. False when the first row's mask allows
-// only tokens the request's own adjustments ban (-inf: min_tokens before the
-// output is whole, bad_words).
-bool Engine::add_token_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
-                             std::span<const int32_t> drafts) const {
-  bool any_allowed = true;
+// allowed tokens' mask alone, or none. any_allowed is false when the first
+// row's mask allows only tokens the request's own adjustments ban (-inf:
+// min_tokens before the output is whole, bad_words). Reads only the request's
+// state: jobs of different requests run on any threads at once.
+void Engine::add_token_masks(MaskJob& job, std::span<const ops::LogitAdjustment> adjustments) const {
+  const Active& a = active_.at(job.id);
   std::optional<structured::TokenConstraint> state = a.constraint;
   bool awaiting = a.awaiting_grammar;
   std::vector<uint32_t> mask;
   const auto words = static_cast<size_t>(mask_words_per_row(vocab_size_));
   bool follows = true;
-  for (size_t j = 0; j <= drafts.size(); ++j) {
-    const int32_t row = first_row + static_cast<int32_t>(j);
+  for (size_t j = 0; j <= job.drafts.size(); ++j) {
+    const int32_t row = job.first_row + static_cast<int32_t>(j);
     const bool grammar = state && !awaiting;
-    if (awaiting && j < drafts.size()) awaiting = drafts[j] != a.request.grammar_after_token;
+    if (awaiting && j < job.drafts.size()) awaiting = job.drafts[j] != a.request.grammar_after_token;
     if (!grammar && a.allowed_mask.empty()) continue;
     if (!grammar) {
       mask = a.allowed_mask;
@@ -535,20 +543,36 @@ bool Engine::add_token_masks(StepSampling& sampling, int32_t first_row, size_t c
       if (!a.allowed_mask.empty())
         for (size_t w = 0; w < words; ++w) mask[w] &= a.allowed_mask[w];
     }
-    sampling.mask_rows.push_back(row);
-    sampling.mask_words.insert(sampling.mask_words.end(), mask.begin(), mask.end());
+    job.rows.push_back(row);
+    job.words.insert(job.words.end(), mask.begin(), mask.end());
     if (j == 0) {  // the request's entries name each token at most once per row
       int64_t allowed = 0;
       for (uint32_t w : mask) allowed += std::popcount(w);
-      for (size_t e = chunk_entries; e < sampling.adjustments.size(); ++e) {
-        const ops::LogitAdjustment& entry = sampling.adjustments[e];
+      for (size_t e = job.entries_begin; e < job.entries_end; ++e) {
+        const ops::LogitAdjustment& entry = adjustments[e];
         if (entry.row == row && std::isinf(entry.bias) && entry.bias < 0 && mask_keeps(mask, entry.token)) --allowed;
       }
-      any_allowed = allowed > 0;
+      job.any_allowed = allowed > 0;
     }
-    if (grammar && j < drafts.size() && follows) follows = state->accept(drafts[j]);
+    if (grammar && j < job.drafts.size() && follows) follows = state->accept(job.drafts[j]);
   }
-  return any_allowed;
+}
+
+// The step's mask jobs, on the mask threads when there are several, then
+// their rows into `sampling` in chunk order.
+void Engine::run_mask_jobs(std::vector<MaskJob>& jobs, StepSampling& sampling) {
+  if (mask_pool_ && jobs.size() > 1) {
+    mask_pool_->parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) add_token_masks(jobs[static_cast<size_t>(j)], sampling.adjustments);
+    });
+  } else {
+    for (MaskJob& job : jobs) add_token_masks(job, sampling.adjustments);
+  }
+  for (MaskJob& job : jobs) {
+    active_.at(job.id).mask_conflict = !job.any_allowed;
+    sampling.mask_rows.insert(sampling.mask_rows.end(), job.rows.begin(), job.rows.end());
+    sampling.mask_words.insert(sampling.mask_words.end(), job.words.begin(), job.words.end());
+  }
 }
 
 // Whether a request may carry drafts. KV-exporting requests decode plainly,

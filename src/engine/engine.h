@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "core/thread_pool.h"
 #include "engine/metrics.h"
 #include "engine/model_runner.h"
 #include "engine/sampler.h"
@@ -130,6 +131,12 @@ struct EngineOptions {
   // The tokens' bytes, for structured outputs (EngineRequest::grammar); null:
   // such requests are refused.
   std::shared_ptr<const structured::TokenVocabulary> vocabulary;
+  // Threads that find a step's token masks (structured outputs, allowed
+  // token ids), one request at a time each: a request's first mask of a state
+  // may walk the whole vocabulary (~8 ms at Qwen3's), so a step that starts
+  // many such requests would otherwise wait for them one after another.
+  // 0: up to 8, one per hardware thread; 1: the engine thread alone.
+  int mask_threads = 0;
 #ifdef NDEBUG
   bool check_invariants = false;
 #else
@@ -220,8 +227,19 @@ class Engine {
   Status run_forward(const StepPlan& plan, const model::ForwardBatch& batch,
                      std::vector<std::vector<int32_t>>& runs, StepLogprobs& logprobs, Tensor& hidden);
   bool may_speculate(uint64_t id) const;
-  bool add_token_masks(StepSampling& sampling, int32_t first_row, size_t chunk_entries, const Active& a,
-                       std::span<const int32_t> drafts) const;
+  // One masked chunk's rows of a step (add_token_masks), found apart from
+  // the others.
+  struct MaskJob {
+    uint64_t id;
+    int32_t first_row;
+    size_t entries_begin, entries_end;  // the chunk's own adjustments, in the step's
+    std::span<const int32_t> drafts;
+    std::vector<int32_t> rows;
+    std::vector<uint32_t> words;
+    bool any_allowed = true;
+  };
+  void add_token_masks(MaskJob& job, std::span<const ops::LogitAdjustment> adjustments) const;
+  void run_mask_jobs(std::vector<MaskJob>& jobs, StepSampling& sampling);
   static bool constrain_token(Active& a, int32_t token);
   Status check_grammar(const EngineRequest& request) const;
   void record_speculation(const StepPlan& plan, std::span<const std::vector<int32_t>> runs);
@@ -240,6 +258,7 @@ class Engine {
 
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<MtpDrafter> drafter_;  // null: no speculative decoding
+  std::unique_ptr<ThreadPool> mask_pool_;  // EngineOptions::mask_threads > 1
   EngineOptions options_;
   int64_t vocab_size_;
   Scheduler scheduler_;  // engine thread only
