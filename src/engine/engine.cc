@@ -272,7 +272,8 @@ void Engine::admit(uint64_t id, Active active) {
   if (active.request.grammar) {
     std::vector<int32_t> end_ids = options_.eos_token_ids;
     end_ids.insert(end_ids.end(), active.request.stop_token_ids.begin(), active.request.stop_token_ids.end());
-    active.constraint.emplace(active.request.grammar, options_.vocabulary, std::move(end_ids));
+    active.constraint.emplace(active.request.grammar, options_.vocabulary, std::move(end_ids),
+                              shared_readings(*active.request.grammar));
     active.awaiting_grammar = active.request.grammar_after_token >= 0;
     if (prefilled) constrain_token(active, first_token);  // checked by submit_prefilled
   }
@@ -573,6 +574,17 @@ void Engine::run_mask_jobs(std::vector<MaskJob>& jobs, StepSampling& sampling) {
     sampling.mask_rows.insert(sampling.mask_rows.end(), job.rows.begin(), job.rows.end());
     sampling.mask_words.insert(sampling.mask_words.end(), job.words.begin(), job.words.end());
   }
+}
+
+// The readings cache of `grammar`'s source, made when no live request has it.
+std::shared_ptr<structured::TokenSetCache> Engine::shared_readings(const structured::Grammar& grammar) {
+  std::string key = grammar.source().dump();
+  if (auto cache = shared_readings_[key].lock()) return cache;
+  if (shared_readings_.size() > 256)  // the sources no request holds any more
+    std::erase_if(shared_readings_, [](const auto& entry) { return entry.second.expired(); });
+  auto cache = std::make_shared<structured::TokenSetCache>(nullptr, structured::TokenSetCache::kSharedCapacity);
+  shared_readings_[std::move(key)] = cache;
+  return cache;
 }
 
 // Whether a request may carry drafts. KV-exporting requests decode plainly,

@@ -19,6 +19,7 @@
 #include <optional>
 #include <random>
 #include <span>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -259,6 +260,10 @@ class Engine {
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<MtpDrafter> drafter_;  // null: no speculative decoding
   std::unique_ptr<ThreadPool> mask_pool_;  // EngineOptions::mask_threads > 1
+  // Per grammar source (its JSON text), the token sets of recurring readings
+  // that its requests share (structured::TokenSetCache); engine thread only.
+  std::unordered_map<std::string, std::weak_ptr<structured::TokenSetCache>> shared_readings_;
+  std::shared_ptr<structured::TokenSetCache> shared_readings(const structured::Grammar& grammar);
   EngineOptions options_;
   int64_t vocab_size_;
   Scheduler scheduler_;  // engine thread only

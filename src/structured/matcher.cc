@@ -184,6 +184,10 @@ bool Matcher::threads_recur() const {
   return !ends_.empty();
 }
 
+bool Matcher::at_start() const {
+  return ends_.size() == 1 && frames_.size() == 1 && frames_[0] == Frame{.kind = kValue, .node = grammar_->root()};
+}
+
 Matcher Matcher::only_thread(size_t i) const {
   Matcher m(*grammar_);
   const std::span<const Frame> t = thread(i);

@@ -82,6 +82,8 @@ class Matcher {
   // end (not a structure's JSON value). What a thread takes depends on its
   // own frames alone, so the request's cache (TokenSetCache) keeps each one's tokens.
   bool threads_recur() const;
+  // Whether nothing has been read: every request of the grammar starts here.
+  bool at_start() const;
 
   // One parse position: what is being read (kind), where in it (phase), and
   // its counters (their meaning per kind in matcher.cc).

@@ -113,7 +113,9 @@ void TokenVocabulary::walk(int32_t node, size_t depth, std::vector<Matcher>& lev
 
 void TokenVocabulary::allowed_tokens(const Matcher& matcher, std::vector<uint32_t>& mask,
                                      TokenSetCache* cache) const {
-  if (cache && matcher.threads_recur()) {  // each thread's tokens, from the cache or its own walk
+  // Each thread's tokens, from the cache or its own walk: where threads recur,
+  // and at the start when requests share the cache.
+  if (cache && (matcher.threads_recur() || (cache->shares_readings() && matcher.at_start()))) {
     mask.assign(plain_mask_.size(), 0);
     for (size_t i = 0; i < matcher.num_threads(); ++i) cache->add_reading(*this, matcher, i, mask);
     return;
@@ -205,7 +207,7 @@ void TokenSetCache::add(IsKey&& is_key, Entry key, Fill&& fill, std::vector<uint
   auto it = std::find_if(entries_.begin(), entries_.end(), is_key);
   if (it == entries_.end()) {
     ++misses_;
-    if (entries_.size() < kCapacity) {
+    if (entries_.size() < capacity_) {
       it = entries_.insert(entries_.end(), std::move(key));
     } else {
       it = std::min_element(entries_.begin(), entries_.end(),
@@ -228,6 +230,7 @@ void TokenSetCache::add_pattern(const TokenVocabulary& vocabulary, const Matcher
 
 void TokenSetCache::add_reading(const TokenVocabulary& vocabulary, const Matcher& matcher, size_t thread,
                                 std::vector<uint32_t>& mask) {
+  if (shared_readings_) return shared_readings_->add_reading(vocabulary, matcher, thread, mask);
   const std::span<const Matcher::Frame> frames = matcher.thread(thread);
   add([&](const Entry& e) { return std::equal(e.reading.begin(), e.reading.end(), frames.begin(), frames.end()); },
       Entry{.reading = {frames.begin(), frames.end()}},
@@ -235,9 +238,10 @@ void TokenSetCache::add_reading(const TokenVocabulary& vocabulary, const Matcher
 }
 
 TokenConstraint::TokenConstraint(std::shared_ptr<const Grammar> grammar,
-                                 std::shared_ptr<const TokenVocabulary> vocabulary, std::vector<int32_t> end_ids)
+                                 std::shared_ptr<const TokenVocabulary> vocabulary, std::vector<int32_t> end_ids,
+                                 std::shared_ptr<TokenSetCache> shared_readings)
     : grammar_(std::move(grammar)), vocabulary_(std::move(vocabulary)), end_ids_(std::move(end_ids)),
-      matcher_(*grammar_), cache_(std::make_shared<TokenSetCache>()) {}
+      matcher_(*grammar_), cache_(std::make_shared<TokenSetCache>(std::move(shared_readings))) {}
 
 void TokenConstraint::allowed_tokens(std::vector<uint32_t>& mask) const {
   vocabulary_->allowed_tokens(matcher_, mask, cache_.get());

@@ -98,15 +98,28 @@ class TokenVocabulary {
 // every token one thread takes where threads recur (Matcher::threads_recur;
 // keyed by its frames: a repetition's reading, or free text, is the same
 // token after token).
+//
+// The recurring threads' sets depend on the grammar's structure alone (their
+// keys are frames: node indices and counters), so the requests of one
+// grammar source may share them: a cache made with `shared_readings` keeps
+// its readings there (a larger cache, any number of requests on any threads)
+// and only its pattern states itself (those are keyed by the automaton's
+// address, which is one grammar object's).
 class TokenSetCache {
  public:
   static constexpr size_t kCapacity = 8;
+  static constexpr size_t kSharedCapacity = 32;  // a cache of readings shared by requests
+  explicit TokenSetCache(std::shared_ptr<TokenSetCache> shared_readings = nullptr, size_t capacity = kCapacity)
+      : shared_readings_(std::move(shared_readings)), capacity_(capacity) {}
   // Sets the bits of `p`'s plain tokens in `mask`, finding them on a miss.
   void add_pattern(const TokenVocabulary& vocabulary, const Matcher::PatternState& p, std::vector<uint32_t>& mask);
   // Sets the bits of every token thread `thread` of `matcher` (one whose
   // states recur) takes, finding them on a miss.
   void add_reading(const TokenVocabulary& vocabulary, const Matcher& matcher, size_t thread,
                    std::vector<uint32_t>& mask);
+  // Whether its readings are shared by requests (the start of the grammar,
+  // where every request begins, is then worth keeping too).
+  bool shares_readings() const { return shared_readings_ != nullptr; }
   size_t misses() const {
     const std::lock_guard lock(mutex_);
     return misses_;
@@ -124,6 +137,8 @@ class TokenSetCache {
   template <class IsKey, class Fill>
   void add(IsKey&& is_key, Entry key, Fill&& fill, std::vector<uint32_t>& mask);
 
+  const std::shared_ptr<TokenSetCache> shared_readings_;
+  const size_t capacity_;
   mutable std::mutex mutex_;
   std::vector<Entry> entries_;
   uint64_t clock_ = 0;
@@ -134,8 +149,10 @@ class TokenConstraint {
  public:
   // `end_ids`: the tokens that end the output (eos, the request's stop
   // tokens), allowed where the output may end.
+  // `shared_readings`: the recurring threads' token sets of every request of
+  // this grammar's source (TokenSetCache), or null: the constraint's own.
   TokenConstraint(std::shared_ptr<const Grammar> grammar, std::shared_ptr<const TokenVocabulary> vocabulary,
-                  std::vector<int32_t> end_ids);
+                  std::vector<int32_t> end_ids, std::shared_ptr<TokenSetCache> shared_readings = nullptr);
 
   // The tokens allowed next as a bitmask over the vocabulary (as
   // TokenVocabulary::allowed_tokens). Never empty: where no token can go on

@@ -201,5 +201,45 @@ TEST(Grammar, StructuralTagsTakeQwen3sAddedTokens) {
   EXPECT_TRUE(m.accepting());
 }
 
+// Requests of one grammar source share the recurring readings' token sets
+// (TokenSetCache's shared readings): a second grammar compiled from the same
+// source finds the first one's sets (no new walk) and gets the same masks as a
+// constraint with a cache of its own, along a text that enters and leaves a
+// structure.
+TEST(Grammar, RequestsOfOneSourceShareTheirReadingsTokenSets) {
+  auto vocab = load_vocabulary(kDemo, 4096);
+  ASSERT_TRUE(vocab);
+  auto compile = [] { return structural_tag(kTag); };
+  auto shared = std::make_shared<TokenSetCache>(nullptr, TokenSetCache::kSharedCapacity);
+  TokenConstraint first(compile(), vocab, {2}, shared), second(compile(), vocab, {2}, shared), alone(compile(), vocab, {2});
+  // One byte at a time through tokens of one byte, as the demo vocabulary has them.
+  auto byte_token = [&](char ch) {
+    for (int32_t t = 0; t < vocab->size(); ++t)
+      if (vocab->bytes(t) == std::string(1, ch)) return t;
+    return -1;
+  };
+  std::vector<uint32_t> a, b, c;
+  for (const char* where : {"at the start", "in free text"}) {
+    first.allowed_tokens(a);
+    const size_t walked = shared->misses();
+    EXPECT_GT(walked, 0u) << where;
+    second.allowed_tokens(b);
+    EXPECT_EQ(shared->misses(), walked) << "the second request found the first one's set " << where;
+    alone.allowed_tokens(c);
+    EXPECT_EQ(a, c) << where;
+    EXPECT_EQ(b, c) << where;
+    for (TokenConstraint* k : {&first, &second, &alone}) ASSERT_TRUE(k->accept(byte_token('S')));
+  }
+  const std::string text = "o <f=a>{\"x\": 12}</f> and @7; done";
+  for (size_t i = 0; i < text.size(); ++i) {
+    const int32_t id = byte_token(text[i]);
+    ASSERT_GE(id, 0) << text.substr(i, 1);
+    for (TokenConstraint* k : {&first, &second, &alone}) ASSERT_TRUE(k->accept(id)) << i;
+    second.allowed_tokens(b);
+    alone.allowed_tokens(c);
+    EXPECT_EQ(b, c) << "after '" << text.substr(0, i + 1) << "'";
+  }
+}
+
 }  // namespace
 }  // namespace moe::structured
