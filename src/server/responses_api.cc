@@ -1,12 +1,12 @@
 #include "server/responses_api.h"
 
+#include <fmt/format.h>
+
 #include <optional>
 #include <set>
 #include <string_view>
 #include <utility>
 #include <vector>
-
-#include <fmt/format.h>
 
 namespace moe::server {
 
@@ -37,7 +37,8 @@ std::variant<std::string, ApiError> content_text(const Json& content) {
     const std::string type = part.is_object() ? part.value("type", "") : "";
     if ((type != "input_text" && type != "output_text" && type != "text") || !part.contains("text") ||
         !part["text"].is_string())
-      return bad_request(fmt::format("'input': only text content parts are served (got '{}')", type), "input");
+      return bad_request(fmt::format("'input': only text content parts are served (got '{}')", type),
+                         "input");
     text += part["text"].get<std::string>();
   }
   return text;
@@ -52,14 +53,18 @@ std::optional<ApiError> add_input_items(const Json& input, Json& messages) {
     if (!item.is_object()) return bad_request("'input' items must be objects", "input");
     const std::string type = item.value("type", item.contains("role") ? "message" : "");
     if (type == "message") {
-      const std::string role = item.contains("role") && item["role"].is_string() ? item["role"].get<std::string>() : "";
+      const std::string role =
+          item.contains("role") && item["role"].is_string() ? item["role"].get<std::string>() : "";
       if (role != "user" && role != "assistant" && role != "system" && role != "developer")
-        return bad_request(fmt::format("'input': a message's role must be user, assistant, system or developer, "
-                                       "got '{}'", role),
-                           "input");
+        return bad_request(
+            fmt::format("'input': a message's role must be user, assistant, system or developer, "
+                        "got '{}'",
+                        role),
+            "input");
       auto text = content_text(item.contains("content") ? item["content"] : Json());
       if (auto* e = std::get_if<ApiError>(&text)) return *e;
-      messages.push_back({{"role", role == "developer" ? "system" : role}, {"content", std::get<std::string>(text)}});
+      messages.push_back(
+          {{"role", role == "developer" ? "system" : role}, {"content", std::get<std::string>(text)}});
     } else if (type == "function_call") {
       for (const char* key : {"call_id", "name", "arguments"})
         if (!item.contains(key) || !item[key].is_string())
@@ -69,14 +74,16 @@ std::optional<ApiError> add_input_items(const Json& input, Json& messages) {
                    {"function", {{"name", item["name"]}, {"arguments", item["arguments"]}}}};
       const bool extends = !messages.empty() && messages.back()["role"] == "assistant" &&
                            messages.back().contains("tool_calls");
-      if (!extends) messages.push_back({{"role", "assistant"}, {"content", ""}, {"tool_calls", Json::array()}});
+      if (!extends)
+        messages.push_back({{"role", "assistant"}, {"content", ""}, {"tool_calls", Json::array()}});
       messages.back()["tool_calls"].push_back(std::move(call));
     } else if (type == "function_call_output") {
       if (!item.contains("call_id") || !item["call_id"].is_string())
         return bad_request("'input': a function_call_output needs a string 'call_id'", "input");
       auto text = content_text(item.contains("output") ? item["output"] : Json());
       if (auto* e = std::get_if<ApiError>(&text)) return *e;
-      messages.push_back({{"role", "tool"}, {"tool_call_id", item["call_id"]}, {"content", std::get<std::string>(text)}});
+      messages.push_back(
+          {{"role", "tool"}, {"tool_call_id", item["call_id"]}, {"content", std::get<std::string>(text)}});
     } else if (type != "reasoning") {
       return bad_request(fmt::format("'input': items of type '{}' are not served (messages, function_call, "
                                      "function_call_output and reasoning are)",
@@ -95,7 +102,8 @@ std::optional<ApiError> add_tools(const Json& request, Json& chat) {
     for (const Json& tool : *it) {
       if (!tool.is_object() || tool.value("type", "") != "function" || !tool.contains("name") ||
           !tool["name"].is_string())
-        return bad_request("'tools': only {\"type\": \"function\", \"name\", \"parameters\"} tools are served", "tools");
+        return bad_request(
+            "'tools': only {\"type\": \"function\", \"name\", \"parameters\"} tools are served", "tools");
       Json function = {{"name", tool["name"]}};
       for (const char* key : {"description", "parameters", "strict"})
         if (tool.contains(key) && !tool[key].is_null()) function[key] = tool[key];
@@ -110,8 +118,9 @@ std::optional<ApiError> add_tools(const Json& request, Json& chat) {
                (*it)["name"].is_string()) {
       chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", (*it)["name"]}}}};
     } else {
-      return bad_request("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\"}",
-                         "tool_choice");
+      return bad_request(
+          "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\"}",
+          "tool_choice");
     }
   }
   return std::nullopt;
@@ -123,7 +132,8 @@ std::optional<ApiError> add_text_format(const Json& request, Json& chat) {
   if (it == request.end() || it->is_null()) return std::nullopt;
   if (!it->is_object()) return bad_request("'text' must be an object", "text");
   if (!is_null_or(*it, "verbosity", "medium"))
-    return bad_request("'text.verbosity' is not supported by this server (send \"medium\" or leave it out)", "text");
+    return bad_request("'text.verbosity' is not supported by this server (send \"medium\" or leave it out)",
+                       "text");
   auto format = it->find("format");
   if (format == it->end() || format->is_null()) return std::nullopt;
   const std::string type = format->is_object() ? format->value("type", "") : "";
@@ -136,9 +146,10 @@ std::optional<ApiError> add_text_format(const Json& request, Json& chat) {
       if (format->contains(key)) schema[key] = (*format)[key];
     chat["response_format"] = {{"type", "json_schema"}, {"json_schema", std::move(schema)}};
   } else {
-    return bad_request("'text.format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
-                       "\"json_schema\", \"name\", \"schema\"}",
-                       "text");
+    return bad_request(
+        "'text.format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+        "\"json_schema\", \"name\", \"schema\"}",
+        "text");
   }
   return std::nullopt;
 }
@@ -146,34 +157,62 @@ std::optional<ApiError> add_text_format(const Json& request, Json& chat) {
 // Fields this server cannot serve at other than their neutral value: a 400
 // naming them (no response is stored, nothing runs in the background).
 std::optional<ApiError> reject_unserved(const Json& request) {
-  const std::pair<const char*, Json> neutral[] = {
-      {"previous_response_id", Json()}, {"conversation", Json()}, {"store", false},  {"background", false},
-      {"truncation", "disabled"},       {"prompt", Json()},       {"max_tool_calls", Json()},
-      {"parallel_tool_calls", true},    {"top_logprobs", 0}};
+  const std::pair<const char*, Json> neutral[] = {{"previous_response_id", Json()},
+                                                  {"conversation", Json()},
+                                                  {"store", false},
+                                                  {"background", false},
+                                                  {"truncation", "disabled"},
+                                                  {"prompt", Json()},
+                                                  {"max_tool_calls", Json()},
+                                                  {"parallel_tool_calls", true},
+                                                  {"top_logprobs", 0}};
   for (const auto& [key, value] : neutral)
     if (!is_null_or(request, key, value))
       return bad_request(fmt::format("'{}' is not supported by this server (send {} or leave it out)", key,
                                      value.is_null() ? "null" : value.dump()),
                          key);
-  if (auto it = request.find("include"); it != request.end() && !it->is_null() && !(it->is_array() && it->empty()))
+  if (auto it = request.find("include");
+      it != request.end() && !it->is_null() && !(it->is_array() && it->empty()))
     return bad_request("'include' is not supported by this server (send [] or leave it out)", "include");
   if (auto it = request.find("reasoning"); it != request.end() && !it->is_null()) {
     if (!it->is_object()) return bad_request("'reasoning' must be an object", "reasoning");
     if (!is_null_or(*it, "effort", Json()) || !is_null_or(*it, "summary", Json()))
-      return bad_request("'reasoning.effort' and 'reasoning.summary' are not supported by this server (Qwen3's "
-                         "reasoning is switched by chat_template_kwargs.enable_thinking)",
-                         "reasoning");
+      return bad_request(
+          "'reasoning.effort' and 'reasoning.summary' are not supported by this server (Qwen3's "
+          "reasoning is switched by chat_template_kwargs.enable_thinking)",
+          "reasoning");
   }
   return std::nullopt;
 }
 
 // Chat fields that a Responses request may carry as they are (vLLM's
 // sampling extensions among them).
-const std::set<std::string> kChatFields = {
-    "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "bad_words", "allowed_token_ids",
-    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "chat_template_kwargs", "structured_outputs",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "return_token_ids"};
+const std::set<std::string> kChatFields = {"model",
+                                           "temperature",
+                                           "top_p",
+                                           "top_k",
+                                           "min_p",
+                                           "seed",
+                                           "stop",
+                                           "stop_token_ids",
+                                           "presence_penalty",
+                                           "frequency_penalty",
+                                           "repetition_penalty",
+                                           "min_tokens",
+                                           "logit_bias",
+                                           "bad_words",
+                                           "allowed_token_ids",
+                                           "ignore_eos",
+                                           "skip_special_tokens",
+                                           "include_stop_str_in_output",
+                                           "chat_template_kwargs",
+                                           "structured_outputs",
+                                           "guided_json",
+                                           "guided_regex",
+                                           "guided_choice",
+                                           "guided_grammar",
+                                           "structural_tag",
+                                           "return_token_ids"};
 
 }  // namespace
 
@@ -200,7 +239,8 @@ std::variant<Json, ApiError> responses_to_chat(const std::string& body) {
   }
   if (messages.empty()) return bad_request("'input' holds no message", "input");
   chat["messages"] = std::move(messages);
-  if (auto it = r.find("max_output_tokens"); it != r.end() && !it->is_null()) chat["max_completion_tokens"] = *it;
+  if (auto it = r.find("max_output_tokens"); it != r.end() && !it->is_null())
+    chat["max_completion_tokens"] = *it;
   if (auto e = add_tools(r, chat)) return *e;
   if (auto e = add_text_format(r, chat)) return *e;
   if (auto it = r.find("stream"); it != r.end() && !it->is_null()) {
@@ -269,7 +309,8 @@ class ResponsesExchange final : public HttpExchange {
             !message["content"].get_ref<const std::string&>().empty())
           output_.push_back(message_item(message["content"].get<std::string>(), "completed"));
         if (message.contains("tool_calls"))
-          for (const Json& call : message["tool_calls"]) output_.push_back(function_call_item(call, "completed"));
+          for (const Json& call : message["tool_calls"])
+            output_.push_back(function_call_item(call, "completed"));
         finish_reason_ = choice.value("finish_reason", "");
         usage_ = chat.value("usage", Json());
         response.body = response_object(false).dump(-1, ' ', false, Json::error_handler_t::replace);
@@ -332,7 +373,9 @@ class ResponsesExchange final : public HttpExchange {
  private:
   enum class Open { kNone, kReasoning, kMessage };
 
-  std::string item_id(const char* prefix) const { return fmt::format("{}_{}_{}", prefix, id_.substr(5), output_.size()); }
+  std::string item_id(const char* prefix) const {
+    return fmt::format("{}_{}_{}", prefix, id_.substr(5), output_.size());
+  }
 
   Json reasoning_item(const std::string& text) const {
     return {{"id", item_id("rs")},
@@ -343,12 +386,16 @@ class ResponsesExchange final : public HttpExchange {
   }
   Json message_item(const std::string& text, const char* status) const {
     Json content = Json::array();
-    if (!text.empty() || std::string_view(status) == "completed")
-      content.push_back(output_text_part(text));
-    return {{"id", item_id("msg")}, {"type", "message"}, {"status", status}, {"role", "assistant"}, {"content", content}};
+    if (!text.empty() || std::string_view(status) == "completed") content.push_back(output_text_part(text));
+    return {{"id", item_id("msg")},
+            {"type", "message"},
+            {"status", status},
+            {"role", "assistant"},
+            {"content", content}};
   }
   static Json output_text_part(const std::string& text) {
-    return {{"type", "output_text"}, {"text", text}, {"annotations", Json::array()}, {"logprobs", Json::array()}};
+    return {
+        {"type", "output_text"}, {"text", text}, {"annotations", Json::array()}, {"logprobs", Json::array()}};
   }
   Json function_call_item(const Json& call, const char* status) const {
     const Json function = call.value("function", Json::object());
@@ -362,7 +409,8 @@ class ResponsesExchange final : public HttpExchange {
 
   Json usage_object() const {
     if (usage_.is_null()) return nullptr;
-    const int64_t input = usage_.value("prompt_tokens", int64_t{0}), output = usage_.value("completion_tokens", int64_t{0});
+    const int64_t input = usage_.value("prompt_tokens", int64_t{0}),
+                  output = usage_.value("completion_tokens", int64_t{0});
     int64_t cached = 0;
     if (usage_.contains("prompt_tokens_details") && usage_["prompt_tokens_details"].is_object())
       cached = usage_["prompt_tokens_details"].value("cached_tokens", int64_t{0});
@@ -375,14 +423,17 @@ class ResponsesExchange final : public HttpExchange {
 
   Json response_object(bool in_progress) const {
     const bool incomplete = finish_reason_ == "length";
-    Json r = {{"id", id_},
-              {"object", "response"},
-              {"created_at", created_},
-              {"status", in_progress ? "in_progress" : incomplete ? "incomplete" : "completed"},
-              {"error", nullptr},
-              {"incomplete_details", incomplete && !in_progress ? Json{{"reason", "max_output_tokens"}} : Json()},
-              {"model", model_},
-              {"output", in_progress ? Json::array() : output_}};
+    Json r = {
+        {"id", id_},
+        {"object", "response"},
+        {"created_at", created_},
+        {"status", in_progress  ? "in_progress"
+                   : incomplete ? "incomplete"
+                                : "completed"},
+        {"error", nullptr},
+        {"incomplete_details", incomplete && !in_progress ? Json{{"reason", "max_output_tokens"}} : Json()},
+        {"model", model_},
+        {"output", in_progress ? Json::array() : output_}};
     for (const auto& [key, value] : shell_.items()) r[key] = value;
     r["usage"] = in_progress ? Json() : usage_object();
     return r;
@@ -410,14 +461,16 @@ class ResponsesExchange final : public HttpExchange {
             {"item_id", open_id_},
             {"output_index", output_.size()},
             {"content_index", 0},
-            {"part", kind == Open::kReasoning ? Json{{"type", "reasoning_text"}, {"text", ""}} : output_text_part("")}});
+            {"part", kind == Open::kReasoning ? Json{{"type", "reasoning_text"}, {"text", ""}}
+                                              : output_text_part("")}});
     }
     open_text_ += text;
-    Json delta = {{"type", kind == Open::kReasoning ? "response.reasoning_text.delta" : "response.output_text.delta"},
-                  {"item_id", open_id_},
-                  {"output_index", output_.size()},
-                  {"content_index", 0},
-                  {"delta", text}};
+    Json delta = {
+        {"type", kind == Open::kReasoning ? "response.reasoning_text.delta" : "response.output_text.delta"},
+        {"item_id", open_id_},
+        {"output_index", output_.size()},
+        {"content_index", 0},
+        {"delta", text}};
     if (kind == Open::kMessage) delta["logprobs"] = Json::array();
     emit(std::move(delta));
   }
@@ -430,7 +483,8 @@ class ResponsesExchange final : public HttpExchange {
           {"output_index", output_.size()},
           {"content_index", 0},
           {"text", open_text_}});
-    const Json part = reasoning ? Json{{"type", "reasoning_text"}, {"text", open_text_}} : output_text_part(open_text_);
+    const Json part =
+        reasoning ? Json{{"type", "reasoning_text"}, {"text", open_text_}} : output_text_part(open_text_);
     emit({{"type", "response.content_part.done"},
           {"item_id", open_id_},
           {"output_index", output_.size()},
@@ -487,7 +541,8 @@ class ResponsesExchange final : public HttpExchange {
 
 }  // namespace
 
-std::shared_ptr<HttpExchange> make_responses_exchange(std::shared_ptr<HttpExchange> client, Json shell, std::string id) {
+std::shared_ptr<HttpExchange> make_responses_exchange(std::shared_ptr<HttpExchange> client, Json shell,
+                                                      std::string id) {
   return std::make_shared<ResponsesExchange>(std::move(client), std::move(shell), std::move(id));
 }
 

@@ -14,10 +14,9 @@
 #pragma once
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <variant>
-
-#include <nlohmann/json.hpp>
 
 #include "server/http_server.h"
 #include "server/openai_protocol.h"
