@@ -20,6 +20,13 @@ std::optional<Json> parse_object(const std::string& body) {
   return j;
 }
 
+// j[key] when j is an object holding a string there, else `fallback`.
+std::string string_field(const Json& j, const char* key, const std::string& fallback = {}) {
+  if (!j.is_object()) return fallback;
+  auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : fallback;
+}
+
 bool is_null_or(const Json& j, const char* key, const Json& neutral) {
   auto it = j.find(key);
   return it == j.end() || it->is_null() || *it == neutral;
@@ -34,7 +41,7 @@ std::variant<std::string, ApiError> content_text(const Json& content) {
     return bad_request("'input': a message's content must be a string or an array of text parts", "input");
   std::string text;
   for (const Json& part : content) {
-    const std::string type = part.is_object() ? part.value("type", "") : "";
+    const std::string type = string_field(part, "type");
     if ((type != "input_text" && type != "output_text" && type != "text") || !part.contains("text") ||
         !part["text"].is_string())
       return bad_request(fmt::format("'input': only text content parts are served (got '{}')", type),
@@ -51,7 +58,9 @@ std::variant<std::string, ApiError> content_text(const Json& content) {
 std::optional<ApiError> add_input_items(const Json& input, Json& messages) {
   for (const Json& item : input) {
     if (!item.is_object()) return bad_request("'input' items must be objects", "input");
-    const std::string type = item.value("type", item.contains("role") ? "message" : "");
+    const std::string type = item.contains("type")   ? string_field(item, "type")
+                             : item.contains("role") ? "message"
+                                                     : "";
     if (type == "message") {
       const std::string role =
           item.contains("role") && item["role"].is_string() ? item["role"].get<std::string>() : "";
@@ -100,7 +109,7 @@ std::optional<ApiError> add_tools(const Json& request, Json& chat) {
     if (!it->is_array()) return bad_request("'tools' must be an array", "tools");
     Json tools = Json::array();
     for (const Json& tool : *it) {
-      if (!tool.is_object() || tool.value("type", "") != "function" || !tool.contains("name") ||
+      if (!tool.is_object() || string_field(tool, "type") != "function" || !tool.contains("name") ||
           !tool["name"].is_string())
         return bad_request(
             "'tools': only {\"type\": \"function\", \"name\", \"parameters\"} tools are served", "tools");
@@ -114,7 +123,7 @@ std::optional<ApiError> add_tools(const Json& request, Json& chat) {
   if (auto it = request.find("tool_choice"); it != request.end() && !it->is_null()) {
     if (it->is_string()) {
       chat["tool_choice"] = *it;
-    } else if (it->is_object() && it->value("type", "") == "function" && it->contains("name") &&
+    } else if (it->is_object() && string_field(*it, "type") == "function" && it->contains("name") &&
                (*it)["name"].is_string()) {
       chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", (*it)["name"]}}}};
     } else {
@@ -136,12 +145,14 @@ std::optional<ApiError> add_text_format(const Json& request, Json& chat) {
                        "text");
   auto format = it->find("format");
   if (format == it->end() || format->is_null()) return std::nullopt;
-  const std::string type = format->is_object() ? format->value("type", "") : "";
+  const std::string type = string_field(*format, "type");
   if (type == "text") return std::nullopt;
   if (type == "json_object") {
     chat["response_format"] = {{"type", "json_object"}};
   } else if (type == "json_schema") {
-    Json schema = {{"name", format->value("name", "response")}};
+    if (format->contains("name") && !(*format)["name"].is_string())
+      return bad_request("'text.format.name' must be a string", "text");
+    Json schema = {{"name", string_field(*format, "name", "response")}};
     for (const char* key : {"schema", "strict", "description"})
       if (format->contains(key)) schema[key] = (*format)[key];
     chat["response_format"] = {{"type", "json_schema"}, {"json_schema", std::move(schema)}};
@@ -164,13 +175,15 @@ std::optional<ApiError> reject_unserved(const Json& request) {
                                                   {"truncation", "disabled"},
                                                   {"prompt", Json()},
                                                   {"max_tool_calls", Json()},
-                                                  {"parallel_tool_calls", true},
                                                   {"top_logprobs", 0}};
   for (const auto& [key, value] : neutral)
     if (!is_null_or(request, key, value))
       return bad_request(fmt::format("'{}' is not supported by this server (send {} or leave it out)", key,
                                      value.is_null() ? "null" : value.dump()),
                          key);
+  if (auto it = request.find("parallel_tool_calls");
+      it != request.end() && !it->is_null() && !it->is_boolean())
+    return bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls");
   if (auto it = request.find("include");
       it != request.end() && !it->is_null() && !(it->is_array() && it->empty()))
     return bad_request("'include' is not supported by this server (send [] or leave it out)", "include");
@@ -259,7 +272,7 @@ Json responses_shell(const std::string& body) {
   return {{"instructions", field("instructions", nullptr)},
           {"max_output_tokens", field("max_output_tokens", nullptr)},
           {"metadata", field("metadata", Json::object())},
-          {"parallel_tool_calls", true},
+          {"parallel_tool_calls", field("parallel_tool_calls", true)},
           {"previous_response_id", nullptr},
           {"reasoning", {{"effort", nullptr}, {"summary", nullptr}}},
           {"store", false},
@@ -300,7 +313,7 @@ class ResponsesExchange final : public HttpExchange {
       const Json chat = Json::parse(response.body, nullptr, false);
       if (!chat.is_discarded() && chat.contains("choices") && !chat["choices"].empty()) {
         created_ = chat.value("created", int64_t{0});
-        model_ = chat.value("model", "");
+        model_ = string_field(chat, "model");
         const Json& choice = chat["choices"][0];
         const Json& message = choice["message"];
         if (message.contains("reasoning_content") && message["reasoning_content"].is_string())
@@ -310,8 +323,8 @@ class ResponsesExchange final : public HttpExchange {
           output_.push_back(message_item(message["content"].get<std::string>(), "completed"));
         if (message.contains("tool_calls"))
           for (const Json& call : message["tool_calls"])
-            output_.push_back(function_call_item(call, "completed"));
-        finish_reason_ = choice.value("finish_reason", "");
+            if (calls_++ == 0 || parallel_calls()) output_.push_back(function_call_item(call, "completed"));
+        finish_reason_ = string_field(choice, "finish_reason");
         usage_ = chat.value("usage", Json());
         response.body = response_object(false).dump(-1, ' ', false, Json::error_handler_t::replace);
       }
@@ -335,14 +348,14 @@ class ResponsesExchange final : public HttpExchange {
       const Json& e = chunk["error"];
       emit({{"type", "error"},
             {"code", e.value("code", Json())},
-            {"message", e.value("message", "")},
+            {"message", string_field(e, "message")},
             {"param", e.value("param", Json())}});
       finished_ = true;
       return;
     }
     if (!announced_) {
       created_ = chunk.value("created", int64_t{0});
-      model_ = chunk.value("model", "");
+      model_ = string_field(chunk, "model");
       emit({{"type", "response.created"}, {"response", response_object(true)}});
       emit({{"type", "response.in_progress"}, {"response", response_object(true)}});
       announced_ = true;
@@ -401,9 +414,9 @@ class ResponsesExchange final : public HttpExchange {
     const Json function = call.value("function", Json::object());
     return {{"id", item_id("fc")},
             {"type", "function_call"},
-            {"call_id", call.value("id", "")},
-            {"name", function.value("name", "")},
-            {"arguments", std::string_view(status) == "completed" ? function.value("arguments", "") : ""},
+            {"call_id", string_field(call, "id")},
+            {"name", string_field(function, "name")},
+            {"arguments", std::string_view(status) == "completed" ? string_field(function, "arguments") : ""},
             {"status", status}};
   }
 
@@ -497,12 +510,16 @@ class ResponsesExchange final : public HttpExchange {
     open_ = Open::kNone;
   }
 
+  // parallel_tool_calls false: the model's first call only.
+  bool parallel_calls() const { return shell_.value("parallel_tool_calls", Json(true)) != Json(false); }
+
   void add_function_call(const Json& call) {
+    if (calls_++ > 0 && !parallel_calls()) return;
     close_open();
     Json item = function_call_item(call, "in_progress");
     const size_t index = output_.size();
     emit({{"type", "response.output_item.added"}, {"output_index", index}, {"item", item}});
-    const std::string arguments = call.value("function", Json::object()).value("arguments", "");
+    const std::string arguments = string_field(call.value("function", Json::object()), "arguments");
     emit({{"type", "response.function_call_arguments.delta"},
           {"item_id", item["id"]},
           {"output_index", index},
@@ -532,6 +549,7 @@ class ResponsesExchange final : public HttpExchange {
   Json output_ = Json::array();
   Json usage_;
   std::string finish_reason_;
+  int calls_ = 0;  // function calls the model made
   // Streaming.
   bool announced_ = false, finished_ = false;
   int64_t sequence_ = 0;

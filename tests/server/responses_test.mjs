@@ -123,6 +123,18 @@ test('function tools: forced calls are function_call items, streamed as their ev
   const { final, snapshot } = await streamed(mixed);
   assert.deepEqual(withoutIds(snapshot.output).map(({ call_id, ...x }) => x), withoutIds(final.output).map(({ call_id, ...x }) => x));
   assert.deepEqual(final.output.map((i) => i.type), ['message', 'function_call']);
+  // Two calls; parallel_tool_calls false keeps the first (streamed too).
+  const two = text + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>';
+  const both = { ...mixed, guided_regex: two.replace(/[.{}]/g, '\\$&'), max_output_tokens: 250 };
+  assert.deepEqual((await client.responses.create(both)).output.map((i) => i.type), ['message', 'function_call', 'function_call']);
+  const single = await client.responses.create({ ...both, parallel_tool_calls: false });
+  assert.deepEqual(single.output.map((i) => i.type), ['message', 'function_call']);
+  assert.deepEqual(JSON.parse(single.output[1].arguments), { city: 'Paris' });
+  assert.equal(single.parallel_tool_calls, false);
+  const singleStreamed = await streamed({ ...both, parallel_tool_calls: false });
+  assert.deepEqual(singleStreamed.final.output.map((i) => i.type), ['message', 'function_call']);
+  assert.deepEqual(withoutIds(singleStreamed.snapshot.output).map(({ call_id, ...x }) => x),
+                   withoutIds(singleStreamed.final.output).map(({ call_id, ...x }) => x));
   // The call and its output sent back: the chat's assistant tool_calls and tool message.
   const chat = await client.chat.completions.create({ model, temperature: 0, max_tokens: 10, ignore_eos: true, tools: [
     { type: 'function', function: { name: 'get_weather', parameters: weather } }], messages: [...tellMe,
