@@ -19,17 +19,17 @@ echo "=== ASan + UBSan build and tests"
 make asan-test
 
 if [[ -f fuzz/CMakeLists.txt ]]; then
-  echo "=== libFuzzer: safetensors header parser (${MOE_FUZZ_SECONDS:-60} s)"
+  echo "=== libFuzzer: safetensors header parser (${MOE_FUZZ_SECONDS:-45} s)"
   make fuzz
   mkdir -p build-fuzz/corpus
-  build-fuzz/bin/safetensors_fuzz -max_total_time="${MOE_FUZZ_SECONDS:-60}" -print_final_stats=1 \
+  build-fuzz/bin/safetensors_fuzz -max_total_time="${MOE_FUZZ_SECONDS:-45}" -print_final_stats=1 \
     build-fuzz/corpus fuzz/corpus
   for target in tokenizer_fuzz chat_template_fuzz structured_fuzz; do
-    echo "=== libFuzzer: ${target} (${MOE_TOKENIZER_FUZZ_SECONDS:-30} s)"
+    echo "=== libFuzzer: ${target} (${MOE_TOKENIZER_FUZZ_SECONDS:-20} s)"
     mkdir -p "build-fuzz/corpus_${target}"
     seeds=()  # checked-in seed inputs (fuzz/corpus_<target>), read only
     [[ -d "fuzz/corpus_${target}" ]] && seeds=("fuzz/corpus_${target}")
-    "build-fuzz/bin/${target}" -max_total_time="${MOE_TOKENIZER_FUZZ_SECONDS:-30}" -print_final_stats=1 \
+    "build-fuzz/bin/${target}" -max_total_time="${MOE_TOKENIZER_FUZZ_SECONDS:-20}" -print_final_stats=1 \
       -max_len=4096 "build-fuzz/corpus_${target}" "${seeds[@]}"
   done
 fi
